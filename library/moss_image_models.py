@@ -1,0 +1,382 @@
+"""The MOSS-Image DiT: a single-stream transformer over [refined text tokens ; image tokens].
+
+Reconstructed from the published facts (see docs/architecture.md): 42 blocks of width 3072 with per-block
+`proj.{q,k,v,o,ffn_up_gate,ffn_down}` (252 Linears, 4,756,340,736 weights), shared adaLN modulation, a text embedder
+(RMSNorm + projection 4096 -> 3072 + 2 refiner blocks), 3-axis RoPE and a modulated final layer.
+Every choice is a field of `MossImageConfig`, so a checkpoint that differs is met by the config, not the code.
+
+Dtype rule: activations follow the dtype of the model's float weights (`MossImage.dtype`, read from a weight that is
+never quantised); a block Linear may hold int8 weights (ConvRot), so its weight dtype is never used for casting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from library.attention import Attention
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MossImageConfig:
+    """Architecture of the DiT; the defaults are the full 5B model."""
+
+    hidden_size: int = 3072
+    num_layers: int = 42
+    num_heads: int = 24
+    head_dim: int = 128
+    ffn_hidden: int = 8192
+    in_channels: int = 128
+    text_dim: int = 4096
+    num_refiner_layers: int = 2
+    timestep_embed_dim: int = 256
+    timestep_max_period: float = 10000.0
+    rope_axes_dims: tuple[int, int, int] = (32, 48, 48)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.rope_axes_dims = tuple(int(d) for d in self.rope_axes_dims)  # type: ignore[assignment]
+        if self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError(f"num_heads * head_dim ({self.num_heads} * {self.head_dim}) != hidden_size {self.hidden_size}")
+        if sum(self.rope_axes_dims) != self.head_dim or any(d % 2 for d in self.rope_axes_dims):
+            raise ValueError(f"rope_axes_dims {self.rope_axes_dims} must be even and sum to head_dim {self.head_dim}")
+
+    # config.json keys of other spellings that mean our fields
+    _ALIASES = {
+        "num_attention_heads": "num_heads",
+        "attention_head_dim": "head_dim",
+        "intermediate_size": "ffn_hidden",
+        "num_hidden_layers": "num_layers",
+        "text_hidden_size": "text_dim",
+        "caption_channels": "text_dim",
+        "axes_dims_rope": "rope_axes_dims",
+        "axes_dims": "rope_axes_dims",
+        "theta": "rope_theta",
+        "eps": "norm_eps",
+    }
+
+    def updated(self, overrides: Mapping[str, Any]) -> "MossImageConfig":
+        """A copy with the fields named in `overrides` (e.g. a diffusers config.json) replaced; other keys are kept in
+        `extra` and logged at debug level."""
+        names = {f.name for f in dataclasses.fields(self)} - {"extra"}
+        values = dataclasses.asdict(self)
+        extra = dict(self.extra)
+        for key, value in overrides.items():
+            name = self._ALIASES.get(key, key)
+            if name in names:
+                values[name] = type(values[name])(value) if not isinstance(values[name], tuple) else tuple(value)
+            else:
+                extra[key] = value
+        if extra:
+            logger.debug("config keys not used by the model: %s", sorted(extra))
+        values["extra"] = extra
+        return MossImageConfig(**values)
+
+    @property
+    def block_linear_weights(self) -> int:
+        """Weights in the Linears of the main blocks (the ConvRot INT8 scope)."""
+        h, f = self.hidden_size, self.ffn_hidden
+        return self.num_layers * (4 * h * h + 3 * h * f)
+
+
+def default_rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Split a head into (text, row, column) RoPE axes of 1/4, 3/8, 3/8 (= (32, 48, 48) for 128), all even."""
+    a = (head_dim // 4) // 2 * 2
+    b = ((head_dim - a) // 2) // 2 * 2
+    return a, b, head_dim - a - b
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return y.to(x.dtype)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float) -> torch.Tensor:
+    """Sinusoidal embedding [cos | sin] of timesteps on the 0..1000 scale (sigma * 1000), computed in fp32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, cfg: MossImageConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.linear_1 = nn.Linear(cfg.timestep_embed_dim, cfg.hidden_size)
+        self.linear_2 = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        emb = timestep_embedding(t, self.cfg.timestep_embed_dim, self.cfg.timestep_max_period).to(dtype)
+        return self.linear_2(F.silu(self.linear_1(emb)))
+
+
+def rope_cos_sin(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, S, head_dim/2] (fp32) for integer positions [B, S, n_axes], one frequency band per axis."""
+    angles = []
+    for axis, dim in enumerate(axes_dims):
+        freqs = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
+        angles.append(positions[..., axis].double()[..., None] * freqs)
+    ang = torch.cat(angles, dim=-1).float()
+    return torch.cos(ang), torch.sin(ang)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, S, H, D] by the angles behind cos/sin [B, S, D/2]."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, :, None], sin[:, :, None]
+    out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class BlockProjections(nn.Module):
+    """The six Linears of a block, named as in the official checkpoints (`proj.q`, ..., `proj.ffn_down`)."""
+
+    def __init__(self, cfg: MossImageConfig):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_hidden
+        self.q = nn.Linear(h, h, bias=False)
+        self.k = nn.Linear(h, h, bias=False)
+        self.v = nn.Linear(h, h, bias=False)
+        self.o = nn.Linear(h, h, bias=False)
+        self.ffn_up_gate = nn.Linear(h, 2 * f, bias=False)  # output [value | gate]
+        self.ffn_down = nn.Linear(f, h, bias=False)
+
+
+class MossImageBlock(nn.Module):
+    """Pre-norm attention + SwiGLU block; adaLN-modulated in the main stack, plain in the text refiner."""
+
+    def __init__(self, cfg: MossImageConfig, modulated: bool, attention: Attention):
+        super().__init__()
+        self.cfg = cfg
+        self.modulated = modulated
+        self.attention = attention
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.proj = BlockProjections(cfg)
+        if modulated:
+            self.scale_shift_table = nn.Parameter(torch.zeros(6, cfg.hidden_size))
+
+    def _attn(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        shape = (*h.shape[:2], self.cfg.num_heads, self.cfg.head_dim)
+        q = apply_rope(self.q_norm(self.proj.q(h).view(shape)), cos, sin)
+        k = apply_rope(self.k_norm(self.proj.k(h).view(shape)), cos, sin)
+        v = self.proj.v(h).view(shape)
+        out = self.attention(q, k, v, key_mask).flatten(2)
+        return self.proj.o(out)
+
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        value, gate = self.proj.ffn_up_gate(h).chunk(2, dim=-1)
+        return self.proj.ffn_down(F.silu(gate) * value)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        mod: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not self.modulated:
+            x = x + self._attn(self.norm1(x), cos, sin, key_mask)
+            return x + self._ffn(self.norm2(x))
+        assert mod is not None
+        shift1, scale1, gate1, shift2, scale2, gate2 = (mod + self.scale_shift_table.to(mod.dtype)[None]).unbind(1)
+        h = self.norm1(x) * (1 + scale1[:, None]) + shift1[:, None]
+        x = x + gate1[:, None] * self._attn(h, cos, sin, key_mask)
+        h = self.norm2(x) * (1 + scale2[:, None]) + shift2[:, None]
+        return x + gate2[:, None] * self._ffn(h)
+
+
+class MossImageTextEmbedder(nn.Module):
+    """Qwen3.5 hidden states [B, T, 4096] -> DiT width, refined by blocks that attend over the text only."""
+
+    def __init__(self, cfg: MossImageConfig, attention: Attention):
+        super().__init__()
+        self.norm = RMSNorm(cfg.text_dim, cfg.norm_eps)
+        self.proj = nn.Linear(cfg.text_dim, cfg.hidden_size)
+        self.blocks = nn.ModuleList(MossImageBlock(cfg, False, attention) for _ in range(cfg.num_refiner_layers))
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, cfg: MossImageConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=False, eps=cfg.norm_eps)
+        self.modulation = nn.Linear(cfg.hidden_size, 2 * cfg.hidden_size)
+        self.linear = nn.Linear(cfg.hidden_size, cfg.in_channels)
+
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.modulation(F.silu(t_emb)).chunk(2, dim=-1)
+        return self.linear(self.norm(x) * (1 + scale[:, None]) + shift[:, None])
+
+
+def _run_offloaded(block: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    if not x.requires_grad and any(p.requires_grad for p in block.parameters()):
+        x = x.detach().requires_grad_(True)  # connects the block's trainable (LoRA) parameters to the graph
+    return _UnslothOffload.apply(block, x, *args)
+
+
+class _UnslothOffload(torch.autograd.Function):
+    """Keep only the block input, parked in host memory (async copy); recompute the block in backward."""
+
+    @staticmethod
+    def forward(ctx, block: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.block = block
+        ctx.device = x.device
+        ctx.args = args
+        ctx.x_requires_grad = x.requires_grad
+        pin = x.device.type == "cuda"
+        ctx.saved_x = x.detach().to("cpu", non_blocking=pin) if x.device.type != "cpu" else x.detach().clone()
+        with torch.no_grad():
+            return block(x, *args)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        x = ctx.saved_x.to(ctx.device, non_blocking=True).requires_grad_(ctx.x_requires_grad)
+        args = [a.detach().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a for a in ctx.args]
+        with torch.enable_grad():
+            out = ctx.block(x, *args)
+        inputs = [x] + [a for a in args if torch.is_tensor(a) and a.requires_grad]
+        wanted = [t for t in inputs if t.requires_grad]
+        params = [p for p in ctx.block.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(out, wanted + params, grad_out, allow_unused=True)
+        for p, g in zip(params, grads[len(wanted) :]):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        by_id = {id(t): g for t, g in zip(wanted, grads[: len(wanted)])}
+        arg_grads = [by_id.get(id(a)) if torch.is_tensor(a) else None for a in args]
+        return (None, by_id.get(id(x)), *arg_grads)
+
+
+class MossImage(nn.Module):
+    """forward(x [B,128,H/16,W/16], timesteps [B] = sigma*1000 (fp32), prompt_embeds [B,T,4096], attn_mask [B,T])."""
+
+    def __init__(self, config: MossImageConfig | None = None, attn_mode: str = "torch", split_attn: bool = False):
+        super().__init__()
+        cfg = config or MossImageConfig()
+        self.config = cfg
+        self.attention = Attention(attn_mode, split_attn)
+        self.video_embedder = nn.Linear(cfg.in_channels, cfg.hidden_size)
+        self.t_embedder = TimestepEmbedder(cfg)
+        self.modulation = nn.Linear(cfg.hidden_size, 6 * cfg.hidden_size)
+        self.text_embedder = MossImageTextEmbedder(cfg, self.attention)
+        self.layers = nn.ModuleList(MossImageBlock(cfg, True, self.attention) for _ in range(cfg.num_layers))
+        self.final_layer = FinalLayer(cfg)
+        self.gradient_checkpointing = False
+        self.checkpoint_mode = "none"  # none | plain | cpu_offload | unsloth
+
+    # ----------------------------------------------------------------------------------------------- properties
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.video_embedder.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.video_embedder.weight.device
+
+    # ------------------------------------------------------------------------------------- checkpointing switch
+    def enable_gradient_checkpointing(self, cpu_offload: bool = False, unsloth_offload: bool = False) -> None:
+        """Recompute each block in backward. `cpu_offload` keeps the saved block inputs in host memory;
+        `unsloth_offload` parks each block input in host memory asynchronously and recomputes the block."""
+        if cpu_offload and unsloth_offload:
+            raise ValueError("cpu_offload and unsloth_offload are exclusive")
+        self.gradient_checkpointing = True
+        self.checkpoint_mode = "unsloth" if unsloth_offload else "cpu_offload" if cpu_offload else "plain"
+        logger.info("DiT gradient checkpointing: %s", self.checkpoint_mode)
+
+    def disable_gradient_checkpointing(self) -> None:
+        self.gradient_checkpointing = False
+        self.checkpoint_mode = "none"
+
+    def _run_block(self, block: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        if not (self.gradient_checkpointing and torch.is_grad_enabled()):
+            return block(x, *args)
+        if self.checkpoint_mode == "unsloth":
+            return _run_offloaded(block, x, *args)
+        if self.checkpoint_mode == "cpu_offload":
+            with torch.autograd.graph.save_on_cpu(pin_memory=x.device.type == "cuda"):
+                return checkpoint(block, x, *args, use_reentrant=False)
+        return checkpoint(block, x, *args, use_reentrant=False)
+
+    # ------------------------------------------------------------------------------------------------- forward
+    def _positions(self, text_len: torch.Tensor, t_pad: int, h: int, w: int) -> torch.Tensor:
+        """[B, T+N, 3] integer positions: text token i -> (i, 0, 0); image (r, c) -> (valid text length, r, c)."""
+        b = text_len.shape[0]
+        dev = text_len.device
+        text = torch.zeros(b, t_pad, 3, dtype=torch.long, device=dev)
+        text[..., 0] = torch.arange(t_pad, device=dev)[None]
+        rows = torch.arange(h, device=dev).repeat_interleave(w)
+        cols = torch.arange(w, device=dev).repeat(h)
+        img = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1)[None].repeat(b, 1, 1)
+        img[..., 0] = text_len[:, None]
+        return torch.cat([text, img], dim=1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        timesteps: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        skip_layers: Iterable[int] | None = None,
+    ) -> torch.Tensor:
+        cfg = self.config
+        b, c, h, w = x.shape
+        dtype = self.dtype
+        if attn_mask is None:
+            attn_mask = torch.ones(prompt_embeds.shape[:2], dtype=torch.bool, device=prompt_embeds.device)
+        attn_mask = attn_mask.to(device=x.device, dtype=torch.bool)
+        t_pad = prompt_embeds.shape[1]
+
+        img = self.video_embedder(x.to(dtype).flatten(2).transpose(1, 2))
+        t_emb = self.t_embedder(timesteps.to(x.device), dtype)
+        mod = self.modulation(F.silu(t_emb)).unflatten(-1, (6, cfg.hidden_size))
+
+        pos = self._positions(attn_mask.sum(dim=1), t_pad, h, w)
+        cos, sin = rope_cos_sin(pos, cfg.rope_axes_dims, cfg.rope_theta)
+
+        txt = self.text_embedder.proj(self.text_embedder.norm(prompt_embeds.to(x.device, dtype)))
+        txt_cos, txt_sin = cos[:, :t_pad], sin[:, :t_pad]
+        for block in self.text_embedder.blocks:
+            txt = self._run_block(block, txt, txt_cos, txt_sin, attn_mask)
+
+        seq = torch.cat([txt, img], dim=1)
+        key_mask = torch.cat([attn_mask, torch.ones(b, h * w, dtype=torch.bool, device=x.device)], dim=1)
+        skip = set(skip_layers or ())
+        for i, block in enumerate(self.layers):
+            if i in skip:
+                continue
+            seq = self._run_block(block, seq, cos, sin, key_mask, mod)
+
+        out = self.final_layer(seq[:, t_pad:], t_emb)
+        return out.transpose(1, 2).reshape(b, cfg.in_channels, h, w)
+
+
+def count_parameters(config: MossImageConfig) -> tuple[int, int]:
+    """(total parameters, weights in the block Linears) of a model built on the meta device."""
+    with torch.device("meta"):
+        model = MossImage(config)
+    total = sum(p.numel() for p in model.parameters())
+    block_linears = sum(m.weight.numel() for blk in model.layers for m in blk.proj.children())
+    return total, block_linears

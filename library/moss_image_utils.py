@@ -1,0 +1,236 @@
+"""Loading the three MOSS-Image models from the files users hold.
+
+DiT (`load_moss_image_model`):
+- the official diffusers shards, given the FIRST shard (`transformer/diffusion_pytorch_model-00001-of-00003.safetensors`;
+  the others are found beside it, no index needed; `config.json` beside it overrides the numeric config fields), or the
+  `transformer/` folder, or a snapshot root;
+- a ComfyUI single file (`moss_image_{base,sft}_bf16.safetensors`) whose blocks hold a fused `proj.qkv`, split here
+  into q / k / v while reading (each fused tensor is read once).
+The architecture is inferred from tensor shapes, so the full model, the tiny test model and a differently sized
+checkpoint all load through the same code. The model is built on the meta device and filled tensor by tensor: one
+copy of the weights in memory, never two.
+
+Text encoder (`load_text_encoder`): see `library.qwen35_text_encoder`. VAE: `library.flux2_vae.load_flux2_vae`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from library.errors import UserError
+from library.moss_image_models import MossImage, MossImageConfig, default_rope_axes
+from library.safetensors_utils import (
+    SplitSpec,
+    SplitTensorAdapter,
+    TensorSource,
+    check_safetensors_path,
+    describe_key_mismatch,
+    discover_shards,
+)
+
+logger = logging.getLogger(__name__)
+
+TensorHook = Callable[[str, torch.Tensor], torch.Tensor]
+
+_DIT_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "model.")
+_FUSED_QKV = re.compile(r"^(?P<block>.+\.proj)\.qkv\.(?P<param>weight|bias)$")
+
+
+# ------------------------------------------------------------------------------------------ snapshot layout
+@dataclass(frozen=True)
+class SnapshotPaths:
+    dit: Path
+    text_encoder: Path
+    vae: Path
+    tokenizer: Path | None
+
+
+def resolve_snapshot(root: str | os.PathLike) -> SnapshotPaths:
+    """The model paths inside an official-layout snapshot folder (transformer/, text_encoder/, vae/, tokenizer/)."""
+    r = Path(root)
+    if not r.is_dir():
+        raise UserError(f"The snapshot '{r}' is not a folder: give the folder that holds transformer/, text_encoder/ and vae/.")
+    missing = [d for d in ("transformer", "text_encoder", "vae") if not (r / d).is_dir()]
+    if missing:
+        raise UserError(f"The snapshot '{r}' has no {', '.join(d + '/' for d in missing)} folder: it is not a MOSS-Image snapshot.")
+    tok = r / "tokenizer"
+    return SnapshotPaths(r / "transformer", r / "text_encoder", r / "vae", tok if tok.is_dir() else None)
+
+
+def _first_shard_in(folder: Path, stem: str) -> Path:
+    files = sorted(folder.glob("*.safetensors"))
+    firsts = [f for f in files if "00001-of-" in f.name]
+    if firsts:
+        return firsts[0]
+    if len(files) == 1:
+        return files[0]
+    raise UserError(
+        f"Cannot tell which file of '{folder}' is the {stem} checkpoint ({len(files)} .safetensors files):"
+        " give the path of the first shard or of the single file."
+    )
+
+
+def _dit_checkpoint(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = _first_shard_in(p / "transformer" if (p / "transformer").is_dir() else p, "DiT")
+    return check_safetensors_path(p, "DiT checkpoint")
+
+
+# --------------------------------------------------------------------------------------------- DiT source
+def _strip_prefix(keys: list[str]) -> str:
+    for prefix in _DIT_PREFIXES:
+        if keys and all(k.startswith(prefix) for k in keys if not k.endswith(".comfy_attention.config")):
+            return prefix
+    return ""
+
+
+def open_dit_source(checkpoint: Path, disable_mmap: bool = False) -> SplitTensorAdapter:
+    """A lazy view of the DiT tensors under the model's own names (prefix stripped, fused qkv split)."""
+    shards = discover_shards(checkpoint)
+    probe = TensorSource(shards, disable_mmap=disable_mmap)
+    keys = probe.keys()
+    probe.close()
+    prefix = _strip_prefix(keys)
+    source = TensorSource(shards, disable_mmap=disable_mmap, key_map=lambda k: k[len(prefix) :] if k.startswith(prefix) else k)
+    splits = []
+    for key in source.keys():
+        m = _FUSED_QKV.match(key)
+        if m:
+            rows = source.shape(key)[0]
+            if rows % 3:
+                raise UserError(f"Fused tensor '{key}' in '{checkpoint}' has {rows} rows, not a multiple of 3: the file is damaged.")
+            b, param = m.group("block"), m.group("param")
+            splits.append(SplitSpec(key, tuple(f"{b}.{n}.{param}" for n in "qkv"), (rows // 3,) * 3))
+    if splits:
+        logger.info("ComfyUI layout: splitting %d fused qkv tensors into q/k/v", len(splits))
+    return SplitTensorAdapter(source, splits)
+
+
+def infer_dit_config(source: SplitTensorAdapter | TensorSource, overrides: dict[str, Any] | None = None) -> MossImageConfig:
+    """The DiT architecture from tensor shapes (width, depth, heads via the q_norm size, FFN, text width, refiners),
+    then any fields given in `overrides` (config.json)."""
+    keys = source.keys()
+
+    def need(key: str) -> tuple[int, ...]:
+        if key not in source:
+            raise UserError(
+                f"The DiT checkpoint has no '{key}' tensor: it is not a MOSS-Image DiT (or not a supported layout)."
+            )
+        return source.shape(key)
+
+    hidden, in_ch = need("video_embedder.weight")
+    head_dim = need("layers.0.q_norm.weight")[0]
+    num_layers = 1 + max(int(m.group(1)) for k in keys if (m := re.match(r"layers\.(\d+)\.", k)))
+    refiners = {int(m.group(1)) for k in keys if (m := re.match(r"text_embedder\.blocks\.(\d+)\.", k))}
+    cfg = MossImageConfig(
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=hidden // head_dim,
+        head_dim=head_dim,
+        ffn_hidden=need("layers.0.proj.ffn_down.weight")[1],
+        in_channels=in_ch,
+        text_dim=need("text_embedder.proj.weight")[1],
+        num_refiner_layers=len(refiners),
+        timestep_embed_dim=need("t_embedder.linear_1.weight")[1],
+        rope_axes_dims=default_rope_axes(head_dim),
+    )
+    return cfg.updated(overrides) if overrides else cfg
+
+
+def _read_config_json(checkpoint: Path) -> dict[str, Any] | None:
+    path = checkpoint.parent / "config.json"
+    if not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise UserError(f"The DiT config '{path}' is not valid JSON ({e}): fix or remove it.") from e
+    return {k: v for k, v in raw.items() if not k.startswith("_")}
+
+
+# --------------------------------------------------------------------------------------------- DiT loader
+def load_moss_image_model(
+    device: str | torch.device,
+    dit_path: str | os.PathLike,
+    attn_mode: str = "torch",
+    split_attn: bool = False,
+    loading_device: str | torch.device | None = None,
+    dtype: torch.dtype | None = torch.bfloat16,
+    disable_mmap: bool = False,
+    tensor_hook: TensorHook | None = None,
+) -> MossImage:
+    """Load the DiT from any supported layout onto `loading_device` (default `device`) in `dtype`.
+
+    `tensor_hook(key, tensor)` sees each tensor under the model's key before the dtype cast (LoRA merge at load).
+    `dtype=None` keeps the checkpoint's dtypes.
+    """
+    checkpoint = _dit_checkpoint(dit_path)
+    loading_device = torch.device(loading_device or device)
+    source = open_dit_source(checkpoint, disable_mmap)
+    comfy_markers = [k for k in source.keys() if k.endswith(".comfy_quant")]
+    if comfy_markers:
+        raise UserError(
+            f"'{checkpoint}' is a pre-quantised ComfyUI checkpoint ({len(comfy_markers)} quantised layers), which this"
+            " version cannot load yet: use the bf16 single file or the official shards."
+        )
+    config = infer_dit_config(source, _read_config_json(checkpoint))
+    with torch.device("meta"):
+        model = MossImage(config, attn_mode=attn_mode, split_attn=split_attn)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {k for k in source.keys() if not k.endswith(".comfy_attention.config")}
+    if set(expected) != found:
+        raise UserError(
+            describe_key_mismatch("DiT checkpoint", checkpoint, sorted(set(expected) - found), sorted(found - set(expected)))
+        )
+    state = {}
+    with source.source:
+        for key in expected:
+            t = source.get_tensor(key)
+            if tensor_hook is not None:
+                t = tensor_hook(key, t)
+            if tuple(t.shape) != expected[key]:
+                raise UserError(
+                    f"Tensor '{key}' of '{checkpoint}' has shape {tuple(t.shape)}, expected {expected[key]}:"
+                    " the config.json beside the checkpoint does not match its weights."
+                )
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            state[key] = t.to(loading_device)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    model.eval()
+    total = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "loaded MOSS-Image DiT from %s: %d blocks, width %d, %.3fB parameters, %s on %s (attn_mode=%s, split_attn=%s)",
+        checkpoint, config.num_layers, config.hidden_size, total / 1e9, dtype, loading_device, attn_mode, split_attn,
+    )
+    return model
+
+
+# ------------------------------------------------------------------------------------ text encoder loader
+def load_text_encoder(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    disable_mmap: bool = False,
+    tensor_hook: TensorHook | None = None,
+) -> Any:
+    """The Qwen3.5 text model (`transformers.Qwen3_5TextModel`): call it with `input_ids`, read `last_hidden_state`."""
+    from library.qwen35_text_encoder import load_qwen35_text_model
+
+    p = Path(path)
+    if p.is_dir() and (p / "text_encoder").is_dir():
+        p = p / "text_encoder"
+    if not p.is_dir():
+        check_safetensors_path(p, "text encoder checkpoint")
+    return load_qwen35_text_model(p, dtype=dtype, device=device, disable_mmap=disable_mmap, tensor_hook=tensor_hook)

@@ -1,0 +1,266 @@
+"""The Qwen3.5-9B text encoder of MOSS-Image, through `transformers` (the model code is theirs, not re-implemented).
+
+- Loading: the official multi-shard VL checkpoint (`text_encoder/model-00001-of-0000N.safetensors`, keys under
+  `model.language_model.`) or a single file with the text keys under a known prefix. Only the text-model tensors are
+  read: the vision tower (`model.visual.*`), `lm_head` and the MTP draft layer are filtered out before reading.
+- Config: `config.json` beside the checkpoint when present, else the bundled `configs/moss_image_qwen35_9b/`.
+- Encoding: one caption at a time, chat template, no padding (the Gated DeltaNet layers are padding-sensitive);
+  the last hidden state [T, hidden] and an all-true mask [T].
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from library.errors import UserError
+from library.safetensors_utils import TensorSource, describe_key_mismatch, discover_shards
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_CONFIG_DIR = REPO_ROOT / "configs" / "moss_image_qwen35_9b"
+TOKENIZER_REPO = "OpenMOSS-Team/MOSS-Image-Base"
+TOKENIZER_SUBFOLDER = "tokenizer"
+DEFAULT_MAX_TOKEN_LENGTH = 4096
+MAX_TOKEN_LENGTH = 4096
+
+# The prompt template: Qwen3.5 ChatML with one user message, no generation prompt and no thinking block.
+# Caches record PROMPT_TEMPLATE_ID, so a changed template invalidates them.
+PROMPT_TEMPLATE_ID = "qwen35-chatml-user-v1"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# prefixes under which checkpoints store the text model (official VL layout first)
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
+_SKIPPED_PREFIXES = ("model.visual.", "visual.", "lm_head.", "mtp.", "model.mtp.")
+
+
+def format_prompt(caption: str) -> str:
+    """The text the encoder sees for a caption (the one place the template lives)."""
+    return f"<|im_start|>user\n{caption}<|im_end|>\n"
+
+
+# ---------------------------------------------------------------------------------------------------- config
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"Cannot read the text encoder config '{path}' ({e}): fix or remove the file.") from e
+
+
+def load_text_config(checkpoint: Path) -> Any:
+    """Qwen3_5TextConfig from config.json beside the checkpoint (VL or text-only form), else the bundled 9B one."""
+    from transformers import Qwen3_5TextConfig
+
+    local = checkpoint.parent / "config.json"
+    path = local if local.exists() else BUNDLED_CONFIG_DIR / "config.json"
+    raw = _read_json(path)
+    text = raw.get("text_config", raw)
+    if text.get("model_type") not in (None, "qwen3_5_text", "qwen3_5"):
+        raise UserError(
+            f"'{path}' describes a '{text.get('model_type')}' model, not Qwen3.5: point --text_encoder at the"
+            " Qwen3.5-9B text encoder of MOSS-Image."
+        )
+    text = {k: v for k, v in text.items() if k != "model_type"}
+    logger.info("text encoder config: %s", path)
+    return Qwen3_5TextConfig(**text)
+
+
+# ------------------------------------------------------------------------------------------------- loading
+def _find_checkpoint(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        firsts = [f for f in files if "00001-of-" in f.name]
+        if firsts or len(files) == 1:
+            return (firsts or files)[0]
+        raise UserError(
+            f"The text encoder folder '{p}' holds {len(files)} .safetensors files and none is a first shard:"
+            " give the path of the first shard (model-00001-of-0000N.safetensors) or of a single file."
+        )
+    return p
+
+
+def _text_prefix(keys: list[str], path: Path) -> str:
+    for prefix in _TEXT_PREFIXES:
+        if f"{prefix}embed_tokens.weight" in keys:
+            return prefix
+    raise UserError(
+        f"'{path}' holds no Qwen3.5 text model (no '*embed_tokens.weight' key): point --text_encoder at the"
+        " first shard of the official text encoder or at a Qwen3.5 single file."
+    )
+
+
+def open_text_encoder_source(path: str | os.PathLike, disable_mmap: bool = False) -> tuple[TensorSource, Path]:
+    """A lazy source over the text-model tensors only (prefix stripped), and the checkpoint path."""
+    checkpoint = _find_checkpoint(path)
+    shards = discover_shards(checkpoint)
+    probe = TensorSource(shards, disable_mmap=disable_mmap)
+    all_keys = probe.keys()
+    probe.close()
+    prefix = _text_prefix(all_keys, checkpoint)
+
+    def keep(key: str) -> bool:
+        return key.startswith(prefix) and not key.startswith(_SKIPPED_PREFIXES)
+
+    def rename(key: str) -> str:
+        return key[len(prefix) :]
+
+    return TensorSource(shards, disable_mmap=disable_mmap, key_filter=keep, key_map=rename), checkpoint
+
+
+def load_qwen35_text_model(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    disable_mmap: bool = False,
+    tensor_hook: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> Any:
+    """Build `transformers.Qwen3_5TextModel` without allocating weights, then fill it tensor by tensor.
+
+    `tensor_hook(key, tensor)` may transform each tensor as it is read (LoRA merge at load); it sees the tensor in
+    the checkpoint's dtype, before the cast to `dtype`.
+    """
+    from accelerate import init_empty_weights
+    from transformers import Qwen3_5TextModel
+
+    source, checkpoint = open_text_encoder_source(path, disable_mmap)
+    config = load_text_config(checkpoint)
+    with init_empty_weights(include_buffers=False):
+        model = Qwen3_5TextModel(config)
+    expected_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = set(expected_shapes)
+    found = set(source.keys())
+    if expected != found:
+        raise UserError(
+            describe_key_mismatch("text encoder checkpoint", checkpoint, sorted(expected - found), sorted(found - expected))
+        )
+    state: dict[str, torch.Tensor] = {}
+    with source:
+        for key in source.keys():
+            t = source.get_tensor(key)
+            if tensor_hook is not None:
+                t = tensor_hook(key, t)
+            if t.is_floating_point():
+                t = t.to(dtype)
+            if tuple(t.shape) != expected_shapes[key]:
+                raise UserError(
+                    f"Tensor '{key}' of '{checkpoint}' has shape {tuple(t.shape)} but the config expects"
+                    f" {expected_shapes[key]}:"
+                    " the config.json beside the checkpoint does not match its weights."
+                )
+            state[key] = t.to(device)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)
+    model.requires_grad_(False)
+    model.eval()
+    n = sum(p.numel() for p in model.parameters())
+    logger.info("loaded Qwen3.5 text model from %s: %d layers, %.2fB parameters, %s", checkpoint,
+                config.num_hidden_layers, n / 1e9, dtype)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / f).exists() for f in TOKENIZER_FILES)
+
+
+def _local_tokenizer_dir(tokenizer_cache_dir: str | None, text_encoder_path: str | None) -> Path | None:
+    if tokenizer_cache_dir:
+        d = Path(tokenizer_cache_dir)
+        for cand in (d, d / TOKENIZER_SUBFOLDER):
+            if _has_tokenizer_files(cand):
+                return cand
+    if text_encoder_path:
+        te = Path(text_encoder_path)
+        folder = te if te.is_dir() else te.parent
+        for cand in (folder / TOKENIZER_SUBFOLDER, folder.parent / TOKENIZER_SUBFOLDER):
+            if _has_tokenizer_files(cand):
+                return cand
+    return None
+
+
+def load_tokenizer(tokenizer_cache_dir: str | None = None, text_encoder_path: str | None = None) -> Any:
+    """The Qwen3.5 tokenizer, looked up in this order:
+
+    1. `tokenizer_cache_dir` holding the tokenizer files (or a `tokenizer/` folder in it);
+    2. the `tokenizer/` folder of the snapshot the text encoder comes from (the official layout);
+    3. the Hugging Face hub (`OpenMOSS-Team/MOSS-Image-Base`, subfolder `tokenizer`), cached in `tokenizer_cache_dir`
+       when given: the one documented network access, which HF_HUB_OFFLINE=1 turns off.
+    """
+    from transformers import AutoTokenizer
+
+    local = _local_tokenizer_dir(tokenizer_cache_dir, text_encoder_path)
+    try:
+        if local is not None:
+            logger.info("tokenizer: %s", local)
+            return AutoTokenizer.from_pretrained(str(local), local_files_only=True, trust_remote_code=False)
+        logger.info("tokenizer: %s/%s from the Hugging Face hub (cache: %s)", TOKENIZER_REPO, TOKENIZER_SUBFOLDER,
+                    tokenizer_cache_dir or "default")
+        return AutoTokenizer.from_pretrained(
+            TOKENIZER_REPO, subfolder=TOKENIZER_SUBFOLDER, cache_dir=tokenizer_cache_dir, trust_remote_code=False
+        )
+    except (OSError, ValueError) as e:
+        where = str(local) if local else f"the hub ({TOKENIZER_REPO}, subfolder {TOKENIZER_SUBFOLDER})"
+        raise UserError(
+            f"Could not load the Qwen3.5 tokenizer from {where} ({type(e).__name__}): for offline use pass"
+            f" --tokenizer_cache_dir with a folder holding {', '.join(TOKENIZER_FILES)} (the 'tokenizer' folder of"
+            " MOSS-Image-Base) or a Hugging Face cache that has it."
+        ) from e
+
+
+# ------------------------------------------------------------------------------------------------ encoding
+def check_max_token_length(max_length: int | None) -> int:
+    """Validate --moss_max_token_length (default and maximum 4096)."""
+    if max_length is None:
+        return DEFAULT_MAX_TOKEN_LENGTH
+    if not 8 <= max_length <= MAX_TOKEN_LENGTH:
+        raise UserError(
+            f"--moss_max_token_length {max_length} is out of range: use 8 to {MAX_TOKEN_LENGTH} (the official limit)."
+        )
+    return max_length
+
+
+def tokenize(tokenizer: Any, caption: str, max_length: int = DEFAULT_MAX_TOKEN_LENGTH) -> torch.Tensor:
+    """Token ids [T] of the templated caption, truncated to `max_length` with a warning."""
+    ids = tokenizer(format_prompt(caption), add_special_tokens=False)["input_ids"]
+    if len(ids) > max_length:
+        logger.warning(
+            "caption of %d tokens (with the chat template) truncated to --moss_max_token_length %d: '%s...'",
+            len(ids), max_length, caption[:60],
+        )
+        ids = ids[:max_length]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def encode_tokens(text_model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last hidden state [T, hidden] of one unpadded sequence, and its all-true mask [T]."""
+    device = next(p.device for p in text_model.parameters())
+    out = text_model(input_ids=input_ids.to(device)[None], use_cache=False)
+    hidden = out.last_hidden_state[0]
+    return hidden, torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+
+
+def encode_prompts(
+    text_model: Any, tokenizer: Any, captions: list[str], max_length: int = DEFAULT_MAX_TOKEN_LENGTH
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Encode captions one at a time (no padding): a list of (hidden [T_i, hidden], mask [T_i])."""
+    return [encode_tokens(text_model, tokenize(tokenizer, c, max_length)) for c in captions]
+
+
+def pad_and_stack(encoded: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad per-caption outputs into a batch: embeds [B, T_max, D] (zeros in the padding), mask [B, T_max]."""
+    t_max = max(e.shape[0] for e, _ in encoded)
+    first = encoded[0][0]
+    embeds = first.new_zeros(len(encoded), t_max, first.shape[-1])
+    mask = torch.zeros(len(encoded), t_max, dtype=torch.bool, device=first.device)
+    for i, (e, m) in enumerate(encoded):
+        embeds[i, : e.shape[0]] = e
+        mask[i, : m.shape[0]] = m.bool()
+    return embeds, mask

@@ -1,0 +1,18 @@
+"""Shared fixtures: the tiny MOSS-Image snapshot (built once per test session, in the official layouts)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from library.tiny_snapshot import build_tiny_snapshot
+
+    return build_tiny_snapshot(tmp_path_factory.mktemp("snapshot") / "moss-image-tiny")
