@@ -39,7 +39,6 @@ BN_EPS = 1e-4
 PATCH = 2
 DIFFUSERS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_CONFIG_NAME = "config.json"
-_UNSUPPORTED_EXTENSIONS = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".gguf")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -450,7 +449,13 @@ def denormalize_latents(
 # key conversion BFL <-> diffusers
 # ----------------------------------------------------------------------------------------------------------------
 
-_RESNET_PARTS = {"norm1": "norm1", "conv1": "conv1", "norm2": "norm2", "conv2": "conv2", "nin_shortcut": "conv_shortcut"}
+_RESNET_PARTS = {
+    "norm1": "norm1",
+    "conv1": "conv1",
+    "norm2": "norm2",
+    "conv2": "conv2",
+    "nin_shortcut": "conv_shortcut",
+}
 _ATTN_PARTS = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
 _BFL_TOP = {
     "encoder.quant_conv.": "quant_conv.",
@@ -557,7 +562,10 @@ def _resolve_files(path: str | os.PathLike) -> tuple[Path, Path | None]:
     """Return (weights file, config.json or None) for a single file or a diffusers vae/ folder."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise UserError(f"The FLUX.2 VAE path '{p}' does not exist; check --vae (a flux2-vae.safetensors file or a diffusers vae/ folder).")
+        raise UserError(
+            f"The FLUX.2 VAE path '{p}' does not exist; check --vae (a flux2-vae.safetensors file or a diffusers "
+            "vae/ folder)."
+        )
     if p.is_dir():
         weights = p / DIFFUSERS_WEIGHTS_NAME
         if not weights.is_file():
@@ -566,7 +574,7 @@ def _resolve_files(path: str | os.PathLike) -> tuple[Path, Path | None]:
                 "or a diffusers vae/ folder."
             )
         p = weights
-    if p.suffix.lower() in _UNSUPPORTED_EXTENSIONS or p.suffix.lower() != ".safetensors":
+    if p.suffix != ".safetensors":
         raise UserError(
             f"The FLUX.2 VAE file '{p}' is not a .safetensors file; only safetensors checkpoints are loaded "
             "(use flux2-vae.safetensors or a diffusers vae/ folder)."
@@ -674,7 +682,10 @@ def load_flux2_vae(
     device: str | torch.device = "cpu",
     disable_mmap: bool = False,
 ) -> AutoEncoder:
-    """Load a FLUX.2 VAE (BFL/ComfyUI single file or diffusers vae/ folder) strictly; returns it in eval mode, frozen."""
+    """Load a FLUX.2 VAE (BFL/ComfyUI single file or diffusers vae/ folder) strictly, in eval mode and frozen.
+
+    Floating weights are cast to `dtype` and placed on `device`; the BatchNorm statistics stay float32.
+    """
     from library.safetensors_utils import load_safetensors
 
     file, config_file = _resolve_files(path)
@@ -713,7 +724,8 @@ def _infer_config(sd_bfl: Mapping[str, torch.Tensor], groups: int, file: Path, l
         if layout == "diffusers":
             key = _bfl_key_to_diffusers(key, _levels_of(list(sd_bfl), r"decoder\.up\.(\d+)\."))
         raise UserError(
-            f"The FLUX.2 VAE file '{file}' ({layout} layout) lacks the key '{key}'; it is incomplete or not a FLUX.2 VAE."
+            f"The FLUX.2 VAE file '{file}' ({layout} layout) lacks the key '{key}'; "
+            "it is incomplete or not a FLUX.2 VAE."
         ) from e
     except ValueError as e:
         raise UserError(f"The FLUX.2 VAE file '{file}' has an unsupported structure: {e}.") from e

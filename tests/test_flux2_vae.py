@@ -180,7 +180,8 @@ def test_key_conversion_is_a_bijection():
     assert len(to_diffusers) == len(tiny)
     assert to_diffusers["encoder.mid_block.attentions.0.to_q.weight"].shape == (64, 64)
     assert "decoder.up_blocks.0.upsamplers.0.conv.weight" in to_diffusers  # BFL up.3 = lowest resolution
-    assert torch.equal(to_diffusers["decoder.up_blocks.3.resnets.2.conv1.bias"], tiny["decoder.up.0.block.2.conv1.bias"])
+    full_res = to_diffusers["decoder.up_blocks.3.resnets.2.conv1.bias"]
+    assert torch.equal(full_res, tiny["decoder.up.0.block.2.conv1.bias"])
     back = fv.diffusers_to_bfl_state_dict(to_diffusers)
     assert list(back) == list(tiny)
     assert all(torch.equal(back[k], tiny[k]) and back[k].shape == tiny[k].shape for k in tiny)
@@ -285,7 +286,9 @@ def test_loader_errors_name_the_file(bfl_file, oracle_folder, tmp_path):
     missing = dict(sd)
     del missing["decoder.mid.attn_1.q.bias"]
     save_file_atomic(missing, tmp_path / "missing.safetensors")
-    _expect_user_error(tmp_path / "missing.safetensors", "missing.safetensors", "1 missing", "decoder.mid.attn_1.q.bias")
+    _expect_user_error(
+        tmp_path / "missing.safetensors", "missing.safetensors", "1 missing", "decoder.mid.attn_1.q.bias"
+    )
 
     extra = dict(sd, **{"encoder.extra.weight": torch.zeros(2), "decoder.bogus": torch.zeros(1)})
     save_file_atomic(extra, tmp_path / "extra.safetensors")
