@@ -1,0 +1,236 @@
+"""Merge LoRA weights into base weights at load time: W' = W + multiplier * (alpha / rank) * up @ down.
+
+The math runs in fp32 and the result is cast back to the weight's dtype once, whatever the number of LoRAs.
+
+Streaming use (the loader reads the checkpoint tensor by tensor, no second copy of the model):
+
+    plan = LoraMergePlan([(lora_sd, 1.0), (other_sd, 0.5)], prefix="lora_unet")
+    plan.check_checkpoint_keys(source.keys(), path)       # reject a pre-quantized checkpoint before reading anything
+    for key in source.keys():
+        tensor = plan.merge(key, source.get_tensor(key))   # unchanged unless a LoRA targets this weight
+        ...
+    plan.finish()                                          # warns about LoRA modules that matched no weight
+
+Keys given to the plan are the model's own parameter names (`layers.3.proj.q.weight` for the DiT,
+`layers.3.self_attn.q_proj.weight` for the text encoder), i.e. after the loader renamed the checkpoint's keys and split
+any fused tensor (a ComfyUI file's fused qkv is split into q / k / v first, then merged). LoRA files in the PEFT
+naming (diffusers / ComfyUI) are accepted and converted to the sd-scripts naming first.
+
+Pre-quantized weights (ConvRot INT8: an int8 `weight` with `weight_scale` / `comfy_quant`; or fp8) cannot take a
+merge: the plan refuses such a checkpoint with a UserError that points to the bf16 file with --convrot_int8 (the LoRA
+is merged first, then quantized).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from library.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+PREFIXES = ("lora_unet", "lora_te")
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+QUANTIZED_KEY_SUFFIXES = (".weight_scale", ".comfy_quant", ".scale_weight")
+_QUANT_OPTION = {"lora_unet": ("DiT", "--convrot_int8"), "lora_te": ("text encoder", "--convrot_int8_text_encoder")}
+
+LoraFactor = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | float | None", float]  # (down, up, alpha, multiplier)
+
+
+def _alpha_float(alpha: torch.Tensor | float | None, rank: int) -> float:
+    if isinstance(alpha, torch.Tensor):
+        alpha = float(alpha.detach().float().item())
+    return float(rank) if alpha is None or alpha == 0 else float(alpha)
+
+
+def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactor], key: str = "weight") -> torch.Tensor:
+    """weight + sum(multiplier * alpha / rank * up @ down), computed in fp32 on the weight's device, cast back once."""
+    active = [f for f in factors if f[3] != 0]
+    if not active:
+        return weight
+    if weight.dim() != 2:
+        raise UserError(f"LoRA targets '{key}' of shape {tuple(weight.shape)}: only Linear (2-D) weights can be merged.")
+    result = weight.to(dtype=torch.float32, copy=True)
+    for down, up, alpha, multiplier in active:
+        rank = down.shape[0]
+        if up.dim() != 2 or down.dim() != 2 or up.shape[1] != rank or (up.shape[0], down.shape[1]) != tuple(weight.shape):
+            raise UserError(
+                f"LoRA for '{key}' has up {tuple(up.shape)} / down {tuple(down.shape)}, which does not fit the weight"
+                f" {tuple(weight.shape)}: the LoRA was trained for another model size."
+            )
+        scale = float(multiplier) * _alpha_float(alpha, rank) / rank
+        up32 = up.to(result.device, torch.float32)
+        down32 = down.to(result.device, torch.float32)
+        result.addmm_(up32, down32, alpha=scale)
+    return result.to(weight.dtype)
+
+
+def is_quantized_key(key: str) -> bool:
+    """True for the side tensors of quantized layers (ConvRot INT8 `weight_scale` / `comfy_quant`, fp8 `scale_weight`)."""
+    return key.endswith(QUANTIZED_KEY_SUFFIXES)
+
+
+def reject_quantized_weight(key: str, tensor: torch.Tensor | None, prefix: str, source: str | os.PathLike | None = None) -> None:
+    """UserError when `key` / `tensor` belong to a pre-quantized checkpoint (a LoRA cannot be merged into it)."""
+    dtype = tensor.dtype if tensor is not None else None
+    if not is_quantized_key(key) and dtype not in QUANTIZED_DTYPES:
+        return
+    model, option = _QUANT_OPTION.get(prefix, ("model", "--convrot_int8"))
+    where = f" '{source}'" if source else ""
+    what = f"'{key}' is {str(dtype).replace('torch.', '')}" if dtype in QUANTIZED_DTYPES else f"it has '{key}'"
+    raise UserError(
+        f"Cannot merge a LoRA into the pre-quantized {model} checkpoint{where} ({what}): use the bf16 {model} file"
+        f" with {option} instead (the LoRA is merged first, then quantized)."
+    )
+
+
+@dataclass(frozen=True)
+class _Module:
+    down: torch.Tensor
+    up: torch.Tensor
+    alpha: torch.Tensor | None
+    multiplier: float
+    source: int
+
+
+def _lora_modules(sd: Mapping[str, torch.Tensor], name: str) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+    from networks.convert_moss_image_lora import is_sd_scripts_state_dict, split_sd_key, to_sd_scripts
+
+    if not sd:
+        raise UserError(f"The LoRA {name} has no tensors: it is empty or not a LoRA file.")
+    if not is_sd_scripts_state_dict(sd):
+        sd = to_sd_scripts(sd)
+    groups: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for key, value in sd.items():
+        prefix, module, suffix = split_sd_key(key)
+        groups.setdefault((prefix, module), {})[suffix] = value
+    for (prefix, module), parts in groups.items():
+        if "lora_down.weight" not in parts or "lora_up.weight" not in parts:
+            raise UserError(f"The LoRA {name}: module '{prefix}_{module}' lacks lora_down or lora_up (incomplete file).")
+    return groups
+
+
+class LoraMergePlan:
+    """The LoRA modules of one model part (`prefix` "lora_unet" for the DiT, "lora_te" for the text encoder)."""
+
+    def __init__(
+        self,
+        loras: Sequence[tuple[Mapping[str, torch.Tensor], float]],
+        prefix: str,
+        names: Sequence[str] | None = None,
+    ):
+        if prefix not in PREFIXES:
+            raise ValueError(f"prefix must be one of {PREFIXES}, got {prefix!r}")
+        self.prefix = prefix
+        self.names = list(names) if names is not None else [f"#{i + 1}" for i in range(len(loras))]
+        self._modules: dict[str, list[_Module]] = {}
+        for index, (sd, multiplier) in enumerate(loras):
+            label = self.names[index] if index < len(self.names) else f"#{index + 1}"
+            for (module_prefix, module), parts in _lora_modules(sd, label).items():
+                if module_prefix != prefix:
+                    continue
+                entry = _Module(parts["lora_down.weight"], parts["lora_up.weight"], parts.get("alpha"), float(multiplier), index)
+                self._modules.setdefault(f"{prefix}_{module}", []).append(entry)
+        self._matched: set[str] = set()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self._modules
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def lora_name(self, model_key: str) -> str | None:
+        """`layers.3.proj.q.weight` -> `lora_unet_layers_3_proj_q` (None for keys that are not a weight)."""
+        if not model_key.endswith(".weight"):
+            return None
+        return f"{self.prefix}_{model_key[: -len('.weight')]}".replace(".", "_")
+
+    def targets(self, model_key: str) -> bool:
+        name = self.lora_name(model_key)
+        return name is not None and name in self._modules
+
+    def check_checkpoint_keys(
+        self,
+        keys: Iterable[str],
+        source: str | os.PathLike | None = None,
+        dtypes: Mapping[str, torch.dtype] | None = None,
+    ) -> None:
+        """Before reading tensors: refuse a pre-quantized checkpoint when there is anything to merge."""
+        if self.is_empty:
+            return
+        for key in keys:
+            if is_quantized_key(key):
+                reject_quantized_weight(key, None, self.prefix, source)
+            if dtypes is not None and dtypes.get(key) in QUANTIZED_DTYPES and key.endswith(".weight"):
+                reject_quantized_weight(key, torch.empty(0, dtype=dtypes[key]), self.prefix, source)
+
+    def merge(self, model_key: str, tensor: torch.Tensor, source: str | os.PathLike | None = None) -> torch.Tensor:
+        """The tensor with every LoRA that targets `model_key` merged in (the same tensor when none does)."""
+        if self.is_empty:
+            return tensor
+        reject_quantized_weight(model_key, tensor, self.prefix, source)
+        name = self.lora_name(model_key)
+        if name is None or name not in self._modules:
+            return tensor
+        self._matched.add(name)
+        factors = [(m.down, m.up, m.alpha, m.multiplier) for m in self._modules[name]]
+        return merged_weight(tensor, factors, model_key)
+
+    def unmatched(self) -> list[str]:
+        """LoRA modules (of this prefix) that no merged key matched so far."""
+        return sorted(set(self._modules) - self._matched)
+
+    def finish(self) -> list[str]:
+        """Log a warning for the LoRA modules that matched no weight (count + examples) and return them."""
+        missing = self.unmatched()
+        if missing:
+            logger.warning(
+                "%d %s LoRA modules matched no weight of the model and were not merged (e.g. %s): the LoRA was trained"
+                " for another model or another module layout",
+                len(missing),
+                "DiT" if self.prefix == "lora_unet" else "text encoder",
+                ", ".join(missing[:5]),
+            )
+        else:
+            logger.info("merged %d %s LoRA modules", len(self._modules), self.prefix)
+        return missing
+
+
+def load_lora_files(
+    paths: Sequence[str | os.PathLike], multipliers: Sequence[float] | None = None
+) -> list[tuple[dict[str, torch.Tensor], float]]:
+    """Read `--lora_weight` files with their `--lora_multiplier` (none given: 1.0 each; else one per file)."""
+    from library.safetensors_utils import check_safetensors_path, load_safetensors
+
+    multipliers = list(multipliers or [])
+    if multipliers and len(multipliers) != len(paths):
+        raise UserError(
+            f"{len(paths)} LoRA files but {len(multipliers)} multipliers: give one --lora_multiplier per --lora_weight"
+            " (or none for 1.0 each)."
+        )
+    values = multipliers or [1.0] * len(paths)
+    return [(load_safetensors(check_safetensors_path(p, "LoRA file")), float(m)) for p, m in zip(paths, values)]
+
+
+def merge_into_module(model: nn.Module, plan: LoraMergePlan) -> int:
+    """Merge in place into an already built model (parameters and buffers named `*.weight`); returns merged count."""
+    if plan.is_empty:
+        return 0
+    merged = 0
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    plan.check_checkpoint_keys([k for k, _ in tensors])
+    for key, tensor in tensors:
+        if not key.endswith(".weight"):
+            continue
+        reject_quantized_weight(key, tensor, plan.prefix)
+        if plan.targets(key):
+            tensor.data = plan.merge(key, tensor.data)
+            merged += 1
+    return merged
