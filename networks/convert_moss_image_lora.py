@@ -79,7 +79,7 @@ def split_sd_key(key: str) -> tuple[str, str, str]:
             return prefix, name[len(prefix) + 1 :], suffix
     raise UserError(
         f"LoRA key '{key}' is not an sd-scripts LoRA key (lora_unet_/lora_te_ + .lora_down.weight / .lora_up.weight /"
-        " .alpha): only LoRA files of networks.lora_generic can be converted."
+        " .alpha): only plain LoRA files (networks.lora_generic) are supported, not LoHa / LoKr or other adapters."
     )
 
 
