@@ -1,8 +1,9 @@
 """The dataset command-line options, with sd-scripts' names and defaults (imports nothing heavy: `--help` is fast).
 
-Options of sd-scripts that cannot apply to MOSS-Image (Stable Diffusion face crops, weighted captions, ControlNet
-conditioning folders, custom dataset classes) are still declared, so that a pasted command does not fail with a
-bare "unrecognized arguments", but `check_unsupported_dataset_args` rejects them with a sentence when they are set.
+Options of sd-scripts that cannot apply to MOSS-Image (Stable Diffusion face crops, ControlNet conditioning folders,
+custom dataset classes) are still declared, so that a pasted command does not fail with a bare "unrecognized
+arguments", but `check_unsupported_dataset_args` rejects them with a sentence when they are set.
+`--weighted_captions` is declared and rejected with the other Stable Diffusion options in `library.train_args`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from library.errors import UserError
 # option -> why it is rejected
 UNSUPPORTED_DATASET_OPTIONS: dict[str, str] = {
     "face_crop_aug_range": "is a Stable Diffusion face-crop augmentation that moss-image-scripts does not support",
-    "weighted_captions": "is the Stable Diffusion (CLIP) '(word:1.2)' caption weighting, which the Qwen3.5 text"
-    " encoder does not use",
     "conditioning_data_dir": "belongs to ControlNet / mask datasets, which moss-image-scripts does not support"
     " (use alpha_mask for masked loss)",
     "dataset_class": "loads a custom dataset class, which moss-image-scripts does not support (use --dataset_config)",
@@ -69,7 +68,6 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--token_warmup_min", type=int, default=1, help="tags used at the first step of token warmup")
     c.add_argument("--token_warmup_step", type=float, default=0,
                    help="steps until all tags are used (below 1: a fraction of the training steps)")
-    c.add_argument("--weighted_captions", action="store_true", help="not supported (Stable Diffusion only)")
 
     a = parser.add_argument_group("augmentation and masks")
     a.add_argument("--color_aug", action="store_true", help="small random hue/gamma changes")
