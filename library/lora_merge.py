@@ -55,11 +55,14 @@ def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactor], key: str 
     if not active:
         return weight
     if weight.dim() != 2:
-        raise UserError(f"LoRA targets '{key}' of shape {tuple(weight.shape)}: only Linear (2-D) weights can be merged.")
+        raise UserError(
+            f"LoRA targets '{key}' of shape {tuple(weight.shape)}: only Linear (2-D) weights can be merged."
+        )
     result = weight.to(dtype=torch.float32, copy=True)
     for down, up, alpha, multiplier in active:
         rank = down.shape[0]
-        if up.dim() != 2 or down.dim() != 2 or up.shape[1] != rank or (up.shape[0], down.shape[1]) != tuple(weight.shape):
+        fits = up.dim() == 2 and down.dim() == 2 and up.shape[1] == rank
+        if not fits or (up.shape[0], down.shape[1]) != tuple(weight.shape):
             raise UserError(
                 f"LoRA for '{key}' has up {tuple(up.shape)} / down {tuple(down.shape)}, which does not fit the weight"
                 f" {tuple(weight.shape)}: the LoRA was trained for another model size."
@@ -72,11 +75,13 @@ def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactor], key: str 
 
 
 def is_quantized_key(key: str) -> bool:
-    """True for the side tensors of quantized layers (ConvRot INT8 `weight_scale` / `comfy_quant`, fp8 `scale_weight`)."""
+    """True for side tensors of quantized layers (ConvRot INT8 `weight_scale` / `comfy_quant`, fp8 `scale_weight`)."""
     return key.endswith(QUANTIZED_KEY_SUFFIXES)
 
 
-def reject_quantized_weight(key: str, tensor: torch.Tensor | None, prefix: str, source: str | os.PathLike | None = None) -> None:
+def reject_quantized_weight(
+    key: str, tensor: torch.Tensor | None, prefix: str, source: str | os.PathLike | None = None
+) -> None:
     """UserError when `key` / `tensor` belong to a pre-quantized checkpoint (a LoRA cannot be merged into it)."""
     dtype = tensor.dtype if tensor is not None else None
     if not is_quantized_key(key) and dtype not in QUANTIZED_DTYPES:
@@ -112,7 +117,9 @@ def _lora_modules(sd: Mapping[str, torch.Tensor], name: str) -> dict[tuple[str, 
         groups.setdefault((prefix, module), {})[suffix] = value
     for (prefix, module), parts in groups.items():
         if "lora_down.weight" not in parts or "lora_up.weight" not in parts:
-            raise UserError(f"The LoRA {name}: module '{prefix}_{module}' lacks lora_down or lora_up (incomplete file).")
+            raise UserError(
+                f"The LoRA {name}: module '{prefix}_{module}' lacks lora_down or lora_up (incomplete file)."
+            )
     return groups
 
 
@@ -135,7 +142,9 @@ class LoraMergePlan:
             for (module_prefix, module), parts in _lora_modules(sd, label).items():
                 if module_prefix != prefix:
                     continue
-                entry = _Module(parts["lora_down.weight"], parts["lora_up.weight"], parts.get("alpha"), float(multiplier), index)
+                entry = _Module(
+                    parts["lora_down.weight"], parts["lora_up.weight"], parts.get("alpha"), float(multiplier), index
+                )
                 self._modules.setdefault(f"{prefix}_{module}", []).append(entry)
         self._matched: set[str] = set()
 

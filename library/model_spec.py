@@ -11,9 +11,9 @@ read the key at all: it maps the tensor names. So the base architecture is `moss
 and a LoRA file carries it with the `/lora` suffix, exactly what the seed's trainer (sd-scripts' model-spec builder
 with `lora=True`) writes.
 
-Prediction type. MOSS-Image is a rectified-flow model whose target is the velocity noise - x0; `modelspec.prediction_type`
-is "flow". "v" would tell SD tools "v-parameterisation" (alpha * eps - sigma * x0), a different target; "epsilon",
-which sd-scripts writes for Anima, is wrong.
+Prediction type. MOSS-Image is a rectified-flow model whose target is the velocity noise - x0;
+`modelspec.prediction_type` is "flow". "v" would tell SD tools "v-parameterisation" (alpha * eps - sigma * x0),
+a different target; "epsilon", which sd-scripts writes for Anima, is wrong.
 
 Hashes (what the sd-webui additional-networks extension and sd-scripts compute; `precalculate_safetensors_hashes`):
 the state dict is serialised in memory with only the `ss_*` metadata;
@@ -59,8 +59,9 @@ LEGACY_HASH_OFFSET = 0x100000
 LEGACY_HASH_LENGTH = 0x10000
 
 # ss_<name> = str(args.<name>): the sd-scripts training keys that mean something for a flow-matching DiT LoRA.
-# Left out on purpose (SD-only options this trainer rejects): clip_skip, max_token_length, noise_offset(+_random_strength),
-# multires_noise_*, adaptive_noise_scale, zero_terminal_snr, min_snr_gamma, debiased_estimation, fp8_base(_unet).
+# Left out on purpose (SD-only options this trainer rejects): clip_skip, max_token_length,
+# noise_offset(+_random_strength), multires_noise_*, adaptive_noise_scale, zero_terminal_snr, min_snr_gamma,
+# debiased_estimation, fp8_base(_unet). full_bf16 is added next to sd-scripts' full_fp16.
 TRAINING_ARG_KEYS: tuple[str, ...] = (
     "output_name",
     "learning_rate",
@@ -295,7 +296,9 @@ def modelspec_from_args(args: Any, timestamp: float | None = None, lora: bool = 
             extra[name[len("metadata_") :]] = value
     title = getattr(args, "metadata_title", None) or getattr(args, "output_name", None) or f"LoRA@{int(ts)}"
     tmin, tmax = getattr(args, "min_timestep", None), getattr(args, "max_timestep", None)
-    timestep_range = (tmin if tmin is not None else 0, tmax if tmax is not None else 1000) if (tmin, tmax) != (None, None) else None
+    timestep_range = None
+    if tmin is not None or tmax is not None:
+        timestep_range = (tmin if tmin is not None else 0, tmax if tmax is not None else 1000)
     return modelspec_metadata(title, ts, getattr(args, "resolution", None), lora, timestep_range, extra)
 
 

@@ -162,7 +162,7 @@ def _split_peft_key(key: str) -> tuple[str, str, str]:
 
 
 def to_sd_scripts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """PEFT keys (either DiT prefix, `text_encoder.` for the TE) -> sd-scripts keys; a missing alpha means alpha = rank."""
+    """PEFT keys (either DiT prefix; `text_encoder.` for the TE) -> sd-scripts keys; no alpha means alpha = rank."""
     groups: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for key, value in sd.items():
         prefix, path, suffix = _split_peft_key(key)

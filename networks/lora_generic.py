@@ -63,7 +63,9 @@ ACCEPTED_NETWORK_ARGS: dict[str, str] = {
     "verbose": "bool, log every LoRA module with its rank and alpha",
 }
 # Keys that choose modules or ranks; they have no effect when the modules come from a weights file.
-_SELECTION_ARGS = ("train_text_embedder", "train_llm_adapter", "exclude_patterns", "include_patterns", "network_reg_dims")
+_SELECTION_ARGS = (
+    "train_text_embedder", "train_llm_adapter", "exclude_patterns", "include_patterns", "network_reg_dims"
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -74,8 +76,8 @@ def _check_network_args(kwargs: Mapping[str, Any]) -> None:
     unknown = sorted(k for k in kwargs if k not in ACCEPTED_NETWORK_ARGS)
     if unknown:
         raise UserError(
-            f"Unknown --network_args key(s) {', '.join(repr(k) for k in unknown)} for networks.lora_generic: the accepted"
-            f" keys are {', '.join(ACCEPTED_NETWORK_ARGS)}."
+            f"Unknown --network_args key(s) {', '.join(repr(k) for k in unknown)} for networks.lora_generic:"
+            f" the accepted keys are {', '.join(ACCEPTED_NETWORK_ARGS)}."
         )
 
 
@@ -113,7 +115,7 @@ def _compile_pattern(option: str, pattern: str) -> re.Pattern[str]:
 
 
 def parse_pattern_list(name: str, value: Any) -> list[str]:
-    """A Python list literal of regex strings (`['.*ffn.*', 'layers\\.0\\..*']`), a single quoted string, or one bare regex."""
+    """A Python list literal of regexes (`['.*ffn.*', 'layers\\.0\\..*']`), one quoted string, or one bare regex."""
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
@@ -157,7 +159,9 @@ def parse_regex_values(name: str, value: Any, as_int: bool) -> dict[str, float |
                 items.append((pattern.strip(), raw.strip()))
                 pending = ""
         if pending.strip():
-            raise UserError(f"--network_args {name}: {pending!r} has no '=value'; the format is 'regex=value,regex=value'.")
+            raise UserError(
+                f"--network_args {name}: {pending!r} has no '=value'; the format is 'regex=value,regex=value'."
+            )
     result: dict[str, float | int] = {}
     for pattern, raw in items:
         if not pattern:
@@ -202,8 +206,10 @@ class NetworkOptions:
         opts.train_text_embedder = bool(flags and flags[0])
         opts.exclude_patterns = parse_pattern_list("exclude_patterns", kwargs.get("exclude_patterns"))
         opts.include_patterns = parse_pattern_list("include_patterns", kwargs.get("include_patterns"))
-        opts.reg_dims = {k: int(v) for k, v in parse_regex_values("network_reg_dims", kwargs.get("network_reg_dims"), True).items()}
-        opts.reg_lrs = {k: float(v) for k, v in parse_regex_values("network_reg_lrs", kwargs.get("network_reg_lrs"), False).items()}
+        reg_dims = parse_regex_values("network_reg_dims", kwargs.get("network_reg_dims"), True)
+        reg_lrs = parse_regex_values("network_reg_lrs", kwargs.get("network_reg_lrs"), False)
+        opts.reg_dims = {k: int(v) for k, v in reg_dims.items()}
+        opts.reg_lrs = {k: float(v) for k, v in reg_lrs.items()}
         opts.rank_dropout = parse_float("rank_dropout", kwargs.get("rank_dropout"), 0.0, 1.0)
         opts.module_dropout = parse_float("module_dropout", kwargs.get("module_dropout"), 0.0, 1.0)
         for name in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
@@ -225,7 +231,8 @@ def is_linear_like(module: nn.Module) -> bool:
         return False
     if isinstance(module, nn.Linear):
         return True
-    return isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int)
+    in_features, out_features = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    return isinstance(in_features, int) and isinstance(out_features, int)
 
 
 def lora_name_for(prefix: str, original_name: str) -> str:
@@ -289,7 +296,7 @@ def _single_text_encoder(text_encoders: Any) -> nn.Module | None:
 
 
 class LoRAModule(nn.Module):
-    """y = org(x) + multiplier * (alpha / rank) * up(down(x)); wraps the original module's forward, keeps its weights."""
+    """y = org(x) + multiplier * (alpha / rank) * up(down(x)); wraps the original forward, never touches its weights."""
 
     def __init__(
         self,
@@ -382,8 +389,10 @@ class LoRAModule(nn.Module):
 def _warn_unused_patterns(kind: str, patterns: Iterable[str], names: Sequence[str]) -> None:
     for pattern in patterns:
         if not any(re.fullmatch(pattern, n) for n in names):
-            logger.warning("%s pattern %r matches no module (patterns use re.fullmatch on names like %r)", kind, pattern,
-                           names[0] if names else "layers.0.proj.q")
+            example = names[0] if names else "layers.0.proj.q"
+            logger.warning(
+                "%s pattern %r matches no module (patterns use re.fullmatch on names like %r)", kind, pattern, example
+            )
 
 
 class LoRANetwork(nn.Module):
@@ -405,7 +414,9 @@ class LoRANetwork(nn.Module):
         self.add_module(lora.lora_name, lora)
         (self.unet_loras if is_unet else self.text_encoder_loras).append(lora)
 
-    def _make_lora(self, prefix: str, name: str, module: nn.Module, dim: int, alpha: float | torch.Tensor | None) -> LoRAModule:
+    def _make_lora(
+        self, prefix: str, name: str, module: nn.Module, dim: int, alpha: float | torch.Tensor | None
+    ) -> LoRAModule:
         opts = self.options
         return LoRAModule(
             lora_name_for(prefix, name),
@@ -589,7 +600,7 @@ class LoRANetwork(nn.Module):
         return groups
 
     def enable_gradient_checkpointing(self) -> None:
-        """Nothing to do: the LoRA branch runs inside the checkpointed blocks of the model and is recomputed with them."""
+        """Nothing to do: the LoRA branch runs inside the model's checkpointed blocks and is recomputed with them."""
         logger.debug("LoRA modules are recomputed with the model's checkpointed blocks")
 
     def prepare_grad_etc(self, text_encoder: Any = None, unet: Any = None) -> None:
@@ -601,13 +612,17 @@ class LoRANetwork(nn.Module):
     def get_trainable_params(self) -> Iterable[nn.Parameter]:
         return self.parameters()
 
-    def save_weights(self, file: str | os.PathLike, dtype: torch.dtype | None, metadata: Mapping[str, Any] | None) -> None:
+    def save_weights(
+        self, file: str | os.PathLike, dtype: torch.dtype | None, metadata: Mapping[str, Any] | None
+    ) -> None:
         """Write the LoRA as .safetensors atomically; with metadata, the sshs_* hashes are added first."""
         from library.model_spec import add_hashes, stringify
         from library.safetensors_utils import save_file_atomic
 
         if os.path.splitext(str(file))[1].lower() != ".safetensors":
-            raise UserError(f"Cannot save the LoRA as '{file}': only .safetensors is written; use --save_model_as safetensors.")
+            raise UserError(
+                f"Cannot save the LoRA as '{file}': only .safetensors is written; use --save_model_as safetensors."
+            )
         state_dict = {k: v.detach().to("cpu", dtype=dtype if dtype is not None else v.dtype).contiguous()
                       for k, v in self.state_dict().items()}
         meta = stringify(metadata) if metadata else {}
@@ -616,7 +631,9 @@ class LoRANetwork(nn.Module):
         save_file_atomic(state_dict, file, meta or None)
         logger.info("saved LoRA (%d tensors) to %s", len(state_dict), file)
 
-    def apply_max_norm_regularization(self, max_norm_value: float, device: torch.device | str) -> tuple[int, float, float]:
+    def apply_max_norm_regularization(
+        self, max_norm_value: float, device: torch.device | str
+    ) -> tuple[int, float, float]:
         """Scale down every module whose update norm |scale * up @ down| exceeds max_norm_value (--scale_weight_norms).
 
         Returns (number of modules scaled, mean norm after scaling, max norm after scaling).
@@ -660,8 +677,8 @@ class LoRANetwork(nn.Module):
                 continue
             alpha = weights_sd.get(f"{lora.lora_name}.alpha")
             weight = lora.org_module.weight
-            is_unet = lora.lora_name.startswith(LORA_PREFIX_UNET + "_")
-            reject_quantized_weight(lora.original_name + ".weight", weight, LORA_PREFIX_UNET if is_unet else LORA_PREFIX_TEXT_ENCODER)
+            prefix = LORA_PREFIX_UNET if lora.lora_name.startswith(LORA_PREFIX_UNET + "_") else LORA_PREFIX_TEXT_ENCODER
+            reject_quantized_weight(lora.original_name + ".weight", weight, prefix)
             target = weight.data.to(device) if device is not None else weight.data
             new = merged_weight(target, [(down, up, alpha, lora.multiplier)])
             weight.data = new.to(dtype) if dtype is not None else new
@@ -678,7 +695,9 @@ def _single_lr(value: float | Sequence[float] | None, default: float | None) -> 
     if not values:
         return default
     if len(values) > 1:
-        logger.warning("--text_encoder_lr has %d values; MOSS-Image has one text encoder, using %g", len(values), values[0])
+        logger.warning(
+            "--text_encoder_lr has %d values; MOSS-Image has one text encoder, using %g", len(values), values[0]
+        )
     return float(values[0])
 
 
@@ -705,7 +724,7 @@ def create_network(
     neuron_dropout: float | None = None,
     **kwargs: Any,
 ) -> LoRANetwork:
-    """Build the LoRA network for training (`--network_dim`, `--network_alpha`, `--network_dropout`, `--network_args`)."""
+    """The LoRA network for training (`--network_dim`, `--network_alpha`, `--network_dropout`, `--network_args`)."""
     options = NetworkOptions.from_kwargs(kwargs)
     dim = DEFAULT_NETWORK_DIM if network_dim is None else int(network_dim)
     if dim <= 0:
@@ -765,7 +784,9 @@ def create_network_from_weights(
     options = NetworkOptions.from_kwargs(kwargs)
     ignored = [k for k in _SELECTION_ARGS if k in kwargs]
     if ignored:
-        logger.warning("--network_args %s ignored: the modules and ranks come from the weights file", ", ".join(ignored))
+        logger.warning(
+            "--network_args %s ignored: the modules and ranks come from the weights file", ", ".join(ignored)
+        )
     if weights_sd is None:
         from library.safetensors_utils import load_safetensors
 

@@ -21,9 +21,10 @@ from tools import show_metadata
 
 def args_namespace(**overrides) -> argparse.Namespace:
     values = dict(
-        output_name="my_moss_lora", learning_rate=1e-4, text_encoder_lr=None, unet_lr=None, network_module="networks.lora_generic",
-        network_dim=None, network_alpha=None, network_dropout=None, network_args=["train_text_embedder=True", "verbose=False"],
-        mixed_precision="bf16", gradient_checkpointing=True, seed=42, max_train_steps=1600, weighting_scheme="logit_normal",
+        output_name="my_moss_lora", learning_rate=1e-4, text_encoder_lr=None, unet_lr=None,
+        network_module="networks.lora_generic", network_dim=None, network_alpha=None, network_dropout=None,
+        network_args=["train_text_embedder=True", "verbose=False"], mixed_precision="bf16",
+        gradient_checkpointing=True, seed=42, max_train_steps=1600, weighting_scheme="logit_normal",
         logit_mean=-1.09, logit_std=0.95, mode_scale=1.29, timestep_sampling="sigma", sigmoid_scale=1.0,
         discrete_flow_shift=1.0, resolution="1024,768", metadata_title=None, metadata_author="me",
         metadata_description=None, metadata_license="apache-2.0", metadata_tags="style, test",
@@ -55,7 +56,10 @@ def test_model_hash_of_a_hand_built_file():
 
 
 def test_hashes_match_files_written_to_disk(tmp_path):
-    tensors = {"w": torch.arange(300_000, dtype=torch.float32).reshape(600, 500), "b": torch.ones(3, dtype=torch.bfloat16)}
+    tensors = {
+        "w": torch.arange(300_000, dtype=torch.float32).reshape(600, 500),
+        "b": torch.ones(3, dtype=torch.bfloat16),
+    }
     metadata = {"ss_network_dim": "4", "ss_tag_frequency": json.dumps({"a": {"cat": 3}}), "modelspec.title": "x"}
     model_spec.add_hashes(tensors, metadata)
 
@@ -153,14 +157,16 @@ def test_modelspec_keys(tmp_path):
     assert md["modelspec.resolution"] == "1024x768"
     assert md["modelspec.date"] == datetime.datetime.fromtimestamp(1_700_000_000).isoformat()
     assert md["modelspec.prediction_type"] == "flow"
-    assert md["modelspec.author"] == "me" and md["modelspec.license"] == "apache-2.0" and md["modelspec.tags"] == "style, test"
+    assert md["modelspec.author"] == "me" and md["modelspec.license"] == "apache-2.0"
+    assert md["modelspec.tags"] == "style, test"
     assert md["modelspec.thumbnail"].startswith("data:image/png;base64,")
     assert md["modelspec.implementation_version"].startswith("moss-image-scripts/")
     assert "modelspec.description" not in md and "modelspec.timestep_range" not in md
     base = model_spec.modelspec_metadata("Full model", ts, None, lora=False, timestep_range=(0, 500))
     assert base["modelspec.architecture"] == "moss-image-base" and base["modelspec.resolution"] == "1024x1024"
     assert base["modelspec.timestep_range"] == "0,500"
-    untitled = model_spec.modelspec_from_args(args_namespace(output_name=None, metadata_thumbnail="nope.png"), timestamp=ts)
+    no_title = args_namespace(output_name=None, metadata_thumbnail="nope.png")
+    untitled = model_spec.modelspec_from_args(no_title, timestamp=ts)
     assert untitled["modelspec.title"] == "LoRA@1700000000" and "modelspec.thumbnail" not in untitled
 
 

@@ -24,6 +24,12 @@ from library.errors import UserError
 TRUNCATE = 160
 
 
+def _part_of(lora_name: str) -> str:
+    if lora_name.startswith("lora_unet_"):
+        return "DiT"
+    return "text encoder" if lora_name.startswith("lora_te_") else "other"
+
+
 def _lora_summary(path: Path) -> dict[str, Any]:
     from library.safetensors_utils import SafetensorsFile
 
@@ -37,8 +43,7 @@ def _lora_summary(path: Path) -> dict[str, Any]:
             name, _, suffix = key.partition(".")
             if suffix == "lora_down.weight":
                 ranks[f.shape(key)[0]] += 1
-                part = "DiT" if name.startswith("lora_unet_") else "text encoder" if name.startswith("lora_te_") else "other"
-                modules[part] += 1
+                modules[_part_of(name)] += 1
             elif suffix == "alpha":
                 alphas[round(float(f.get_tensor(key).float().item()), 6)] += 1
     return {
@@ -78,7 +83,8 @@ def _format_value(value: str, full: bool) -> str:
         except ValueError:
             parsed = None
         if parsed is not None and full:
-            return "\n" + "\n".join("      " + line for line in json.dumps(parsed, indent=2, ensure_ascii=False).splitlines())
+            pretty = json.dumps(parsed, indent=2, ensure_ascii=False)
+            return "\n" + "\n".join("      " + line for line in pretty.splitlines())
     if not full and len(text) > TRUNCATE:
         text = text[:TRUNCATE] + f"... ({len(value)} chars, --full shows all)"
     return text
