@@ -273,3 +273,99 @@ def make_text_encode_fn(text_model: Any, tokenizer: Any, max_length: int) -> Cal
             return encode_prompts(text_model, tokenizer, list(captions), max_length)
 
     return encode
+
+
+def _progress(items: Sequence[Any], desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, disable=not enabled, smoothing=0)
+
+
+def cache_latents(
+    groups: Sequence[Any],
+    vae: Any,
+    strategy: MossImageLatentsCachingStrategy,
+    process_index: int = 0,
+    num_processes: int = 1,
+    show_progress: bool = True,
+) -> int:
+    """Attach `strategy` to the groups and encode every image whose cache is missing or stale.
+
+    Images are grouped by bucket (one VAE call per `strategy.batch_size` images of one bucket); with several
+    processes each caches its share of the disk files. Returns the number of images this process encoded.
+    """
+    from library.datasets import prepare_image_for_cache
+
+    todo: list[ImageInfo] = []
+    for group in groups:
+        if group is None:
+            continue
+        group.attach_latents_cache(strategy)
+        for info in group.image_infos():
+            flip, alpha = bool(info.subset.flip_aug), bool(info.subset.alpha_mask)
+            if strategy.cache_to_disk and strategy.is_disk_cached_latents_expected(
+                info.bucket_reso, info.latents_npz, flip, alpha
+            ):
+                continue
+            todo.append(info)
+    todo = list({id(i): i for i in todo}.values())
+    if strategy.cache_to_disk:
+        todo = my_share(sorted(todo, key=lambda i: i.absolute_path), process_index, num_processes)
+    by_bucket: dict[tuple[int, int, bool], list[ImageInfo]] = {}
+    for info in todo:
+        by_bucket.setdefault((*info.bucket_reso, bool(info.subset.flip_aug)), []).append(info)
+    batches = [b for infos in by_bucket.values() for b in batched(infos, strategy.batch_size)]
+    done = 0
+    for batch in _progress(batches, "caching latents", show_progress):
+        prepared = [prepare_image_for_cache(i) for i in batch]
+        images = torch.stack([p.image for p in prepared])
+        with torch.no_grad():
+            lat = vae.encode(images)
+            lat_flipped = vae.encode(images.flip(-1)) if batch[0].subset.flip_aug else None
+        for k, (info, p) in enumerate(zip(batch, prepared)):
+            top, left = p.crop_top_left
+            crop = (left, top, left + info.bucket_reso[0], top + info.bucket_reso[1])
+            strategy.store(info, lat[k], None if lat_flipped is None else lat_flipped[k], p.alpha_mask, crop)
+        done += len(batch)
+    logger.info("latents: %d images encoded by this process", done)
+    return done
+
+
+def cache_text_encoder_outputs(
+    groups: Sequence[Any],
+    encode: Callable[[Sequence[str]], list[TextOutputs]],
+    strategy: MossImageTextEncoderOutputsCachingStrategy,
+    process_index: int = 0,
+    num_processes: int = 1,
+    show_progress: bool = True,
+) -> int:
+    """Attach `strategy` to the groups, encode the empty prompt, then every caption candidate whose cache is
+    missing or stale (all candidates of an image in one file). Returns the number of images this process encoded."""
+    strategy.set_uncond(encode([""])[0])
+    todo: list[tuple[ImageInfo, list[str]]] = []
+    seen: set[str] = set()
+    for group in groups:
+        if group is None:
+            continue
+        group.attach_text_encoder_outputs_cache(strategy, cache_supports_dropout=True,
+                                                supports_multiple_caption_candidates=True)
+        for info in group.image_infos():
+            captions = group.captions_for_text_encoder_cache(info)
+            key = f"{info.te_outputs_npz}|{len(captions)}" if strategy.cache_to_disk else str(id(info))
+            if key in seen:
+                continue
+            seen.add(key)
+            if strategy.cache_to_disk and strategy.is_disk_cached_outputs_expected(info.te_outputs_npz, captions):
+                continue
+            todo.append((info, captions))
+    if strategy.cache_to_disk:
+        todo = my_share(sorted(todo, key=lambda t: t[0].absolute_path), process_index, num_processes)
+    for chunk in _progress(batched(todo, strategy.batch_size), "caching text encoder outputs", show_progress):
+        flat = [c for _, caps in chunk for c in caps]
+        outputs = encode(flat)
+        pos = 0
+        for info, caps in chunk:
+            strategy.store(info, caps, outputs[pos : pos + len(caps)])
+            pos += len(caps)
+    logger.info("text encoder outputs: %d images encoded", len(todo))
+    return len(todo)

@@ -1,0 +1,114 @@
+"""One image from prompt embeddings: noise -> official sampler -> VAE decode -> PNG with its settings in the metadata.
+
+Shared by the trainer's sample images and `moss_image_minimal_inference.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from library.flux2_vae import denormalize_latents, unpatchify_latents
+from library.moss_image_sampling import initial_noise, sample
+
+logger = logging.getLogger(__name__)
+
+TextOutputs = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class GenerationSettings:
+    prompt: str
+    negative_prompt: str = ""
+    width: int = 1024
+    height: int = 1024
+    sample_steps: int = 50
+    scale: float = 3.0
+    flow_shift: float = 5.0
+    seed: int | None = None
+    uncond_skip_layers: tuple[int, ...] = (22,)
+
+    @staticmethod
+    def from_prompt_dict(d: dict[str, Any], uncond_skip_layers: tuple[int, ...], default_seed: int | None) -> "GenerationSettings":
+        seed = d.get("seed")
+        return GenerationSettings(
+            prompt=d.get("prompt", ""), negative_prompt=d.get("negative_prompt") or "", width=int(d.get("width", 1024)),
+            height=int(d.get("height", 1024)), sample_steps=int(d.get("sample_steps", 50)),
+            scale=float(d.get("scale", 3.0)), flow_shift=float(d.get("flow_shift", 5.0)),
+            seed=default_seed if seed is None else int(seed), uncond_skip_layers=tuple(uncond_skip_layers),
+        )
+
+
+def _batch(out: TextOutputs, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    e, m = out
+    return e.to(device, dtype)[None] if e.ndim == 2 else e.to(device, dtype), (m[None] if m.ndim == 1 else m).to(device)
+
+
+def denoise(
+    dit: Any, settings: GenerationSettings, cond: TextOutputs, uncond: TextOutputs | None, device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """DiT latents [1, 128, H/16, W/16] (float32) for one prompt."""
+    if settings.seed is None:
+        settings.seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    noise = initial_noise(settings.height, settings.width, settings.seed, device=device)
+    dtype = dit.dtype if dit.dtype.is_floating_point else torch.bfloat16
+    ce, cm = _batch(cond, device, dtype)
+    ue, um = _batch(uncond, device, dtype) if uncond is not None else (None, None)
+    ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else _null()
+    with ctx:
+        return sample(dit, noise, ce, cm, ue, um, steps=settings.sample_steps, guidance_scale=settings.scale,
+                      shift=settings.flow_shift, uncond_skip_layers=settings.uncond_skip_layers)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@torch.no_grad()
+def decode_to_pil(vae: Any, dit_latents: torch.Tensor) -> list[Any]:
+    """DiT latents -> inverse BatchNorm -> unpatchify -> VAE decode -> PIL images."""
+    from PIL import Image
+
+    lat = dit_latents.to(vae.device, torch.float32)
+    raw = unpatchify_latents(denormalize_latents(lat, vae.bn.running_mean.float(), vae.bn.running_var.float()))
+    images = vae.decode(raw).clamp(-1, 1)
+    out = []
+    for img in images:
+        arr = ((img.float().cpu() + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
+        out.append(Image.fromarray(np.ascontiguousarray(arr)))
+    return out
+
+
+def png_metadata(settings: GenerationSettings, extra: dict[str, Any] | None = None) -> Any:
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("prompt", settings.prompt)
+    info.add_text("negative_prompt", settings.negative_prompt)
+    info.add_text("seed", str(settings.seed))
+    d = asdict(settings)
+    d.update(extra or {})
+    info.add_text("moss_image_settings", json.dumps(d, default=str))
+    return info
+
+
+def save_png(image: Any, path: str | os.PathLike, settings: GenerationSettings, extra: dict[str, Any] | None = None) -> Path:
+    """Save atomically (temp file + rename) with the prompt, seed and settings in the PNG text chunks."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    image.save(tmp, format="PNG", pnginfo=png_metadata(settings, extra))
+    os.replace(tmp, p)
+    return p

@@ -1,0 +1,102 @@
+"""Sample images during training (`--sample_prompts`, `--sample_every_n_steps/epochs`, `--sample_at_first`).
+
+Files: `<output_dir>/sample/<output_name>_<e000001|000010>_<i:02d>_<YYYYmmddHHMMSS>_<seed>.png`, each with its prompt,
+seed and settings in the PNG metadata. The text-encoder outputs of the prompts come from the cache made before the
+encoder left the GPU (with --cache_text_encoder_outputs) or from the encoder itself. The RNG states of the run are
+saved and restored around sampling, so sampling never changes the training randomness.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def is_due(args: Any, epoch: int | None, step: int) -> bool:
+    if not args.sample_prompts:
+        return False
+    if epoch is None:
+        if step == 0:
+            return bool(args.sample_at_first)
+        return bool(args.sample_every_n_steps) and step % args.sample_every_n_steps == 0
+    return bool(args.sample_every_n_epochs) and epoch % args.sample_every_n_epochs == 0
+
+
+def sample_images_if_due(trainer: Any, run: Any, epoch: int | None, step: int) -> list[Path]:
+    args, acc = run.args, run.accelerator
+    if not is_due(args, epoch, step):
+        return []
+    acc.wait_for_everyone()
+    if not acc.is_main_process:
+        acc.wait_for_everyone()
+        return []
+    rng_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        paths = _generate_all(trainer, run, epoch, step)
+    finally:
+        torch.set_rng_state(rng_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state_all(cuda_state)
+    acc.wait_for_everyone()
+    return paths
+
+
+def _text_outputs(trainer: Any, run: Any, texts: list[str]) -> dict[str, Any]:
+    cached = trainer.sample_prompts_te_outputs or {}
+    missing = [t for t in texts if t not in cached]
+    if not missing:
+        return cached
+    te = run.text_encoders[0] if run.text_encoders else None
+    if te is None:
+        raise RuntimeError("sample prompts were not cached and the text encoder is gone")
+    from library.strategy_moss_image import make_text_encode_fn
+
+    te_was = next(te.parameters()).device
+    te.to(run.accelerator.device)
+    encoded = make_text_encode_fn(te, trainer.tokenizer, run.args.moss_max_token_length)(missing)
+    if not trainer.is_train_text_encoder(run.args):
+        te.to(te_was)
+    return {**cached, **dict(zip(missing, encoded))}
+
+
+def _generate_all(trainer: Any, run: Any, epoch: int | None, step: int) -> list[Path]:
+    from library.moss_image_generation import GenerationSettings, decode_to_pil, denoise, save_png
+    from library.moss_image_sampling import load_prompts, parse_uncond_skip_layers
+
+    args, acc = run.args, run.accelerator
+    prompts = load_prompts(args.sample_prompts)
+    skip = parse_uncond_skip_layers(args.sample_uncond_skip_layers, run.unet.config.num_layers)
+    texts = list(dict.fromkeys(t for p in prompts for t in (p.get("prompt", ""), p.get("negative_prompt") or "")))
+    outputs = _text_outputs(trainer, run, texts)
+    out_dir = Path(args.output_dir) / "sample"
+    suffix = f"e{epoch:06d}" if epoch is not None else f"{step:06d}"
+    stamp = time.strftime("%Y%m%d%H%M%S")
+    name = args.output_name or "last"
+    dit = run.unet
+    was_training = dit.training
+    dit.eval()
+    run.vae.to(acc.device)
+    paths = []
+    autocast = run.weight_dtype if run.weight_dtype != torch.float32 else None
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            settings = GenerationSettings.from_prompt_dict(p, skip, default_seed=(args.seed or 0) + i)
+            cond = outputs[settings.prompt]
+            uncond = outputs[settings.negative_prompt] if settings.scale != 1.0 else None
+            latents = denoise(dit, settings, cond, uncond, acc.device, autocast)
+            image = decode_to_pil(run.vae, latents)[0]
+            path = out_dir / f"{name}_{suffix}_{i:02d}_{stamp}_{settings.seed}.png"
+            paths.append(save_png(image, path, settings, {"step": step, "epoch": epoch}))
+    if args.cache_latents:  # otherwise the VAE stays on the device: batches are encoded on the fly
+        run.vae.to("cpu")
+    if was_training:
+        dit.train()
+    logger.info("wrote %d sample images to %s", len(paths), out_dir)
+    return paths

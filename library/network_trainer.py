@@ -1,0 +1,585 @@
+"""`NetworkTrainer`: the generic LoRA training loop with the hooks a model subclass fills in.
+
+The phases of `train(args)`:
+1. checks and seed; strategies; the dataset groups (`library.datasets.build_dataset_groups`, shared with the tools);
+2. accelerator; model loading (`load_target_model`), latent caching, text-encoder output caching, lazy DiT load;
+3. the network (`--network_module`), optimizer, data loader, LR scheduler; resume;
+4. the loop: gradient accumulation, clipping, optimizer/scheduler steps, logging, sampling, saving, validation;
+5. the final save (+ state).
+Nothing here is MOSS-Image specific: `moss_image_train_network.MossImageNetworkTrainer` supplies the hooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from library import flow_matching, model_spec, train_checkpoints
+from library.errors import UserError
+from library.train_args import reject_sd_only_options
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunState:
+    """What the loop carries between phases (instead of a 1000-line function's locals)."""
+
+    args: argparse.Namespace
+    accelerator: Any = None
+    weight_dtype: torch.dtype = torch.float32
+    save_dtype: torch.dtype = torch.float32
+    text_encoders: list[Any] = field(default_factory=list)
+    vae: Any = None
+    unet: Any = None
+    network: Any = None
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    train_group: Any = None
+    val_group: Any = None
+    train_dataloader: Any = None
+    val_dataloader: Any = None
+    train_unet: bool = True
+    train_text_encoder: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
+    global_step: int = 0
+    epoch: int = 0
+    num_train_epochs: int = 1
+    max_train_steps: int = 0
+    loss_history: list[float] = field(default_factory=list)
+    lr_descriptions: list[str] = field(default_factory=list)
+    optimizer_name: str = ""
+    last_validation_loss: float | None = None
+    final_path: Path | None = None
+
+
+def _dtype_of(name: str | None, fallback: torch.dtype) -> torch.dtype:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}.get(name or "", fallback)
+
+
+class NetworkTrainer:
+    """Subclasses override the hooks below; `train(args)` runs the job."""
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    def assert_extra_args(self, args: argparse.Namespace, train_group: Any, val_group: Any) -> None:
+        """Model-specific checks; may adjust args (with a log line)."""
+
+    def get_latents_caching_strategy(self, args: argparse.Namespace) -> Any:
+        raise NotImplementedError
+
+    def get_text_encoder_outputs_caching_strategy(self, args: argparse.Namespace) -> Any:
+        return None
+
+    def load_target_model(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any) -> tuple:
+        """(model_version, text_encoders, vae, unet or None when loaded lazily)."""
+        raise NotImplementedError
+
+    def load_unet_lazily(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any, text_encoders: list) -> tuple:
+        raise NotImplementedError
+
+    def cache_latents(self, run: RunState) -> None:
+        raise NotImplementedError
+
+    def cache_text_encoder_outputs_if_needed(self, run: RunState) -> None:
+        """Encode and cache captions (and sample prompts) before the encoder leaves the GPU."""
+
+    def is_train_text_encoder(self, args: argparse.Namespace) -> bool:
+        return not args.network_train_unet_only and not args.cache_text_encoder_outputs
+
+    def is_text_encoder_not_needed_for_training(self, args: argparse.Namespace) -> bool:
+        return bool(args.cache_text_encoder_outputs) and not self.is_train_text_encoder(args)
+
+    def get_latents(self, run: RunState, batch: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def get_text_conds(self, run: RunState, batch: dict[str, Any], is_train: bool) -> Any:
+        raise NotImplementedError
+
+    def get_noise_pred_and_target(
+        self, run: RunState, latents: torch.Tensor, text_conds: Any, batch: dict[str, Any], is_train: bool,
+        fixed_sigmas: torch.Tensor | None = None, generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def sample_images(self, run: RunState, epoch: int | None, step: int) -> None:
+        """Generate the sample images when this step/epoch calls for it."""
+
+    def update_metadata(self, metadata: dict[str, Any], args: argparse.Namespace) -> None:
+        """Model-specific ss_* keys."""
+
+    def model_spec_metadata(self, args: argparse.Namespace) -> dict[str, str]:
+        return model_spec.modelspec_from_args(args, lora=True)
+
+    def prepare_unet(self, run: RunState) -> None:
+        """Device placement (and block swap / compile) of the DiT before the loop."""
+        run.unet.to(run.accelerator.device)
+
+    def on_validation_step_end(self, run: RunState) -> None:
+        """Called after each validation batch (block swap re-arms here)."""
+
+    # -------------------------------------------------------------------------------------------- checks
+    def verify_args(self, args: argparse.Namespace) -> None:
+        reject_sd_only_options(args)
+        if args.network_module is None:
+            raise UserError("--network_module is required: use --network_module networks.lora_generic.")
+        if args.output_dir is None:
+            raise UserError("--output_dir is required: give the folder the LoRA files are saved in.")
+        if args.network_train_unet_only and args.network_train_text_encoder_only:
+            raise UserError("--network_train_unet_only and --network_train_text_encoder_only exclude each other: keep one.")
+        if args.persistent_data_loader_workers and args.max_data_loader_n_workers == 0:
+            raise UserError("--persistent_data_loader_workers needs --max_data_loader_n_workers of 1 or more.")
+        if args.full_fp16 and args.full_bf16:
+            raise UserError("--full_fp16 and --full_bf16 exclude each other: keep one.")
+        if (args.full_fp16 and args.mixed_precision != "fp16") or (args.full_bf16 and args.mixed_precision != "bf16"):
+            raise UserError("--full_fp16/--full_bf16 need the matching --mixed_precision fp16/bf16.")
+        if args.gradient_accumulation_steps < 1:
+            raise UserError("--gradient_accumulation_steps must be 1 or more.")
+        if args.resume:
+            train_checkpoints.check_resume_folder(args.resume)
+        if args.base_weights_multiplier and len(args.base_weights_multiplier) != len(args.base_weights or []):
+            raise UserError("--base_weights_multiplier needs one value per --base_weights file.")
+        if args.scale_weight_norms is not None and args.scale_weight_norms <= 0:
+            raise UserError("--scale_weight_norms must be positive.")
+
+    # -------------------------------------------------------------------------------------------- phases
+    def _prepare_accelerator(self, args: argparse.Namespace) -> Any:
+        from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+        from accelerate.utils import ProjectConfiguration
+        import datetime
+
+        log_with = args.log_with or ("tensorboard" if args.logging_dir else None)
+        if log_with in ("tensorboard", "all"):
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError as e:
+                raise UserError("--log_with tensorboard needs the 'tensorboard' package: pip install tensorboard.") from e
+        if log_with in ("wandb", "all"):
+            try:
+                import wandb  # noqa: F401
+            except ImportError as e:
+                raise UserError("--log_with wandb needs the 'wandb' package: pip install wandb.") from e
+        logging_dir = None
+        if args.logging_dir:
+            logging_dir = os.path.join(args.logging_dir, (args.log_prefix or "") + time.strftime("%Y%m%d%H%M%S"))
+        kwargs = []
+        if args.ddp_timeout:
+            kwargs.append(InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=args.ddp_timeout)))
+        acc = Accelerator(
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            mixed_precision=args.mixed_precision,
+            log_with=log_with,
+            project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=logging_dir),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            kwargs_handlers=kwargs or None,
+            dynamo_backend=args.dynamo_backend if args.torch_compile else None,
+        )
+        return acc
+
+    def _weight_dtypes(self, args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:
+        weight = _dtype_of(args.mixed_precision, torch.float32)
+        save = _dtype_of(args.save_precision, weight)
+        return weight, save
+
+    def _create_network(self, run: RunState) -> None:
+        args = run.args
+        try:
+            module = importlib.import_module(args.network_module)
+        except ImportError as e:
+            raise UserError(f"--network_module '{args.network_module}' cannot be imported ({e}): use networks.lora_generic.") from e
+        net_kwargs = {}
+        for item in args.network_args or []:
+            if "=" not in item:
+                raise UserError(f"--network_args entry '{item}' is not key=value: write it as key=value.")
+            k, v = item.split("=", 1)
+            net_kwargs[k.strip()] = v.strip()
+        if args.dim_from_weights:
+            if not args.network_weights:
+                raise UserError("--dim_from_weights needs --network_weights.")
+            network, _ = module.create_network_from_weights(
+                args.network_multiplier, args.network_weights, run.vae, run.text_encoders, run.unet, **net_kwargs
+            )
+        else:
+            network = module.create_network(
+                args.network_multiplier, args.network_dim, args.network_alpha, run.vae, run.text_encoders, run.unet,
+                neuron_dropout=args.network_dropout, **net_kwargs,
+            )
+        if network is None:
+            raise UserError(f"--network_module '{args.network_module}' created no network for this model.")
+        network.apply_to(run.text_encoders, run.unet, run.train_text_encoder, run.train_unet)
+        if args.network_weights and not args.dim_from_weights:
+            info = network.load_weights(args.network_weights)
+            logger.info("loaded network weights from %s: %s", args.network_weights, info)
+        run.network = network
+
+    def _optimizer_and_scheduler(self, run: RunState) -> None:
+        from library import optimizers
+
+        args = run.args
+        te_lr = args.text_encoder_lr[0] if args.text_encoder_lr else None
+        params, descriptions = run.network.prepare_optimizer_params_with_multiple_te_lrs(te_lr, args.unet_lr, args.learning_rate)
+        run.lr_descriptions = descriptions
+        name, desc, run.optimizer = optimizers.get_optimizer(args, params)
+        run.optimizer_name = f"{name}({desc})" if desc else name
+
+    def _dataloaders(self, run: RunState) -> None:
+        from library.datasets import create_data_loader_from_args
+
+        run.train_dataloader = create_data_loader_from_args(run.train_group, run.args)
+        if run.val_group is not None and len(run.val_group) > 0:
+            run.val_dataloader = create_data_loader_from_args(run.val_group, run.args)
+
+    def _steps_and_epochs(self, run: RunState) -> None:
+        args = run.args
+        acc = run.accelerator
+        per_epoch = math.ceil(len(run.train_dataloader) / acc.num_processes / args.gradient_accumulation_steps)
+        if per_epoch == 0:
+            raise UserError("The dataset yields no batch: check the image folders and --train_batch_size.")
+        if args.max_train_epochs is not None:
+            args.max_train_steps = args.max_train_epochs * per_epoch
+            logger.info("--max_train_epochs %d -> %d steps", args.max_train_epochs, args.max_train_steps)
+        run.max_train_steps = args.max_train_steps
+        run.num_train_epochs = math.ceil(args.max_train_steps / per_epoch)
+        run.train_group.set_max_train_steps(args.max_train_steps)
+
+    # -------------------------------------------------------------------------------------------- train
+    def train(self, args: argparse.Namespace) -> RunState:
+        from accelerate.utils import set_seed
+
+        from library.datasets import build_dataset_groups
+
+        self.verify_args(args)
+        if args.seed is None:
+            args.seed = random.randint(0, 2**32 - 1)
+        set_seed(args.seed)
+        run = RunState(args)
+        run.train_group, run.val_group = build_dataset_groups(args)
+        self.assert_extra_args(args, run.train_group, run.val_group)
+        run.train_unet = not args.network_train_text_encoder_only
+        run.train_text_encoder = self.is_train_text_encoder(args)
+
+        run.accelerator = self._prepare_accelerator(args)
+        run.weight_dtype, run.save_dtype = self._weight_dtypes(args)
+        _version, run.text_encoders, run.vae, run.unet = self.load_target_model(args, run.weight_dtype, run.accelerator)
+        if args.cache_latents:
+            self.cache_latents(run)
+        self.cache_text_encoder_outputs_if_needed(run)
+        if run.unet is None:
+            run.unet, run.text_encoders = self.load_unet_lazily(args, run.weight_dtype, run.accelerator, run.text_encoders)
+
+        self._create_network(run)
+        if args.gradient_checkpointing:
+            self.enable_gradient_checkpointing(run)
+        self._optimizer_and_scheduler(run)
+        self._dataloaders(run)
+        self._steps_and_epochs(run)
+        from library import optimizers
+
+        run.lr_scheduler = optimizers.get_scheduler(args, run.optimizer, run.accelerator.num_processes, run.max_train_steps)
+        self._place_models(run)
+        run.optimizer, run.train_dataloader, run.lr_scheduler = run.accelerator.prepare(
+            run.optimizer, run.train_dataloader, run.lr_scheduler
+        )
+        if run.val_dataloader is not None:
+            run.val_dataloader = run.accelerator.prepare(run.val_dataloader)
+        if args.resume:
+            self._load_state(run, Path(args.resume))
+        run.metadata = self._build_metadata(run)
+        self._loop(run)
+        return run
+
+    def enable_gradient_checkpointing(self, run: RunState) -> None:
+        args = run.args
+        run.unet.enable_gradient_checkpointing(
+            cpu_offload=args.cpu_offload_checkpointing, unsloth_offload=args.unsloth_offload_checkpointing
+        )
+        if run.train_text_encoder:
+            for te in run.text_encoders:
+                te.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(run.network, "enable_gradient_checkpointing"):
+            run.network.enable_gradient_checkpointing()
+
+    def _place_models(self, run: RunState) -> None:
+        acc = run.accelerator
+        args = run.args
+        run.unet.requires_grad_(False)
+        for te in run.text_encoders:
+            if te is not None:
+                te.requires_grad_(False)
+        if args.full_fp16 or args.full_bf16:
+            run.network.to(run.weight_dtype)
+        self.prepare_unet(run)
+        run.network.to(acc.device)
+        if run.train_text_encoder:
+            for te in run.text_encoders:
+                te.to(acc.device)
+        elif self.is_text_encoder_not_needed_for_training(args):
+            run.text_encoders = [None for _ in run.text_encoders]
+        run.network.prepare_grad_etc(run.text_encoders, run.unet)
+
+    # -------------------------------------------------------------------------------------------- metadata
+    def _build_metadata(self, run: RunState) -> dict[str, str]:
+        if run.args.no_metadata:
+            return {}
+        meta: dict[str, Any] = model_spec.training_metadata(
+            run.args,
+            num_train_images=run.train_group.num_train_images,
+            num_reg_images=run.train_group.num_reg_images,
+            num_validation_images=run.val_group.num_train_images if run.val_group is not None else 0,
+            num_batches_per_epoch=len(run.train_dataloader),
+            num_epochs=run.num_train_epochs,
+            optimizer=run.optimizer_name,
+        )
+        self.update_metadata(meta, run.args)
+        return model_spec.stringify(meta)
+
+    # -------------------------------------------------------------------------------------------- loop
+    def _loop(self, run: RunState) -> None:
+        from tqdm.auto import tqdm
+
+        args, acc = run.args, run.accelerator
+        if acc.is_main_process and acc.trackers == [] and (args.log_with or args.logging_dir):
+            acc.init_trackers(args.log_tracker_name or "network_train", config=_tracker_config(args) if args.log_config else {})
+        elif args.log_with or args.logging_dir:
+            acc.init_trackers(args.log_tracker_name or "network_train")
+        logger.info(
+            "training: %d steps, %d epochs, %d batches per epoch, batch size %d, gradient accumulation %d",
+            run.max_train_steps, run.num_train_epochs, len(run.train_dataloader), args.train_batch_size,
+            args.gradient_accumulation_steps,
+        )
+        progress = tqdm(total=run.max_train_steps, initial=run.global_step, disable=not acc.is_local_main_process,
+                        desc="steps", smoothing=0.1)
+        if args.sample_at_first and run.global_step == 0:
+            self.sample_images(run, None, 0)
+        skip_batches = run.global_step * args.gradient_accumulation_steps - run.epoch * len(run.train_dataloader)
+        start_epoch = run.epoch
+        for epoch in range(start_epoch, run.num_train_epochs):
+            run.epoch = epoch
+            if run.global_step >= run.max_train_steps:
+                break
+            acc.print(f"\nepoch {epoch + 1}/{run.num_train_epochs}")
+            run.train_group.set_current_epoch(epoch + 1)
+            run.network.on_epoch_start(run.text_encoders, run.unet)
+            dataloader = run.train_dataloader
+            if hasattr(dataloader, "set_epoch"):
+                dataloader.set_epoch(epoch)
+            if epoch == start_epoch and skip_batches > 0:
+                dataloader = acc.skip_first_batches(dataloader, skip_batches)
+            epoch_losses: list[float] = []
+            for batch in dataloader:
+                loss = self._train_step(run, batch)
+                if not acc.sync_gradients:
+                    continue
+                run.global_step += 1
+                progress.update(1)
+                epoch_losses.append(loss)
+                run.loss_history.append(loss)
+                self._after_step(run, progress, loss)
+                if run.global_step >= run.max_train_steps:
+                    break
+            self._after_epoch(run, epoch + 1, epoch_losses)
+        progress.close()
+        self._finish(run)
+
+    def _train_step(self, run: RunState, batch: dict[str, Any]) -> float:
+        args, acc = run.args, run.accelerator
+        run.train_group.set_current_step(run.global_step)
+        with acc.accumulate():
+            run.network.on_step_start() if hasattr(run.network, "on_step_start") else None
+            loss = self.process_batch(run, batch, is_train=True)
+            acc.backward(loss)
+            if acc.sync_gradients:
+                self._all_reduce_network(run)
+                if args.max_grad_norm and args.max_grad_norm > 0:
+                    acc.clip_grad_norm_(run.network.get_trainable_params(), args.max_grad_norm)
+            run.optimizer.step()
+            run.lr_scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        if acc.sync_gradients and args.scale_weight_norms:
+            run.network.apply_max_norm_regularization(args.scale_weight_norms, acc.device)
+        return float(loss.detach().item())
+
+    def _all_reduce_network(self, run: RunState) -> None:
+        """The network is not wrapped in DDP (its layers live inside the frozen models), so its gradients are
+        averaged across processes here."""
+        acc = run.accelerator
+        if acc.num_processes == 1:
+            return
+        for p in run.network.get_trainable_params():
+            if p.grad is not None:
+                p.grad = acc.reduce(p.grad, reduction="mean")
+
+    def process_batch(
+        self, run: RunState, batch: dict[str, Any], is_train: bool,
+        fixed_sigmas: torch.Tensor | None = None, generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Loss of one batch: latents, text conditions, noise prediction, loss with weighting and masks."""
+        args = run.args
+        with torch.no_grad():
+            latents = self.get_latents(run, batch)
+        with torch.set_grad_enabled(is_train and run.train_text_encoder):
+            text_conds = self.get_text_conds(run, batch, is_train)
+        pred, target, timesteps, weighting = self.get_noise_pred_and_target(
+            run, latents, text_conds, batch, is_train, fixed_sigmas, generator
+        )
+        huber_c = flow_matching.get_huber_threshold(args, timesteps)
+        loss = flow_matching.conditional_loss(pred.float(), target.float(), args.loss_type, huber_c)
+        if weighting is not None:
+            loss = loss * weighting.to(loss.device, loss.dtype)
+        masks = batch.get("alpha_masks")
+        if masks is not None and (args.masked_loss or args.alpha_mask):
+            m = masks.to(loss.device, loss.dtype)[:, None]
+            m = torch.nn.functional.interpolate(m, size=loss.shape[-2:], mode="area")
+            loss = loss * m
+        loss = loss.mean(dim=list(range(1, loss.ndim)))
+        weights = batch.get("loss_weights")
+        if weights is not None:
+            loss = loss * torch.as_tensor(weights, device=loss.device, dtype=loss.dtype)
+        return loss.mean()
+
+    def _after_step(self, run: RunState, progress: Any, loss: float) -> None:
+        args, acc = run.args, run.accelerator
+        window = run.loss_history[-len(run.train_dataloader):]
+        avg = sum(window) / len(window)
+        progress.set_postfix(loss=f"{avg:.4f}")
+        logs = {"loss/current": loss, "loss/average": avg}
+        for i, group in enumerate(run.optimizer.param_groups):
+            name = run.lr_descriptions[i] if i < len(getattr(run, "lr_descriptions", []) or []) else f"group{i}"
+            logs[f"lr/{name}"] = group["lr"]
+        if acc.trackers:
+            acc.log(logs, step=run.global_step)
+        self.sample_images(run, None, run.global_step)
+        if args.save_every_n_steps and run.global_step % args.save_every_n_steps == 0 \
+                and run.global_step < run.max_train_steps:
+            self._save_checkpoint(run, train_checkpoints.step_name(self._output_name(run), run.global_step), step_save=True)
+        if args.validate_every_n_steps and run.global_step % args.validate_every_n_steps == 0:
+            self._validate(run, f"step {run.global_step}", "loss/validation/step_average")
+
+    def _after_epoch(self, run: RunState, epoch: int, epoch_losses: list[float]) -> None:
+        args, acc = run.args, run.accelerator
+        if epoch_losses and acc.trackers:
+            acc.log({"loss/epoch_average": sum(epoch_losses) / len(epoch_losses), "epoch": epoch}, step=run.global_step)
+        every = args.validate_every_n_epochs or 1
+        if run.val_dataloader is not None and epoch % every == 0:
+            self._validate(run, f"epoch {epoch}", "loss/validation/epoch_average")
+        if args.save_every_n_epochs and epoch % args.save_every_n_epochs == 0 and epoch < run.num_train_epochs:
+            self._save_checkpoint(run, train_checkpoints.epoch_name(self._output_name(run), epoch), step_save=False)
+        self.sample_images(run, epoch, run.global_step)
+
+    # -------------------------------------------------------------------------------------------- validation
+    def _validate(self, run: RunState, what: str, log_key: str) -> float | None:
+        if run.val_dataloader is None:
+            return None
+        args, acc = run.args, run.accelerator
+        sigmas = flow_matching.validation_sigmas(4)
+        losses = []
+        run.network.eval() if hasattr(run.network, "eval") else None
+        with torch.no_grad():
+            for i, batch in enumerate(run.val_dataloader):
+                if args.max_validation_steps is not None and i >= args.max_validation_steps:
+                    break
+                for j, sigma in enumerate(sigmas):
+                    g = torch.Generator().manual_seed((args.seed or 0) + 1000 * i + j)
+                    loss = self.process_batch(run, batch, is_train=False, fixed_sigmas=sigma, generator=g)
+                    losses.append(float(acc.gather(loss.detach()[None]).mean()))
+                self.on_validation_step_end(run)
+        run.network.train() if hasattr(run.network, "train") else None
+        if not losses:
+            return None
+        value = sum(losses) / len(losses)
+        logger.info("validation loss (%s): %.5f", what, value)
+        if acc.trackers:
+            logs = {log_key: value}
+            if run.loss_history:
+                window = run.loss_history[-len(run.train_dataloader):]
+                logs[log_key.replace("_average", "_divergence")] = value - sum(window) / len(window)
+            acc.log(logs, step=run.global_step)
+        run.last_validation_loss = value
+        return value
+
+    # -------------------------------------------------------------------------------------------- saving
+    def _output_name(self, run: RunState) -> str:
+        return run.args.output_name or "last"
+
+    def _lora_metadata(self, run: RunState, epoch: int) -> dict[str, str]:
+        spec = self.model_spec_metadata(run.args)
+        if run.args.no_metadata:
+            return model_spec.minimal_metadata(spec)
+        meta = model_spec.save_time_metadata(run.metadata, run.global_step, epoch)
+        meta.update(spec)
+        return meta
+
+    def _save_lora(self, run: RunState, stem: str, epoch: int) -> Path:
+        out = Path(run.args.output_dir) / f"{stem}.safetensors"
+        run.accelerator.wait_for_everyone()
+        if run.accelerator.is_main_process:
+            run.network.save_weights(str(out), run.save_dtype, self._lora_metadata(run, epoch))
+        return out
+
+    def _save_checkpoint(self, run: RunState, stem: str, step_save: bool) -> None:
+        args = run.args
+        self._save_lora(run, stem, run.epoch + (0 if step_save else 1))
+        if args.save_state:
+            self._save_state(run, Path(args.output_dir) / f"{stem}-state")
+        name = self._output_name(run)
+        if step_save:
+            old = train_checkpoints.old_step_to_remove(run.global_step, args.save_every_n_steps, args.save_last_n_steps)
+            old_state = train_checkpoints.old_step_to_remove(
+                run.global_step, args.save_every_n_steps, args.save_last_n_steps_state)
+            to_name = lambda s: train_checkpoints.step_name(name, s)  # noqa: E731
+        else:
+            old = train_checkpoints.old_epoch_to_remove(run.epoch + 1, args.save_every_n_epochs, args.save_last_n_epochs)
+            old_state = train_checkpoints.old_epoch_to_remove(
+                run.epoch + 1, args.save_every_n_epochs, args.save_last_n_epochs_state)
+            to_name = lambda e: train_checkpoints.epoch_name(name, e)  # noqa: E731
+        if run.accelerator.is_main_process:
+            if old is not None:
+                train_checkpoints.remove_path(Path(args.output_dir) / f"{to_name(old)}.safetensors")
+            if old_state is not None:
+                train_checkpoints.remove_path(Path(args.output_dir) / f"{to_name(old_state)}-state")
+
+    def _save_state(self, run: RunState, folder: Path) -> None:
+        acc = run.accelerator
+        acc.wait_for_everyone()
+        acc.save_state(str(folder))
+        if acc.is_main_process:
+            run.network.save_weights(str(folder / train_checkpoints.NETWORK_STATE_FILE), torch.float32, None)
+            train_checkpoints.TrainState(epoch=run.epoch, step=run.global_step).write(folder)
+        acc.wait_for_everyone()
+        logger.info("saved training state %s (step %d)", folder, run.global_step)
+
+    def _load_state(self, run: RunState, folder: Path) -> None:
+        state = train_checkpoints.TrainState.read(folder)
+        run.accelerator.load_state(str(folder))
+        run.network.load_weights(str(folder / train_checkpoints.NETWORK_STATE_FILE))
+        per_epoch = math.ceil(len(run.train_dataloader) / run.args.gradient_accumulation_steps)
+        run.global_step = state.step
+        run.epoch = state.step // per_epoch if per_epoch else state.epoch
+        logger.info("resumed from %s at step %d (epoch %d)", folder, run.global_step, run.epoch + 1)
+
+    def _finish(self, run: RunState) -> None:
+        args, acc = run.args, run.accelerator
+        acc.wait_for_everyone()
+        name = self._output_name(run)
+        if args.save_state or args.save_state_on_train_end:
+            self._save_state(run, Path(args.output_dir) / f"{name}-state")
+        run.final_path = self._save_lora(run, name, run.num_train_epochs if run.global_step >= run.max_train_steps
+                                         else run.epoch + 1)
+        acc.end_training()
+        logger.info("training finished: %d steps", run.global_step)
+
+
+
+def _tracker_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v, default=str) for k, v in vars(args).items()}
+

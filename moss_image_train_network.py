@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""LoRA training for MOSS-Image (sd-scripts style): `accelerate launch moss_image_train_network.py ...` or plain python.
+
+`MossImageNetworkTrainer` fills in the hooks of `library.network_trainer.NetworkTrainer`: the Qwen3.5 text encoder
+and the FLUX.2 VAE load first, the DiT lazily after caching; latents are patchified and BatchNorm-normalised at
+training time; the target is the flow velocity noise - x0 with timesteps sigma * 1000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from library import flow_matching, model_spec  # noqa: E402
+from library.errors import UserError  # noqa: E402
+from library.network_trainer import NetworkTrainer, RunState  # noqa: E402
+from library.train_args import FP8_OPTIONS  # noqa: E402
+
+logger = logging.getLogger("moss_image_train_network")
+
+
+def resolve_model_paths(args: argparse.Namespace) -> None:
+    """--snapshot fills the model paths (and the tokenizer) that are not given; then all three are required."""
+    if args.snapshot:
+        from library.moss_image_utils import resolve_snapshot
+
+        snap = resolve_snapshot(args.snapshot)
+        args.pretrained_model_name_or_path = args.pretrained_model_name_or_path or str(snap.dit)
+        args.text_encoder = args.text_encoder or str(snap.text_encoder)
+        args.vae = args.vae or str(snap.vae)
+        if args.tokenizer_cache_dir is None and snap.tokenizer is not None:
+            args.tokenizer_cache_dir = str(snap.tokenizer)
+    for opt, what in (("pretrained_model_name_or_path", "the MOSS-Image DiT (first shard or ComfyUI file)"),
+                      ("text_encoder", "the Qwen3.5-9B text encoder (first shard)"), ("vae", "the FLUX.2 VAE")):
+        if not getattr(args, opt):
+            raise UserError(f"--{opt} is required: give the path of {what} (or --snapshot with a snapshot folder).")
+
+
+class MossImageNetworkTrainer(NetworkTrainer):
+    def __init__(self) -> None:
+        self.tokenizer: Any = None
+        self.bn_running_mean: torch.Tensor | None = None
+        self.bn_running_var: torch.Tensor | None = None
+        self.sample_prompts_te_outputs: dict[str, Any] | None = None
+        self.dit_convrot_int8 = False
+        self.text_encoder_convrot_int8 = False
+
+    # ----------------------------------------------------------------------------------------------- checks
+    def assert_extra_args(self, args: argparse.Namespace, train_group: Any, val_group: Any) -> None:
+        from library.qwen35_text_encoder import check_max_token_length
+
+        resolve_model_paths(args)
+        args.moss_max_token_length = check_max_token_length(args.moss_max_token_length)
+        flow_matching.log_timestep_sampling_info(args)
+        if any(getattr(args, n) for n in FP8_OPTIONS):
+            logger.warning("fp8_base / fp8_base_unet / fp8_scaled are not supported for MOSS-Image: use --convrot_int8"
+                           " (and --convrot_int8_text_encoder) instead. They are disabled.")
+            for n in FP8_OPTIONS:
+                setattr(args, n, False)
+        if args.mixed_precision == "fp16":
+            logger.warning("mixed_precision fp16 is not recommended for MOSS-Image: the text encoder and the DiT are"
+                           " bf16 models. Use bf16.")
+        if args.cache_text_encoder_outputs_to_disk and not args.cache_text_encoder_outputs:
+            logger.warning("cache_text_encoder_outputs_to_disk is enabled, so cache_text_encoder_outputs is also enabled")
+            args.cache_text_encoder_outputs = True
+        if args.cache_latents_to_disk and not args.cache_latents:
+            logger.warning("cache_latents_to_disk is enabled, so cache_latents is also enabled")
+            args.cache_latents = True
+        if args.cache_text_encoder_outputs:
+            if not args.network_train_unet_only:
+                raise UserError("--cache_text_encoder_outputs needs --network_train_unet_only: the text encoder LoRA"
+                                " cannot be trained on cached outputs.")
+            blockers = train_group.text_encoder_output_cache_blockers(True, True)
+            if blockers:
+                raise UserError(f"Text encoder outputs cannot be cached with {', '.join(blockers)}: turn those off or"
+                                " drop --cache_text_encoder_outputs.")
+        if self.is_train_text_encoder(args):
+            logger.info("Training the text encoder (Qwen3.5-9B) LoRA. Note: the official recommendation is to keep"
+                        " the text encoder frozen.")
+        attn = args.attn_mode or ("xformers" if args.xformers else "torch")
+        if attn == "sageattn":
+            raise UserError("--attn_mode sageattn supports inference only, not training: use torch, flash or xformers.")
+        if attn == "xformers" and not args.split_attn:
+            raise UserError("--attn_mode xformers requires --split_attn.")
+        if args.compile and args.torch_compile:
+            raise UserError("--compile (per-block torch.compile) and --torch_compile (accelerate dynamo) cannot be"
+                            " used together: keep one.")
+        if args.compile and args.compile_fullgraph and args.split_attn:
+            raise UserError("--compile_fullgraph cannot be used with --split_attn (split attention uses dynamic control"
+                            " flow).")
+        if args.unsloth_offload_checkpointing:
+            if args.cpu_offload_checkpointing:
+                raise UserError("Cannot use both --unsloth_offload_checkpointing and --cpu_offload_checkpointing.")
+            if not args.gradient_checkpointing:
+                logger.warning("unsloth_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
+                args.gradient_checkpointing = True
+        if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
+            logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
+            args.gradient_checkpointing = True
+        self._check_unavailable(args)
+        for group in (train_group, val_group):
+            if group is not None:
+                group.verify_bucket_reso_steps(16)  # FLUX.2 VAE 8x and 2x2 patchify
+
+    @staticmethod
+    def _check_unavailable(args: argparse.Namespace) -> None:
+        """Options of the guide whose machinery is not in this version: refused with a reason, never ignored."""
+        if args.blocks_to_swap:
+            if args.cpu_offload_checkpointing or args.unsloth_offload_checkpointing:
+                raise UserError("--blocks_to_swap cannot be used with --cpu_offload_checkpointing or"
+                                " --unsloth_offload_checkpointing.")
+            raise UserError("--blocks_to_swap is not available in this version yet: use --unsloth_offload_checkpointing"
+                            " or --gradient_checkpointing to save memory.")
+        if args.block_swap_h2d_only or args.no_pinned_memory_for_block_swap:
+            raise UserError("--block_swap_h2d_only / --no_pinned_memory_for_block_swap need --blocks_to_swap, which is"
+                            " not available in this version yet.")
+        if args.convrot_int8 or args.convrot_int8_text_encoder or args.convrot_int8_bwd != "bf16":
+            raise UserError("ConvRot INT8 (--convrot_int8, --convrot_int8_text_encoder, --convrot_int8_bwd) is not wired"
+                            " into the trainer in this version yet: train with the bf16 weights.")
+
+    # --------------------------------------------------------------------------------------------- models
+    def load_target_model(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any) -> tuple:
+        from library.flux2_vae import load_flux2_vae
+        from library.moss_image_utils import load_text_encoder
+        from library.qwen35_text_encoder import load_tokenizer
+
+        logger.info("loading the Qwen3.5 text encoder (bf16)")
+        te_dtype = torch.bfloat16 if accelerator.device.type != "cpu" or args.mixed_precision == "bf16" else torch.float32
+        text_encoder = load_text_encoder(args.text_encoder, dtype=te_dtype, device="cpu",
+                                         disable_mmap=args.disable_mmap_load_safetensors)
+        self.tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
+        logger.info("loading the FLUX.2 VAE (fp32)")
+        vae = load_flux2_vae(args.vae, dtype=torch.float32, device="cpu", disable_mmap=args.disable_mmap_load_safetensors)
+        self.bn_running_mean = vae.bn.running_mean.detach().clone().float()
+        self.bn_running_var = vae.bn.running_var.detach().clone().float()
+        return "moss_image", [text_encoder], vae, None
+
+    def load_unet_lazily(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any,
+                         text_encoders: list) -> tuple:
+        from library.moss_image_utils import load_moss_image_model
+
+        attn_mode = args.attn_mode or ("xformers" if args.xformers else "torch")
+        model = load_moss_image_model(
+            accelerator.device, args.pretrained_model_name_or_path, attn_mode, args.split_attn,
+            loading_device=accelerator.device, dtype=weight_dtype, disable_mmap=args.disable_mmap_load_safetensors,
+        )
+        return model, text_encoders
+
+    def prepare_unet(self, run: RunState) -> None:
+        run.unet.to(run.accelerator.device)
+        if run.args.compile:
+            from library.compile_utils import compile_blocks
+
+            compile_blocks(run.args, run.unet)
+
+    # --------------------------------------------------------------------------------------------- caching
+    def get_latents_caching_strategy(self, args: argparse.Namespace) -> Any:
+        from library.strategy_moss_image import MossImageLatentsCachingStrategy
+
+        return MossImageLatentsCachingStrategy(args.cache_latents_to_disk, args.vae_batch_size, args.skip_cache_check)
+
+    def get_text_encoder_outputs_caching_strategy(self, args: argparse.Namespace) -> Any:
+        from library.strategy_moss_image import MossImageTextEncoderOutputsCachingStrategy
+
+        if not args.cache_text_encoder_outputs:
+            return None
+        return MossImageTextEncoderOutputsCachingStrategy(
+            args.cache_text_encoder_outputs_to_disk, args.text_encoder_batch_size, args.skip_cache_check
+        )
+
+    def cache_latents(self, run: RunState) -> None:
+        from library.strategy_moss_image import cache_latents
+
+        acc = run.accelerator
+        run.vae.to(acc.device)
+        cache_latents([run.train_group, run.val_group], run.vae, self.get_latents_caching_strategy(run.args),
+                      acc.process_index, acc.num_processes, acc.is_local_main_process)
+        run.vae.to("cpu")
+        acc.wait_for_everyone()
+
+    def _encode_fn(self, text_encoder: Any, max_length: int) -> Any:
+        from library.strategy_moss_image import make_text_encode_fn
+
+        return make_text_encode_fn(text_encoder, self.tokenizer, max_length)
+
+    def cache_text_encoder_outputs_if_needed(self, run: RunState) -> None:
+        from library.strategy_moss_image import cache_text_encoder_outputs
+
+        args, acc = run.args, run.accelerator
+        te = run.text_encoders[0]
+        if not args.cache_text_encoder_outputs:
+            return
+        te.to(acc.device)
+        encode = self._encode_fn(te, args.moss_max_token_length)
+        cache_text_encoder_outputs([run.train_group, run.val_group], encode,
+                                   self.get_text_encoder_outputs_caching_strategy(args),
+                                   acc.process_index, acc.num_processes, acc.is_local_main_process)
+        if args.sample_prompts:
+            self.sample_prompts_te_outputs = self._encode_sample_prompts(args, encode)
+        acc.wait_for_everyone()
+        te.to("cpu")
+
+    def _encode_sample_prompts(self, args: argparse.Namespace, encode: Any) -> dict[str, Any]:
+        from library.moss_image_sampling import load_prompts
+
+        texts: list[str] = []
+        for p in load_prompts(args.sample_prompts):
+            for t in (p.get("prompt", ""), p.get("negative_prompt", "") or ""):
+                if t not in texts:
+                    texts.append(t)
+        logger.info("caching the text encoder outputs of %d sample prompts", len(texts))
+        return {t: (e.cpu(), m.cpu()) for t, (e, m) in zip(texts, encode(texts))}
+
+    # --------------------------------------------------------------------------------------------- batches
+    def get_latents(self, run: RunState, batch: dict[str, Any]) -> torch.Tensor:
+        from library.flux2_vae import normalize_latents, patchify_latents
+
+        acc = run.accelerator
+        raw = batch.get("latents")
+        if raw is None:
+            run.vae.to(acc.device)
+            raw = run.vae.encode(batch["images"].to(acc.device))
+        raw = raw.to(acc.device, torch.float32)
+        return normalize_latents(patchify_latents(raw), self.bn_running_mean.to(acc.device),
+                                 self.bn_running_var.to(acc.device))
+
+    def get_text_conds(self, run: RunState, batch: dict[str, Any], is_train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        from library.qwen35_text_encoder import pad_and_stack
+
+        outputs = batch.get("text_encoder_outputs")
+        if outputs is None:
+            te = run.text_encoders[0]
+            te.to(run.accelerator.device)
+            outputs = _encode_grad(te, self.tokenizer, batch["captions"], run.args.moss_max_token_length)
+        embeds, mask = pad_and_stack([(e.to(run.accelerator.device), m.to(run.accelerator.device)) for e, m in outputs])
+        return embeds, mask
+
+    def get_noise_pred_and_target(
+        self, run: RunState, latents: torch.Tensor, text_conds: Any, batch: dict[str, Any], is_train: bool,
+        fixed_sigmas: torch.Tensor | None = None, generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        args, acc = run.args, run.accelerator
+        if generator is not None:
+            noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
+        else:
+            noise = torch.randn_like(latents)
+        offset = None
+        if is_train and "custom_attributes" in batch:
+            offs = [float((ca or {}).get("timestep_sampling", {}).get("offset", 0.0)) for ca in batch["custom_attributes"]]
+            if any(offs):
+                offset = torch.tensor(offs, dtype=torch.float32)
+        noisy, timesteps, sigmas = flow_matching.get_noisy_model_input_and_timesteps(
+            args, latents, noise, acc.device, torch.float32, generator=generator, timestep_sampling_offset=offset,
+            sigmas=fixed_sigmas, apply_ip_noise=is_train,
+        )
+        embeds, mask = text_conds
+        embeds = embeds.to(acc.device, run.weight_dtype)
+        if args.gradient_checkpointing and is_train:
+            noisy.requires_grad_(True)
+        with torch.set_grad_enabled(is_train), acc.autocast():
+            pred = run.unet(noisy, timesteps, embeds, mask)
+        target = noise - latents
+        weighting = flow_matching.compute_loss_weighting(args.weighting_scheme, sigmas)
+        return pred, target, timesteps, weighting
+
+    # --------------------------------------------------------------------------------------------- sampling
+    def sample_images(self, run: RunState, epoch: int | None, step: int) -> None:
+        from library.moss_image_train_sampling import sample_images_if_due
+
+        sample_images_if_due(self, run, epoch, step)
+
+    # --------------------------------------------------------------------------------------------- metadata
+    def update_metadata(self, metadata: dict[str, Any], args: argparse.Namespace) -> None:
+        metadata.update(model_spec.moss_image_metadata(args, self.dit_convrot_int8, self.text_encoder_convrot_int8))
+
+
+def _encode_grad(te: Any, tokenizer: Any, captions: list[str], max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Encode captions one at a time; gradients flow when the text encoder LoRA is trained."""
+    from library.qwen35_text_encoder import encode_tokens, tokenize
+
+    return [encode_tokens(te, tokenize(tokenizer, c, max_length)) for c in captions]
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    from library.datasets.args import add_dataset_arguments
+    from library.optimizers import add_optimizer_arguments
+    from library.train_args import add_common_arguments
+
+    parser = argparse.ArgumentParser(
+        description="LoRA training for MOSS-Image (sd-scripts style).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_common_arguments(parser)
+    add_dataset_arguments(parser)
+    add_optimizer_arguments(parser)
+    flow_matching.add_flow_matching_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from library.train_args import parse_args_with_config, write_config_file
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = setup_parser()
+    try:
+        args = parse_args_with_config(parser, argv)
+        if args.output_config:
+            out = args.config_file or str(Path(args.output_dir or ".") / f"{args.output_name or 'config'}.toml")
+            write_config_file(args, parser, out)
+            print(f"wrote the arguments to {out}")
+            return 0
+        if args.show_timesteps:
+            flow_matching.show_timesteps(args)
+            return 0
+        MossImageNetworkTrainer().train(args)
+    except UserError as e:
+        logger.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
