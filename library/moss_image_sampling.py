@@ -1,0 +1,426 @@
+"""The MOSS-Image sampler (the official pipeline's behaviour) and sample-prompt files, shared by the trainer's sample
+images and moss_image_minimal_inference.py.
+
+Sampler (see shared/design/moss_image_dit.md, "Sampler and prompt template"):
+
+* Grid: ``linspace(1, 0, steps + 1)``, shifted with ``s' = shift * s / (1 + (shift - 1) * s)`` (shift 5.0), every value
+  but the final 0 snapped to the 1000-step training grid: ``max(round(s' * 1000), 1) / 1000``.
+* Euler: ``x <- x + (s_next - s) * v(x, s * 1000)``; the last step lands on sigma 0. The timesteps given to the model
+  are the grid integers ``round(s * 1000)`` as float32 (identical to ``s * 1000`` up to float rounding).
+* CFG: ``v = v_uncond + scale * (v_cond - v_uncond)`` (scale 3.0); the DiT blocks in ``uncond_skip_layers`` (default
+  22) are skipped in the unconditional pass only. Scale 1.0 skips the unconditional pass. Without skipped layers and
+  with equal shapes, the two passes run as one batch.
+
+The model interface: ``model(x [B, 128, h, w], timesteps float32 [B], prompt_embeds [B, T, D], attn_mask [B, T],
+skip_layers=None) -> velocity [B, 128, h, w]`` with ``h, w = H/16, W/16``.
+
+Prompt files (``--sample_prompts`` / ``--from_file``): ``.txt`` with one prompt per line and the options
+``--w --h --s --l --fs --n --d`` (``#`` starts a comment line, ``\\n`` in the text is a line break), or the
+``.toml`` / ``.json`` / ``.jsonl`` forms of sd-scripts with the keys ``prompt``, ``negative_prompt``, ``width``,
+``height``, ``sample_steps``, ``scale``, ``flow_shift``, ``seed``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tomllib
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+
+from library.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+NUM_TRAIN_TIMESTEPS = 1000
+LATENT_CHANNELS = 128  # 32 VAE channels x 2x2 patchify
+SIZE_MULTIPLE = 16  # 8x VAE x 2x2 patchify
+MAX_STEPS = 1000
+
+DEFAULT_STEPS = 50
+DEFAULT_GUIDANCE_SCALE = 3.0
+DEFAULT_FLOW_SHIFT = 5.0
+DEFAULT_UNCOND_SKIP_LAYERS: tuple[int, ...] = (22,)
+DEFAULT_SIZE = 1024
+
+PROMPT_DEFAULTS: dict[str, Any] = {
+    "negative_prompt": "",
+    "width": DEFAULT_SIZE,
+    "height": DEFAULT_SIZE,
+    "sample_steps": DEFAULT_STEPS,
+    "scale": DEFAULT_GUIDANCE_SCALE,
+    "flow_shift": DEFAULT_FLOW_SHIFT,
+    "seed": None,
+}
+PROMPT_KEYS = ("prompt", *PROMPT_DEFAULTS, "enum")
+
+# .txt options -> prompt dict keys
+_LINE_OPTIONS = {
+    "w": "width",
+    "h": "height",
+    "s": "sample_steps",
+    "l": "scale",
+    "fs": "flow_shift",
+    "n": "negative_prompt",
+    "d": "seed",
+}
+# sd-scripts options that exist for other models and have no meaning for MOSS-Image
+_OTHER_MODEL_OPTIONS = {
+    "g": "guidance_scale",
+    "ss": "sample_sampler",
+    "cn": "controlnet_image",
+    "ctr": "cfg_trunc_ratio",
+    "rcfg": "renorm_cfg",
+}
+
+VelocityModel = Callable[..., torch.Tensor]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the sampling grid
+
+
+def shifted_sigma(s: float, shift: float) -> float:
+    return shift * s / (1.0 + (shift - 1.0) * s)
+
+
+def sampling_grid(steps: int = DEFAULT_STEPS, shift: float = DEFAULT_FLOW_SHIFT) -> list[int]:
+    """The sampler's grid as integer timesteps (0..1000), ``steps + 1`` values from 1000 down to the final 0."""
+    if int(steps) != steps or steps < 1:
+        raise UserError(f"The number of sampling steps must be a positive integer, got {steps}.")
+    if not shift > 0:
+        raise UserError(f"The flow shift of the sampler must be positive, got {shift}; the default is 5.0.")
+    steps = int(steps)
+    grid = []
+    for i in range(steps):
+        s = 1.0 - i / steps  # linspace(1, 0, steps + 1) without the final 0
+        grid.append(max(int(round(shifted_sigma(s, shift) * NUM_TRAIN_TIMESTEPS)), 1))
+    grid.append(0)
+    return grid
+
+
+def sampling_sigmas(steps: int = DEFAULT_STEPS, shift: float = DEFAULT_FLOW_SHIFT) -> torch.Tensor:
+    """float32 ``[steps + 1]``: the shifted sigmas snapped to the 1000-step grid, ending at 0."""
+    grid = torch.tensor(sampling_grid(steps, shift), dtype=torch.float64)
+    return (grid / NUM_TRAIN_TIMESTEPS).to(torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# options
+
+
+def parse_uncond_skip_layers(
+    value: Union[str, int, Iterable[int], None], num_layers: Optional[int] = None
+) -> tuple[int, ...]:
+    """``"22"`` -> (22,); ``"22,23"`` -> (22, 23); ``""`` or None -> () (no skipping). Checks the range when
+    ``num_layers`` is given."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        items: list[Any] = [v.strip() for v in value.replace(" ", ",").split(",") if v.strip()]
+    elif isinstance(value, int):
+        items = [value]
+    else:
+        items = list(value)
+    layers: list[int] = []
+    for item in items:
+        if isinstance(item, int) and not isinstance(item, bool):
+            layer = item
+        elif isinstance(item, str) and re.fullmatch(r"\d+", item.strip()):
+            layer = int(item)
+        else:
+            raise UserError(
+                f"--uncond_skip_layers / --sample_uncond_skip_layers: {item!r} is not a block index; give comma-"
+                "separated integers such as 22, or an empty string to skip nothing."
+            )
+        if layer < 0 or (num_layers is not None and layer >= num_layers):
+            limit = f" (the DiT has {num_layers} blocks, 0 to {num_layers - 1})" if num_layers is not None else ""
+            raise UserError(f"Uncond skip layer {layer} is out of range{limit}; give valid block indices.")
+        if layer not in layers:
+            layers.append(layer)
+    return tuple(layers)
+
+
+def check_image_size(width: int, height: int, where: str = "") -> None:
+    """Raise a UserError unless both sizes are positive multiples of 16."""
+    for name, value in (("width", width), ("height", height)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < SIZE_MULTIPLE or value % SIZE_MULTIPLE:
+            near = max(SIZE_MULTIPLE, (int(value) // SIZE_MULTIPLE) * SIZE_MULTIPLE) if isinstance(value, int) else 1024
+            prefix = f"{where}: " if where else ""
+            raise UserError(
+                f"{prefix}image {name} {value!r} is not a positive multiple of {SIZE_MULTIPLE}; use e.g. {near}."
+            )
+
+
+def initial_noise(
+    height: int,
+    width: int,
+    seed: Optional[int] = None,
+    batch_size: int = 1,
+    device: Optional[Union[str, torch.device]] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Starting noise ``[B, 128, H/16, W/16]`` float32, drawn on the CPU so that a seed gives the same image on any
+    device."""
+    check_image_size(width, height)
+    if generator is None:
+        generator = torch.Generator(device="cpu")
+        if seed is not None:
+            generator.manual_seed(int(seed))
+        else:
+            generator.seed()
+    shape = (batch_size, LATENT_CHANNELS, height // SIZE_MULTIPLE, width // SIZE_MULTIPLE)
+    noise = torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32)
+    return noise.to(device) if device is not None else noise
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the sampler
+
+
+def _batched(t: torch.Tensor, batch: int, what: str) -> torch.Tensor:
+    if t.shape[0] == batch:
+        return t
+    if t.shape[0] == 1:
+        return t.expand(batch, *t.shape[1:])
+    raise ValueError(f"{what} has batch {t.shape[0]}, the noise has {batch}")
+
+
+def _mask_for(embeds: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+    return mask
+
+
+def cfg_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance: ``v_uncond + scale * (v_cond - v_uncond)``."""
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
+@torch.no_grad()
+def sample(
+    model: VelocityModel,
+    noise: torch.Tensor,
+    cond_embeds: torch.Tensor,
+    cond_mask: Optional[torch.Tensor],
+    uncond_embeds: Optional[torch.Tensor] = None,
+    uncond_mask: Optional[torch.Tensor] = None,
+    steps: int = DEFAULT_STEPS,
+    guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
+    shift: float = DEFAULT_FLOW_SHIFT,
+    uncond_skip_layers: Union[str, Iterable[int], None] = DEFAULT_UNCOND_SKIP_LAYERS,
+    callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
+) -> torch.Tensor:
+    """Denoise ``noise`` [B, 128, h, w] into latents (float32, same shape) with the official sampler.
+
+    ``cond_embeds`` / ``uncond_embeds`` are [B or 1, T, D] prompt embeddings with masks [B or 1, T] (None: all
+    tokens valid); the unconditional ones (the encoded negative prompt, empty by default) are needed unless
+    ``guidance_scale`` is 1.0. ``callback(step, steps, x)`` runs after every step. The model runs in whatever mode it
+    is in: put it in eval mode first.
+    """
+    sigmas = sampling_sigmas(steps, shift)
+    grid = sampling_grid(steps, shift)
+    x = noise.to(torch.float32)
+    batch = x.shape[0]
+    use_cfg = float(guidance_scale) != 1.0
+    skip = parse_uncond_skip_layers(uncond_skip_layers)
+
+    cond_embeds = _batched(cond_embeds, batch, "cond_embeds")
+    cond_mask = _batched(_mask_for(cond_embeds, cond_mask), batch, "cond_mask")
+    one_batch = False
+    if use_cfg:
+        if uncond_embeds is None:
+            raise ValueError("guidance_scale != 1.0 needs the unconditional (negative prompt) embeddings")
+        uncond_embeds = _batched(uncond_embeds, batch, "uncond_embeds")
+        uncond_mask = _batched(_mask_for(uncond_embeds, uncond_mask), batch, "uncond_mask")
+        one_batch = not skip and cond_embeds.shape == uncond_embeds.shape and cond_mask.shape == uncond_mask.shape
+        if one_batch:
+            both_embeds = torch.cat([cond_embeds, uncond_embeds])
+            both_masks = torch.cat([cond_mask, uncond_mask.to(cond_mask.dtype)])
+
+    for i in range(len(grid) - 1):
+        t = torch.full((batch,), float(grid[i]), dtype=torch.float32, device=x.device)
+        if not use_cfg:
+            v = model(x, t, cond_embeds, cond_mask).float()
+        elif one_batch:
+            v_cond, v_uncond = model(torch.cat([x, x]), torch.cat([t, t]), both_embeds, both_masks).float().chunk(2)
+            v = cfg_velocity(v_cond, v_uncond, guidance_scale)
+        else:
+            v_cond = model(x, t, cond_embeds, cond_mask).float()
+            if skip:
+                v_uncond = model(x, t, uncond_embeds, uncond_mask, skip_layers=list(skip)).float()
+            else:
+                v_uncond = model(x, t, uncond_embeds, uncond_mask).float()
+            v = cfg_velocity(v_cond, v_uncond, guidance_scale)
+        x = x + (sigmas[i + 1] - sigmas[i]).item() * v
+        if callback is not None:
+            callback(i, len(grid) - 1, x)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# prompt files
+
+
+def _convert(key: str, value: Any, option: str) -> Any:
+    """Type and range of one prompt option (key is a prompt dict key)."""
+    if key in ("prompt", "negative_prompt"):
+        if not isinstance(value, str):
+            raise UserError(f"{option} must be text, got {value!r}.")
+        return value.replace("\\n", "\n")
+    try:
+        if key in ("width", "height", "sample_steps", "seed"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            number: Any = int(value) if not isinstance(value, str) else int(value.strip())
+        else:
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value)
+    except (TypeError, ValueError):
+        kind = "an integer" if key in ("width", "height", "sample_steps", "seed") else "a number"
+        raise UserError(f"{option} must be {kind}, got {value!r}.") from None
+    if key == "sample_steps" and not 1 <= number <= MAX_STEPS:
+        raise UserError(f"{option} (steps) must be between 1 and {MAX_STEPS}, got {number}.")
+    if key == "flow_shift" and not number > 0:
+        raise UserError(f"{option} (flow shift) must be positive, got {number}.")
+    if key == "seed" and number < 0:
+        raise UserError(f"{option} (seed) must not be negative, got {number}.")
+    return number
+
+
+def normalize_prompt_dict(entry: dict[str, Any]) -> dict[str, Any]:
+    """A prompt dict with every key (defaults filled, types checked, ``\\n`` turned into line breaks)."""
+    unknown = [k for k in entry if k not in PROMPT_KEYS]
+    if unknown:
+        other = any(k in _OTHER_MODEL_OPTIONS.values() for k in unknown)
+        why = " (they are used by other models, not MOSS-Image)" if other else ""
+        raise UserError(
+            f"prompt entry keys {', '.join(map(repr, unknown))} are not supported{why};"
+            f" use {', '.join(PROMPT_KEYS[:-1])}."
+        )
+    if "prompt" not in entry:
+        raise UserError(f"prompt entry {entry!r} has no 'prompt' text.")
+    result: dict[str, Any] = {"prompt": None, **PROMPT_DEFAULTS}
+    for key, value in entry.items():
+        if key == "enum" or (value is None and key in ("seed", "negative_prompt")):
+            continue
+        result[key] = _convert(key, value, key)
+    check_image_size(result["width"], result["height"])
+    return result
+
+
+def parse_prompt_line(line: str) -> dict[str, Any]:
+    """One .txt prompt line: ``text --w 1024 --h 1024 --s 50 --l 3.0 --fs 5.0 --n negative --d 42``."""
+    parts = line.strip().split(" --")
+    entry: dict[str, Any] = {"prompt": parts[0].strip()}
+    for part in parts[1:]:
+        m = re.match(r"([A-Za-z]+)(?:\s+(.*))?$", part.strip(), re.S)
+        name = m.group(1).lower() if m else part.strip().split(" ")[0]
+        if not m or name not in _LINE_OPTIONS:
+            if name in _OTHER_MODEL_OPTIONS:
+                raise UserError(
+                    f"prompt option --{name} is used by other models and does not apply to MOSS-Image; remove it"
+                    " (options: --w --h --s --l --fs --n --d)."
+                )
+            raise UserError(
+                f"unknown prompt option --{name}; the options are --w --h --s --l --fs --n --d (' --' followed by a"
+                " word starts an option)."
+            )
+        value = (m.group(2) or "").strip()
+        key = _LINE_OPTIONS[name]
+        if value == "" and key != "negative_prompt":
+            raise UserError(f"prompt option --{name} needs a value.")
+        entry[key] = value
+    return normalize_prompt_dict(entry)
+
+
+def _located(path: str, where: str, error: UserError) -> UserError:
+    return UserError(f"{path} {where}: {error}")
+
+
+def _txt_prompts(path: str) -> list[dict[str, Any]]:
+    prompts = []
+    with open(path, "r", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            text = line.strip()
+            if not text or text.startswith("#"):
+                continue
+            try:
+                prompts.append(parse_prompt_line(text))
+            except UserError as e:
+                raise _located(path, f"line {number}", e) from None
+    return prompts
+
+
+def _entries_to_prompts(path: str, entries: Sequence[Any]) -> list[dict[str, Any]]:
+    prompts = []
+    for i, entry in enumerate(entries):
+        try:
+            if isinstance(entry, str):
+                prompts.append(parse_prompt_line(entry))
+            elif isinstance(entry, dict):
+                prompts.append(normalize_prompt_dict(entry))
+            else:
+                raise UserError(f"a prompt entry must be a text or a table/object, got {type(entry).__name__}.")
+        except UserError as e:
+            raise _located(path, f"entry {i + 1}", e) from None
+    return prompts
+
+
+def _toml_entries(path: str, data: dict[str, Any]) -> list[Any]:
+    table = data.get("prompt")
+    if not isinstance(table, dict):
+        raise UserError(f"{path} has no [prompt] table; see the sample prompt format of the documentation.")
+    defaults = {k: v for k, v in table.items() if k != "subset"}
+    subsets = table.get("subset")
+    if subsets is None:
+        return [defaults]
+    if not isinstance(subsets, list):
+        raise UserError(f"{path}: [prompt] subset must be an array of tables ([[prompt.subset]]).")
+    return [{**defaults, **subset} if isinstance(subset, dict) else subset for subset in subsets]
+
+
+def load_prompts(path: str) -> list[dict[str, Any]]:
+    """Read a prompt file (.txt, .toml, .json, .jsonl) into prompt dicts with every key filled and ``enum`` set to the
+    prompt's position (used in the sample image names)."""
+    if not os.path.isfile(path):
+        raise UserError(f"The prompt file {path} does not exist; check --sample_prompts / --from_file.")
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".txt":
+            prompts = _txt_prompts(path)
+        elif ext == ".toml":
+            with open(path, "rb") as f:
+                prompts = _entries_to_prompts(path, _toml_entries(path, tomllib.load(f)))
+        elif ext == ".json":
+            with open(path, "r", encoding="utf-8") as f:
+                data = json.load(f)
+            prompts = _entries_to_prompts(path, data if isinstance(data, list) else [data])
+        elif ext == ".jsonl":
+            entries = []
+            with open(path, "r", encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            entries.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise UserError(f"{path} line {number} is not valid JSON ({e.msg}).") from None
+            prompts = _entries_to_prompts(path, entries)
+        else:
+            raise UserError(f"The prompt file {path} must end in .txt, .toml, .json or .jsonl.")
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"The prompt file {path} is not valid TOML ({e}).") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"The prompt file {path} is not valid JSON ({e.msg} at line {e.lineno}).") from None
+    except UnicodeDecodeError:
+        raise UserError(f"The prompt file {path} is not UTF-8 text; save it as UTF-8.") from None
+    if not prompts:
+        raise UserError(f"The prompt file {path} contains no prompts.")
+    for i, prompt in enumerate(prompts):
+        prompt["enum"] = i
+    logger.info(f"{len(prompts)} prompts read from {path}")
+    return prompts
