@@ -14,7 +14,8 @@ Streaming use (the loader reads the checkpoint tensor by tensor, no second copy 
 Keys given to the plan are the model's own parameter names (`layers.3.proj.q.weight` for the DiT,
 `layers.3.self_attn.q_proj.weight` for the text encoder), i.e. after the loader renamed the checkpoint's keys and split
 any fused tensor (a ComfyUI file's fused qkv is split into q / k / v first, then merged). LoRA files in the PEFT
-naming (diffusers / ComfyUI) are accepted and converted to the sd-scripts naming first.
+naming (diffusers / ComfyUI) are accepted and converted to the sd-scripts naming first; a LoRA for a fused qkv module
+is split into q / k / v the same way.
 
 Pre-quantized weights (ConvRot INT8: an int8 `weight` with `weight_scale` / `comfy_quant`; or fp8) cannot take a
 merge: the plan refuses such a checkpoint with a UserError that points to the bf16 file with --convrot_int8 (the LoRA
@@ -105,12 +106,11 @@ class _Module:
 
 
 def _lora_modules(sd: Mapping[str, torch.Tensor], name: str) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
-    from networks.convert_moss_image_lora import is_sd_scripts_state_dict, split_sd_key, to_sd_scripts
+    from networks.convert_moss_image_lora import split_sd_key, to_sd_scripts
 
     if not sd:
         raise UserError(f"The LoRA {name} has no tensors: it is empty or not a LoRA file.")
-    if not is_sd_scripts_state_dict(sd):
-        sd = to_sd_scripts(sd)
+    sd = to_sd_scripts(sd)
     groups: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for key, value in sd.items():
         prefix, module, suffix = split_sd_key(key)

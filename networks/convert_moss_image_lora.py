@@ -15,7 +15,8 @@ Alpha: PEFT files carry no per-module alpha, so by default the scale alpha / ran
 loaders may reject the extra key). Going back to sd-scripts, a missing `.alpha` means alpha = rank.
 
 q / k / v stay separate in every direction: ComfyUI maps separate q / k / v LoRA keys onto its fused qkv weight itself.
-A LoRA for a fused `qkv` module (from another trainer) is refused with a clear error.
+A LoRA made for a fused `<block>.proj.qkv` module (ComfyUI layout, from another trainer) is split exactly into q / k / v
+on the way in: the three modules share lora_down and alpha, and lora_up is cut into three row blocks.
 
 The sd-scripts -> PEFT direction needs the dotted module path back from the underscored name (`proj_ffn_up_gate` is
 ambiguous), so it uses a table of the module names networks.lora_generic can train (DiT blocks, text embedder,
@@ -161,16 +162,38 @@ def _split_peft_key(key: str) -> tuple[str, str, str]:
     )
 
 
+def split_fused_qkv(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """sd-scripts keys with any `..._proj_qkv` DiT module split into `_proj_q`, `_proj_k`, `_proj_v` (same math)."""
+    out = dict(sd)
+    names = {k.partition(".")[0] for k in sd}
+    fused = sorted(n for n in names if n.startswith("lora_unet_") and n.endswith("_proj_qkv"))
+    for name in fused:
+        down = out.pop(f"{name}.lora_down.weight", None)
+        up = out.pop(f"{name}.lora_up.weight", None)
+        alpha = out.pop(f"{name}.alpha", None)
+        if down is None or up is None:
+            raise UserError(f"LoRA module '{name}' lacks lora_down or lora_up: the file is incomplete.")
+        if up.shape[0] % 3:
+            raise UserError(
+                f"LoRA module '{name}' has {up.shape[0]} output rows, not a multiple of 3: it is not a fused q/k/v."
+            )
+        stem = name[: -len("qkv")]
+        for part, piece in zip("qkv", up.chunk(3, dim=0)):
+            out[f"{stem}{part}.lora_down.weight"] = down.clone()
+            out[f"{stem}{part}.lora_up.weight"] = piece.clone()
+            if alpha is not None:
+                out[f"{stem}{part}.alpha"] = alpha.clone()
+    return out
+
+
 def to_sd_scripts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """PEFT keys (either DiT prefix; `text_encoder.` for the TE) -> sd-scripts keys; no alpha means alpha = rank."""
+    """Any supported naming -> sd-scripts keys: PEFT keys (either DiT prefix; `text_encoder.` for the TE) are renamed,
+    a missing alpha means alpha = rank, fused qkv modules are split; sd-scripts keys pass through."""
+    if is_sd_scripts_state_dict(sd):
+        return split_fused_qkv(sd)
     groups: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for key, value in sd.items():
         prefix, path, suffix = _split_peft_key(key)
-        if path.split(".")[-1] == "qkv":
-            raise UserError(
-                f"LoRA key '{key}' targets a fused qkv module: MOSS-Image LoRAs keep q / k / v separate"
-                " (proj.q, proj.k, proj.v); this file was made for another model layout."
-            )
         groups.setdefault((prefix, path), {})[suffix] = value
     out: dict[str, torch.Tensor] = {}
     for (prefix, path), parts in groups.items():
@@ -186,7 +209,7 @@ def to_sd_scripts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if alpha is None:
             alpha = torch.tensor(float(down.shape[0]), dtype=down.dtype if down.is_floating_point() else torch.float32)
         out[f"{name}.alpha"] = alpha
-    return out
+    return split_fused_qkv(out)
 
 
 def convert_state_dict(
@@ -195,7 +218,7 @@ def convert_state_dict(
     """Convert whatever naming `sd` has into `target` (comfyui, diffusers or sd-scripts)."""
     if target not in TARGETS:
         raise UserError(f"Unknown target format '{target}': choose one of {', '.join(TARGETS)}.")
-    ours = dict(sd) if is_sd_scripts_state_dict(sd) else to_sd_scripts(sd)
+    ours = to_sd_scripts(sd)
     if target == "sd-scripts":
         _group_sd(ours)  # validates the keys
         return ours

@@ -702,11 +702,9 @@ def _single_lr(value: float | Sequence[float] | None, default: float | None) -> 
 
 
 def normalize_lora_state_dict(weights_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our sd-scripts keys as they are; diffusers / ComfyUI PEFT keys converted to them."""
-    from networks.convert_moss_image_lora import is_sd_scripts_state_dict, to_sd_scripts
+    """Our sd-scripts keys (diffusers / ComfyUI PEFT keys converted to them, fused qkv modules split)."""
+    from networks.convert_moss_image_lora import to_sd_scripts
 
-    if is_sd_scripts_state_dict(weights_sd):
-        return dict(weights_sd)
     return to_sd_scripts(weights_sd)
 
 

@@ -200,9 +200,9 @@ def test_to_peft_names_and_roundtrips():
 def test_converter_errors():
     with pytest.raises(UserError, match="is neither sd-scripts .* nor PEFT"):
         conv.to_sd_scripts({"model.layers.0.q.weight": torch.zeros(1)})
-    with pytest.raises(UserError, match="fused qkv"):
-        conv.to_sd_scripts({"diffusion_model.layers.0.attn.qkv.lora_A.weight": torch.zeros(2, 4),
-                            "diffusion_model.layers.0.attn.qkv.lora_B.weight": torch.zeros(12, 2)})
+    with pytest.raises(UserError, match="not a multiple of 3"):
+        conv.to_sd_scripts({"diffusion_model.layers.0.proj.qkv.lora_A.weight": torch.zeros(2, 4),
+                            "diffusion_model.layers.0.proj.qkv.lora_B.weight": torch.zeros(13, 2)})
     with pytest.raises(UserError, match="Cannot map LoRA module 'lora_unet_final_layer_linear'"):
         conv.to_peft({"lora_unet_final_layer_linear.lora_down.weight": torch.zeros(2, 4),
                       "lora_unet_final_layer_linear.lora_up.weight": torch.zeros(4, 2)})
@@ -239,3 +239,26 @@ def test_converter_cli(tmp_path, capsys):
     assert conv.main([str(src), str(src)]) == 2
     assert "same file" in capsys.readouterr().err
     assert conv.main([str(tmp_path / "none.safetensors"), str(dst)]) == 2
+
+
+@pytest.mark.parametrize("peft", [True, False])
+def test_fused_qkv_lora_is_split_exactly(peft):
+    torch.manual_seed(0)
+    down, up = torch.randn(2, 16), torch.randn(48, 2)
+    if peft:
+        sd = {"diffusion_model.layers.1.proj.qkv.lora_A.weight": down,
+              "diffusion_model.layers.1.proj.qkv.lora_B.weight": up,
+              "diffusion_model.layers.1.proj.qkv.alpha": torch.tensor(1.0)}
+    else:
+        sd = {"lora_unet_layers_1_proj_qkv.lora_down.weight": down, "lora_unet_layers_1_proj_qkv.lora_up.weight": up,
+              "lora_unet_layers_1_proj_qkv.alpha": torch.tensor(1.0)}
+    ours = conv.to_sd_scripts(sd)
+    assert sorted({k.partition(".")[0] for k in ours}) == [f"lora_unet_layers_1_proj_{p}" for p in "kqv"]
+    fused_delta = 0.5 * up @ down
+    parts = [delta(ours, f"lora_unet_layers_1_proj_{p}") for p in "qkv"]
+    torch.testing.assert_close(torch.cat(parts), fused_delta)
+    plan = LoraMergePlan([(sd, 1.0)], "lora_unet")
+    model = dit()
+    w = model.layers[1].proj.k.weight.detach().clone()
+    assert merge_into_module(model, plan) == 3 and plan.finish() == []
+    torch.testing.assert_close(model.layers[1].proj.k.weight.detach(), w + fused_delta[16:32])
