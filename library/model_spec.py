@@ -167,13 +167,16 @@ def network_args_dict(network_args: Any) -> dict[str, str] | None:
     return result
 
 
-def training_metadata(args: Any, **run_values: Any) -> dict[str, str]:
+def training_metadata(
+    args: Any, dataset_metadata: Mapping[str, Any] | None = None, **run_values: Any
+) -> dict[str, str]:
     """The `ss_*` keys of a training run: from `args` (TRAINING_ARG_KEYS) plus run values.
 
     Run values are keyword arguments with or without the `ss_` prefix, e.g. session_id, training_started_at,
     num_train_images, num_validation_images, num_reg_images, num_batches_per_epoch, num_epochs, optimizer,
-    datasets / tag_frequency / dataset_dirs (pass them through `json_value`), sd_model_name, ... They override the
-    values taken from args. session_id and training_started_at are filled in when not given.
+    sd_model_name, ... They override the values taken from args. session_id and training_started_at are filled in
+    when not given. `dataset_metadata` holds the structured dataset keys (datasets, tag_frequency, dataset_dirs,
+    bucket_info, ...; with or without `ss_`): values that are not strings are written as JSON.
     """
     md: dict[str, Any] = {
         "ss_session_id": new_session_id(),
@@ -191,6 +194,8 @@ def training_metadata(args: Any, **run_values: Any) -> dict[str, str]:
     net_args = network_args_dict(getattr(args, "network_args", None))
     if net_args is not None:
         md["ss_network_args"] = json_value(net_args)
+    for key, value in (dataset_metadata or {}).items():
+        md[key if key.startswith("ss_") else f"ss_{key}"] = value if isinstance(value, str) else json_value(value)
     for key, value in run_values.items():
         md[key if key.startswith("ss_") else f"ss_{key}"] = value
     return stringify(md)

@@ -100,7 +100,10 @@ def test_whole_file_hashes(tmp_path):
 
 
 def test_training_metadata_from_args():
-    md = model_spec.training_metadata(args_namespace(), num_train_images=10, ss_num_epochs=3, optimizer="AdamW()")
+    md = model_spec.training_metadata(
+        args_namespace(), num_train_images=10, ss_num_epochs=3, optimizer="AdamW()",
+        dataset_metadata={"ss_tag_frequency": {"img": {"cat": 2}}, "datasets": '[{"is_dreambooth": true}]'},
+    )
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in md.items())
     assert md["ss_output_name"] == "my_moss_lora" and md["ss_learning_rate"] == "0.0001"
     assert md["ss_network_dim"] == "4" and md["ss_network_alpha"] == "1.0"  # the module defaults
@@ -110,6 +113,7 @@ def test_training_metadata_from_args():
     assert md["ss_v2"] == "False" and md["ss_base_model_version"] == model_spec.BASE_MODEL_VERSION
     assert int(md["ss_session_id"]) >= 0 and float(md["ss_training_started_at"]) > 0
     assert md["ss_sd_scripts_commit_hash"]
+    assert json.loads(md["ss_tag_frequency"]) == {"img": {"cat": 2}} and md["ss_datasets"] == '[{"is_dreambooth": true}]'
     assert "ss_clip_skip" not in md and "ss_noise_offset" not in md  # SD-only keys are not written
     md2 = model_spec.training_metadata(args_namespace(network_args=None), session_id=7, training_started_at=1.5)
     assert "ss_network_args" not in md2 and md2["ss_session_id"] == "7" and md2["ss_training_started_at"] == "1.5"
