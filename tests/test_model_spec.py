@@ -113,7 +113,8 @@ def test_training_metadata_from_args():
     assert md["ss_v2"] == "False" and md["ss_base_model_version"] == model_spec.BASE_MODEL_VERSION
     assert int(md["ss_session_id"]) >= 0 and float(md["ss_training_started_at"]) > 0
     assert md["ss_sd_scripts_commit_hash"]
-    assert json.loads(md["ss_tag_frequency"]) == {"img": {"cat": 2}} and md["ss_datasets"] == '[{"is_dreambooth": true}]'
+    assert json.loads(md["ss_tag_frequency"]) == {"img": {"cat": 2}}
+    assert md["ss_datasets"] == '[{"is_dreambooth": true}]'
     assert "ss_clip_skip" not in md and "ss_noise_offset" not in md  # SD-only keys are not written
     md2 = model_spec.training_metadata(args_namespace(network_args=None), session_id=7, training_started_at=1.5)
     assert "ss_network_args" not in md2 and md2["ss_session_id"] == "7" and md2["ss_training_started_at"] == "1.5"
