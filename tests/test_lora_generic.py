@@ -453,3 +453,29 @@ def test_fake_int8_is_linear_like():
     assert not lora_generic.is_linear_like(nn.LayerNorm(4))
     assert not lora_generic.is_linear_like(nn.Conv1d(2, 2, 3))
     assert math.isclose(LoRAModule("a", "a", FakeInt8Linear(nn.Linear(4, 3)), lora_dim=2, alpha=1).scale, 0.5)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the real DiT class (tiny config)
+
+
+def test_real_moss_image_dit_targets_and_forward():
+    from library.moss_image_models import MossImage as RealMossImage
+    from library.tiny_snapshot import TINY_DIT_CONFIG
+
+    torch.manual_seed(0)
+    model = RealMossImage(TINY_DIT_CONFIG).eval()
+    layers = TINY_DIT_CONFIG.num_layers
+    net = create_network(1.0, 4, 1.0, None, None, model)
+    assert len(net.unet_loras) == 6 * layers
+    assert names(net.unet_loras) == sorted(f"layers.{i}.proj.{n}" for i in range(layers) for n in BLOCK_LINEARS)
+    with_embedder = create_network(1.0, 4, 1.0, None, None, model, train_text_embedder="true")
+    refiners = TINY_DIT_CONFIG.num_refiner_layers
+    assert len(with_embedder.unet_loras) == 6 * layers + 1 + 6 * refiners
+    x, t, text = torch.randn(1, 128, 2, 2), torch.tensor([500.0]), torch.randn(1, 3, TINY_DIT_CONFIG.text_dim)
+    with torch.no_grad():
+        base = model(x, t, text)
+        net.apply_to(None, model, False, True)
+        randomize(net)
+        out = model(x, t, text)
+    assert out.shape == base.shape and not torch.allclose(out, base)

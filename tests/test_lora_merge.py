@@ -262,3 +262,28 @@ def test_fused_qkv_lora_is_split_exactly(peft):
     w = model.layers[1].proj.k.weight.detach().clone()
     assert merge_into_module(model, plan) == 3 and plan.finish() == []
     torch.testing.assert_close(model.layers[1].proj.k.weight.detach(), w + fused_delta[16:32])
+
+
+def test_merge_through_the_dit_loader_tensor_hook(tmp_path):
+    from library.moss_image_models import MossImage as RealMossImage
+    from library.moss_image_utils import load_moss_image_model
+    from library.tiny_snapshot import TINY_DIT_CONFIG, tiny_dit_state_dict
+
+    sd = {k: v.float() for k, v in tiny_dit_state_dict(0).items()}
+    path = tmp_path / "dit.safetensors"
+    save_file_atomic(sd, path)
+    reference = RealMossImage(TINY_DIT_CONFIG).eval()
+    reference.load_state_dict(sd)
+    lora = create_network(1.0, 4, 2.0, None, None, reference, train_text_embedder="true")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in lora.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    plan = LoraMergePlan([(lora.state_dict(), 0.8)], "lora_unet")
+    merged = load_moss_image_model("cpu", path, dtype=torch.float32, tensor_hook=plan.merge)
+    assert plan.finish() == []
+    lora.set_multiplier(0.8)
+    lora.apply_to(None, reference, False, True)
+    x, t, text = torch.randn(1, 128, 2, 2), torch.tensor([300.0]), torch.randn(1, 3, TINY_DIT_CONFIG.text_dim)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x, t, text), reference(x, t, text), atol=1e-4, rtol=1e-4)
