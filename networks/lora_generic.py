@@ -405,6 +405,7 @@ class LoRANetwork(nn.Module):
         self.dropout = dropout
         self.text_encoder_loras: list[LoRAModule] = []
         self.unet_loras: list[LoRAModule] = []
+        self._frozen: list[nn.Parameter] = []  # parameters of groups whose lr is 0: not trained, no gradients
 
     # -- building
 
@@ -550,12 +551,12 @@ class LoRANetwork(nn.Module):
         """Optimizer parameter groups and their descriptions (for `lr/<description>` logs).
 
         Groups: per `network_reg_lrs` regex (first match wins; 'reg_lr_<i>'), then the rest; each split in two
-        with LoRA+ (lora_up gets lr * ratio, description '... plus'). A group whose lr is 0 or None is left out
-        (its parameters are not trained).
+        with LoRA+ (lora_up gets lr * ratio, description '... plus'). A group whose lr is 0 or None is left out:
+        its parameters are frozen (requires_grad False, also after prepare_grad_etc).
         """
         te_lr = _single_lr(text_encoder_lr, default_lr)
         u_lr = unet_lr if unet_lr is not None else default_lr
-        self.requires_grad_(True)
+        self._frozen = []
         params: list[dict[str, Any]] = []
         descriptions: list[str] = []
         for loras, lr, ratio, label in (
@@ -568,6 +569,7 @@ class LoRANetwork(nn.Module):
             for desc, group in groups:
                 params.append(group)
                 descriptions.append(f"{label} {desc}".strip())
+        self.prepare_grad_etc()
         return params, descriptions
 
     def prepare_optimizer_params(
@@ -595,6 +597,7 @@ class LoRANetwork(nn.Module):
             desc = (f"reg_lr_{index}" if index >= 0 else "") + (" plus" if plus else "")
             if not group_lr:
                 logger.info("LoRA parameter group '%s' has lr %s: not trained", desc.strip() or "default", group_lr)
+                self._frozen.extend(plist)
                 continue
             groups.append((desc.strip(), {"params": plist, "lr": group_lr}))
         return groups
@@ -605,12 +608,14 @@ class LoRANetwork(nn.Module):
 
     def prepare_grad_etc(self, text_encoder: Any = None, unet: Any = None) -> None:
         self.requires_grad_(True)
+        for param in self._frozen:
+            param.requires_grad_(False)
 
     def on_epoch_start(self, text_encoder: Any = None, unet: Any = None) -> None:
         self.train()
 
     def get_trainable_params(self) -> Iterable[nn.Parameter]:
-        return self.parameters()
+        return [p for p in self.parameters() if p.requires_grad]
 
     def save_weights(
         self, file: str | os.PathLike, dtype: torch.dtype | None, metadata: Mapping[str, Any] | None
@@ -750,6 +755,11 @@ def create_network(
     _warn_unused_patterns("include_patterns", options.include_patterns, names)
     _warn_unused_patterns("network_reg_dims", options.reg_dims, names)
     _warn_unused_patterns("network_reg_lrs", options.reg_lrs, names)
+    if names and not network.unet_loras and not network.text_encoder_loras:
+        raise UserError(
+            "No LoRA module is left after exclude_patterns / network_reg_dims (rank 0): loosen the patterns in"
+            " --network_args."
+        )
     if options.train_text_embedder:
         logger.info("text embedder LoRA enabled (train_text_embedder)")
     network.log_summary()

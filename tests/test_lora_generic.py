@@ -155,6 +155,11 @@ def test_unmatched_patterns_warn(caplog):
     assert "'nothing.*' matches no module" in text and "'zzz' matches no module" in text
 
 
+def test_everything_excluded_is_an_error():
+    with pytest.raises(UserError, match="No LoRA module is left"):
+        create_network(1.0, 4, 1.0, None, None, dit(), exclude_patterns="['.*']")
+
+
 def test_not_a_moss_dit():
     with pytest.raises(UserError, match="no MossImageBlock"):
         create_network(1.0, 4, 1.0, None, None, nn.Sequential(nn.Linear(4, 4)))
@@ -314,6 +319,10 @@ def test_param_groups_lrs_reg_lrs_and_loraplus(qwen):
     grouped = {id(p) for g in groups for p in g["params"]}
     ffn_down = [lora for lora in net.unet_loras if lora.original_name.endswith("ffn_down")]
     assert ffn_down and all(id(p) not in grouped for lora in ffn_down for p in lora.parameters())
+    net.prepare_grad_etc([qwen], None)
+    assert all(not p.requires_grad for lora in ffn_down for p in lora.parameters())
+    trainable = {id(p) for p in net.get_trainable_params()}
+    assert trainable == grouped
     q_up = {id(lora.lora_up.weight) for lora in net.unet_loras if lora.original_name.endswith("proj.q")}
     assert q_up <= {id(p) for p in by_desc["unet reg_lr_0 plus"]["params"]}
 
