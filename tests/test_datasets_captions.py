@@ -128,7 +128,8 @@ def test_token_warmup() -> None:
     assert resolve_token_warmup_steps(frac, 400) == 100
     with pytest.raises(UserError, match="fraction"):
         resolve_token_warmup_steps(frac, None)
-    assert run(text, step=10, max_train_steps=400, keep_tokens=1, token_warmup_min=1, token_warmup_step=0.1).text == "k, a, b"
+    fractional = run(text, step=10, max_train_steps=400, keep_tokens=1, token_warmup_min=1, token_warmup_step=0.1)
+    assert fractional.text == "k, a, b"
     # 0.1 * 400 = 40 warmup steps: floor(10 * (8 - 1) / 40) + 1 = 2 flexible tags
 
 

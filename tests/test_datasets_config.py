@@ -61,13 +61,18 @@ def test_dataset_level_values_and_cli_names() -> None:
     assert bp.subsets[0].num_repeats == 5
     raw = {"datasets": [{"subsets": [{"image_dir": "/x"}]}]}
     assert resolve_config(raw, args)[0].params.resolution == (96, 64)
-    assert resolve_config({"datasets": [{"resolution": [80, 48], "subsets": [{"image_dir": "/x"}]}]})[0].params.resolution == (80, 48)
+    pair = resolve_config({"datasets": [{"resolution": [80, 48], "subsets": [{"image_dir": "/x"}]}]})[0]
+    assert pair.params.resolution == (80, 48)
 
 
 @pytest.mark.parametrize(
     "where, table, needle",
     [
-        ("subset", {"captoin_extension": ".txt"}, "'captoin_extension' in datasets[0].subsets[0] of test.toml (did you mean 'caption_extension'"),
+        (
+            "subset",
+            {"captoin_extension": ".txt"},
+            "'captoin_extension' in datasets[0].subsets[0] of test.toml (did you mean 'caption_extension'",
+        ),
         ("dataset", {"shufle_caption": True}, "'shufle_caption' in datasets[0] of test.toml"),
         ("general", {"foo": 1}, "'foo' in [general] of test.toml"),
     ],
@@ -176,7 +181,8 @@ def test_toml_and_json_files(tmp_path) -> None:
 
     toml_file = write_toml(tmp_path / "c.toml", {"resolution": 64}, [({"batch_size": 2}, [{"image_dir": "/x"}])])
     json_file = tmp_path / "c.json"
-    json_file.write_text(json.dumps({"general": {"resolution": 64}, "datasets": [{"batch_size": 2, "subsets": [{"image_dir": "/x"}]}]}))
+    raw = {"general": {"resolution": 64}, "datasets": [{"batch_size": 2, "subsets": [{"image_dir": "/x"}]}]}
+    json_file.write_text(json.dumps(raw))
     for f in (toml_file, json_file):
         bp = resolve_config(load_config_file(f), None)[0]
         assert bp.params.batch_size == 2 and bp.params.resolution == (64, 64)

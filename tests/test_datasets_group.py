@@ -16,10 +16,14 @@ from library.datasets.dataset_group import BatchKey, prepare_image_for_cache
 from library.errors import UserError
 from tests.test_datasets_support import make_gradient, make_image, parse, write_caption, write_toml
 
-SMALL = {"resolution": 64, "enable_bucket": True, "min_bucket_reso": 32, "max_bucket_reso": 128, "bucket_reso_steps": 16}
+SMALL = {
+    "resolution": 64, "enable_bucket": True, "min_bucket_reso": 32, "max_bucket_reso": 128, "bucket_reso_steps": 16
+}
 
 
-def folder(root: Path, sizes: list[tuple[int, int]], captions: dict[int, str] | None = None, ext: str = ".caption") -> Path:
+def folder(
+    root: Path, sizes: list[tuple[int, int]], captions: dict[int, str] | None = None, ext: str = ".caption"
+) -> Path:
     for i, size in enumerate(sizes):
         img = make_gradient(root / f"img{i}.png", size)
         if captions and i in captions:
@@ -245,7 +249,9 @@ def test_cache_hooks(tmp_path) -> None:
     subset = {"image_dir": str(d), "enable_multiline_caption": True, "caption_prefix": "p", "flip_aug": True,
               "caption_dropout_rate": 0.3, "num_repeats": 20}
     train, _ = build(tmp_path, [({}, [subset])])
-    assert train.is_text_encoder_output_cacheable(cache_supports_dropout=True, supports_multiple_caption_candidates=True)
+    assert train.is_text_encoder_output_cacheable(
+        cache_supports_dropout=True, supports_multiple_caption_candidates=True
+    )
     assert not train.is_text_encoder_output_cacheable(cache_supports_dropout=False)
     assert not train.is_text_encoder_output_cacheable(supports_multiple_caption_candidates=False)
     info = next(train.image_infos())
@@ -258,7 +264,8 @@ def test_cache_hooks(tmp_path) -> None:
         assert b["images"] is None and b["latents"].shape == (1, 32, 6, 10)
         assert (b["latents"][0, 0, 0, 0] < 0) == b["flippeds"][0]
         out = b["text_encoder_outputs"][0]
-        assert out == (("uncond",) if b["captions_dropped"][0] else (info.caption_candidates[b["caption_candidate_indices"][0]],))
+        picked = info.caption_candidates[b["caption_candidate_indices"][0]]
+        assert out == (("uncond",) if b["captions_dropped"][0] else (picked,))
     assert True in lat.calls and False in lat.calls
 
 
@@ -326,7 +333,8 @@ def test_cache_info_keeps_sizes_and_captions(tmp_path) -> None:
     cfg = [({}, [{"image_dir": str(d), "cache_info": True}])]
     build(tmp_path, cfg)
     cache = json.loads((d / "metadata_cache.json").read_text())
-    assert {os.path.basename(k): v["resolution"] for k, v in cache.items()} == {"img0.png": [64, 64], "img1.png": [96, 64]}
+    sizes = {os.path.basename(k): v["resolution"] for k, v in cache.items()}
+    assert sizes == {"img0.png": [64, 64], "img1.png": [96, 64]}
     (d / "img0.caption").write_text("changed")  # the cached caption wins until the cache is deleted
     train, _ = build(tmp_path, cfg)
     assert "x" in [c for b in all_batches(train) for c in b["captions"]]

@@ -74,7 +74,8 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--flip_aug", action="store_true", help="random horizontal flips")
     a.add_argument("--random_crop", action="store_true", help="random instead of centred crops")
     a.add_argument("--alpha_mask", action="store_true", help="use the alpha channel as the loss mask")
-    a.add_argument("--masked_loss", action="store_true", help="masked loss from the alpha channels (implies --alpha_mask)")
+    a.add_argument("--masked_loss", action="store_true",
+                   help="masked loss from the alpha channels (implies --alpha_mask)")
     a.add_argument("--face_crop_aug_range", type=str, default=None, help="not supported (Stable Diffusion only)")
     a.add_argument("--conditioning_data_dir", type=str, default=None, help="not supported (ControlNet datasets)")
     a.add_argument("--dataset_class", type=str, default=None, help="not supported (custom dataset classes)")

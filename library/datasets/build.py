@@ -6,6 +6,8 @@ import argparse
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from library.datasets.args import check_unsupported_dataset_args
 from library.datasets.config import DatasetBlueprint, load_config_file, resolve_config
 from library.datasets.dataset_group import (
@@ -98,8 +100,8 @@ def build_dataset_groups(
     args: argparse.Namespace, *, bucket_reso_multiple: int | None = MOSS_IMAGE_BUCKET_MULTIPLE
 ) -> tuple[DatasetGroup, DatasetGroup | None]:
     """(training group, validation group or None) from the dataset options of `args` (see `add_dataset_arguments`;
-    `args.seed` seeds batch order and augmentations). Bucket sizes are checked to be multiples of
-    `bucket_reso_multiple` (None skips the check)."""
+    `args.seed` seeds batch order and augmentations; `args.max_train_steps`, when present, serves fractional
+    token_warmup_step). Bucket sizes are checked to be multiples of `bucket_reso_multiple` (None skips the check)."""
     check_unsupported_dataset_args(args)
     blueprints, source = load_blueprints(args)
     if bucket_reso_multiple is not None:
@@ -121,13 +123,16 @@ def build_dataset_groups(
     weight = float(getattr(args, "prior_loss_weight", 1.0))
     train = DatasetGroup(train_sets, seed=seed, prior_loss_weight=weight)
     val = DatasetGroup(val_sets, seed=seed, prior_loss_weight=weight, is_validation=True) if val_sets else None
+    max_steps = getattr(args, "max_train_steps", None)
+    if max_steps is not None:
+        train.set_max_train_steps(int(max_steps))  # the trainer updates it when --max_train_epochs decides
     for group in (train, val):
         for d in group.datasets if group is not None else []:
             d.log_summary()
     return train, val
 
 
-def create_data_loader_from_args(group: DatasetGroup, args: argparse.Namespace):
+def create_data_loader_from_args(group: DatasetGroup, args: argparse.Namespace) -> torch.utils.data.DataLoader:
     """`create_data_loader` with `--max_data_loader_n_workers` and `--persistent_data_loader_workers`."""
     return create_data_loader(
         group,

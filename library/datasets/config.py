@@ -462,7 +462,9 @@ def resolve_config(
         ds_values = _checked(ds, where, source)
         params = _dataset_params(di, [ds_values, general_values, cli], source)
         if "subsets" not in ds:
-            raise UserError(f"{where} of {source} has no [[datasets.subsets]]: add one with image_dir or metadata_file.")
+            raise UserError(
+                f"{where} of {source} has no [[datasets.subsets]]: add one with image_dir or metadata_file."
+            )
         subsets = []
         for si, ss in enumerate(_as_table_list(ds["subsets"], f"{where}.subsets", source)):
             swhere = f"{where}.subsets[{si}]"

@@ -139,7 +139,8 @@ class ImageDataset:
                 unusable.append(info.absolute_path)
                 continue
             info.bucket_reso, info.resized_size = assignment.bucket_reso, assignment.resized_size
-            if not manager.fits_without_upscale(w, h) or (manager.no_upscale and min(w, h) < self.params.min_bucket_reso):
+            below_min = manager.no_upscale and min(w, h) < self.params.min_bucket_reso
+            if below_min or not manager.fits_without_upscale(w, h):
                 too_small.append(info.absolute_path)
             kept.append(info)
         if unusable:
@@ -326,7 +327,9 @@ class DatasetGroup(torch.utils.data.Dataset):
         """From now on batches carry cached latents instead of images; sets each ImageInfo.latents_npz."""
         blockers = self.latent_cache_blockers()
         if blockers:
-            raise UserError(f"Latents cannot be cached with {', '.join(blockers)}; turn those off or do not cache latents.")
+            raise UserError(
+                f"Latents cannot be cached with {', '.join(blockers)}; turn those off or do not cache latents."
+            )
         for info in self.image_infos():
             assert info.image_size is not None
             info.latents_npz = hook.get_latents_npz_path(info.absolute_path, info.image_size)

@@ -89,7 +89,9 @@ def cli_subset_tables(train_data_dir: str | None, reg_data_dir: str | None, in_j
         if train_data_dir is not None:
             table["image_dir"] = train_data_dir
         if reg_data_dir is not None:
-            raise UserError("--reg_data_dir cannot be used with --in_json: regularisation images need DreamBooth folders.")
+            raise UserError(
+                "--reg_data_dir cannot be used with --in_json: regularisation images need DreamBooth folders."
+            )
         return [table]
     if train_data_dir is None:
         raise UserError(
