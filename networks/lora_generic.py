@@ -97,13 +97,14 @@ def parse_float(name: str, value: Any, low: float | None = None, high: float | N
     """A float (or None when the value is None/"None"), checked against [low, high)."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
         return None
+    option = name if name.startswith("--") else f"--network_args {name}"
     try:
         result = float(value)
     except (TypeError, ValueError):
-        raise UserError(f"--network_args {name}={value!r} is not a number: write e.g. {name}=0.1.") from None
+        raise UserError(f"{option}={value!r} is not a number: write e.g. {name}=0.1.") from None
     if (low is not None and result < low) or (high is not None and result >= high) or math.isnan(result):
         bounds = f"[{low}, {high})" if high is not None else f">= {low}"
-        raise UserError(f"--network_args {name}={value!r} is out of range: it must be {bounds}.")
+        raise UserError(f"{option}={value!r} is out of range: it must be {bounds}.")
     return result
 
 
