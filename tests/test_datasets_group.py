@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from library.datasets import build_dataset_groups, create_data_loader, debug_dataset
+from library.datasets import build_dataset_groups, create_data_loader, create_data_loader_from_args, debug_dataset
 from library.datasets.dataset_group import BatchKey, prepare_image_for_cache
 from library.errors import UserError
 from tests.test_datasets_support import make_gradient, make_image, parse, write_caption, write_toml
@@ -114,6 +114,9 @@ def test_validation_split_dreambooth(tmp_path) -> None:
     assert [b["image_keys"] for b in all_batches(val, 5)] == [b["image_keys"] for b in val_batches]
     _, val2 = build(tmp_path, cfg)
     assert sorted(k for b in all_batches(val2) for k in b["image_keys"]) == sorted(val_keys)
+    cfg[0][0]["validation_seed"] = 4
+    _, val3 = build(tmp_path, cfg)
+    assert sorted(k for b in all_batches(val3) for k in b["image_keys"]) != sorted(val_keys)
 
 
 def test_fine_tuning_json_jsonl_and_validation(tmp_path) -> None:
@@ -198,8 +201,12 @@ def test_bucket_keys_and_small_image_report(tmp_path, caplog) -> None:
     nb, _ = build(tmp_path, [({"bucket_no_upscale": True, "bucket_reso_steps": 32}, [{"image_dir": str(d)}])])
     # 200x100 shrinks to area 64^2 (90.5 x 45.3), rounded to steps of 32 -> 64x32; 20x20 has no bucket: skipped
     assert {b["bucket_reso"] for b in all_batches(nb)} == {(64, 32)}
-    fixed, _ = build(tmp_path, [({"enable_bucket": False, "resolution": [48, 32]}, [{"image_dir": str(d)}])])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        fixed, _ = build(tmp_path, [({"enable_bucket": False, "resolution": [48, 32], "bucket_no_upscale": True},
+                                     [{"image_dir": str(d)}])])
     assert {b["bucket_reso"] for b in all_batches(fixed)} == {(48, 32)}
+    assert "bucket_no_upscale (datasets[0]" in caplog.text and "has no effect without enable_bucket" in caplog.text
 
 
 def test_unreadable_images_are_skipped_with_their_name(tmp_path, caplog) -> None:
@@ -293,6 +300,11 @@ def test_data_loader_with_persistent_worker_follows_epochs(tmp_path) -> None:
     assert seen == ["cap", "", "cap"]
     with pytest.raises(UserError, match="persistent_data_loader_workers"):
         create_data_loader(train, num_workers=0, persistent_workers=True)
+    args = parse(["--max_data_loader_n_workers", "0"])
+    assert [b["captions"] for b in create_data_loader_from_args(train, args)] == [["cap"]]  # epoch 3 is still set
+    with pytest.raises(UserError, match="needs at least one worker"):
+        create_data_loader_from_args(train, parse(["--max_data_loader_n_workers", "0",
+                                                   "--persistent_data_loader_workers"]))
 
 
 def test_cli_folders_and_in_json(tmp_path, caplog) -> None:

@@ -75,6 +75,9 @@ def _examples(paths: Sequence[str]) -> str:
 
 def bucket_manager_for(params: DatasetParams, where: str) -> BucketManager:
     """The bucket manager of a dataset's settings (checks min/max_bucket_reso against the resolution)."""
+    if params.bucket_no_upscale and not params.enable_bucket:
+        logger.warning("bucket_no_upscale (%s) has no effect without enable_bucket in %s: every image is scaled to"
+                       " the resolution", params.source_of("bucket_no_upscale"), where)
     return BucketManager.for_dataset(
         params.resolution,
         params.enable_bucket,
