@@ -242,7 +242,8 @@ def lora_name_for(prefix: str, original_name: str) -> str:
 
 
 def _linear_modules_under(root: nn.Module, class_names: Sequence[str]) -> dict[str, nn.Module]:
-    """Linear-like modules that have an ancestor (or are inside a module) whose class name is in `class_names`."""
+    """Linear-like modules that have an ancestor whose class name is in `class_names`. A Linear-like module inside
+    another one (a replacement that keeps the original Linear as a child) is not a second target."""
     owners = [name for name, m in root.named_modules() if type(m).__name__ in class_names]
     found: dict[str, nn.Module] = {}
     for name, module in root.named_modules():
@@ -250,7 +251,7 @@ def _linear_modules_under(root: nn.Module, class_names: Sequence[str]) -> dict[s
             continue
         if any(owner == "" or name.startswith(owner + ".") for owner in owners):
             found[name] = module
-    return found
+    return {n: m for n, m in found.items() if not any(n.startswith(other + ".") for other in found)}
 
 
 def dit_candidates(unet: nn.Module, train_text_embedder: bool) -> dict[str, nn.Module]:

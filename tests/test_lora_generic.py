@@ -457,6 +457,26 @@ def test_peft_named_weights_are_accepted():
         torch.testing.assert_close(b.delta_weight(), a.delta_weight())
 
 
+class WrappingLinear(nn.Module):
+    """A Linear replacement that keeps the original Linear as a child."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.inner = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_wrapped_linear_gets_one_lora():
+    model = dit()
+    model.layers[0].proj.q = WrappingLinear(model.layers[0].proj.q)
+    net = create_network(1.0, 4, 1.0, None, None, model)
+    assert "layers.0.proj.q" in names(net.unet_loras) and "layers.0.proj.q.inner" not in names(net.unet_loras)
+    assert len(net.unet_loras) == 18
+
+
 def test_fake_int8_is_linear_like():
     assert lora_generic.is_linear_like(FakeInt8Linear(nn.Linear(4, 3)))
     assert not lora_generic.is_linear_like(nn.LayerNorm(4))
