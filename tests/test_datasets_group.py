@@ -358,3 +358,21 @@ def test_debug_dataset_logs_batches(tmp_path, caplog) -> None:
     with caplog.at_level(logging.INFO):
         assert debug_dataset(train, max_batches=2) == 2
     assert "bucket 64x64" in caplog.text
+
+
+def test_dataset_metadata_shapes(tmp_path) -> None:
+    from library.datasets.metadata import dataset_metadata
+
+    a = folder(tmp_path / "x" / "imgs", [(64, 64), (64, 64)], {0: "Red, cat", 1: "red, dog"})
+    b = folder(tmp_path / "y" / "imgs", [(64, 64)], {0: "cat"})
+    r = folder(tmp_path / "reg", [(64, 64)])
+    train, _ = build(tmp_path, [({}, [{"image_dir": str(a), "num_repeats": 2}, {"image_dir": str(b)},
+                                      {"image_dir": str(r), "is_reg": True}])])
+    md = dataset_metadata(train)
+    assert md["tag_frequency"] == {"imgs": {"red": 2, "cat": 1, "dog": 1}, "imgs (2)": {"cat": 1}, "reg": {}}
+    assert md["dataset_dirs"] == {"imgs": {"n_repeats": 2, "img_count": 2}, "imgs (2)": {"n_repeats": 1, "img_count": 1}}
+    ds = md["datasets"][0]
+    assert ds["num_train_images"] == 5 and ds["num_reg_images"] == 1 and ds["is_dreambooth"] is True
+    assert [s["image_dir"] for s in ds["subsets"]] == ["imgs", "imgs", "reg"] and ds["subsets"][2]["is_reg"]
+    assert ds["bucket_info"]["buckets"][0] == {"resolution": (64, 64), "count": 10}
+    assert "/" not in json.dumps(md).replace("\\/", "")  # base names only

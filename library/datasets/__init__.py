@@ -31,6 +31,7 @@ _EXPORTS = {
     "prepare_image": "library.datasets.images",
     "prepare_image_for_cache": "library.datasets.dataset_group",
     "debug_dataset": "library.datasets.debug",
+    "dataset_metadata": "library.datasets.metadata",
     "verify_bucket_reso_steps": "library.datasets.buckets",
 }
 
