@@ -154,11 +154,13 @@ class MossImageNetworkTrainer(NetworkTrainer):
         return model, text_encoders
 
     def prepare_unet(self, run: RunState) -> None:
-        run.unet.to(run.accelerator.device)
-        if run.args.compile:
-            from library.compile_utils import compile_blocks
+        from library.compile_utils import apply_cuda_optimizations, compile_blocks
 
-            compile_blocks(run.args, run.unet)
+        run.unet.to(run.accelerator.device)
+        apply_cuda_optimizations(run.args)
+        if run.args.compile:
+            buckets = {i.bucket_reso for g in (run.train_group, run.val_group) if g is not None for i in g.image_infos()}
+            compile_blocks(run.args, run.unet, num_shapes=len(buckets))
 
     # --------------------------------------------------------------------------------------------- caching
     def get_latents_caching_strategy(self, args: argparse.Namespace) -> Any:
@@ -272,9 +274,12 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     # --------------------------------------------------------------------------------------------- sampling
     def sample_images(self, run: RunState, epoch: int | None, step: int) -> None:
-        from library.moss_image_train_sampling import sample_images_if_due
+        from library.moss_image_train_sampling import is_due, sample_images_if_due
 
-        sample_images_if_due(self, run, epoch, step)
+        if is_due(run.args, epoch, step):
+            run.optimizer_eval_fn()
+            sample_images_if_due(self, run, epoch, step)
+            run.optimizer_train_fn()
 
     # --------------------------------------------------------------------------------------------- metadata
     def update_metadata(self, metadata: dict[str, Any], args: argparse.Namespace) -> None:

@@ -59,6 +59,10 @@ class RunState:
     max_train_steps: int = 0
     loss_history: list[float] = field(default_factory=list)
     lr_descriptions: list[str] = field(default_factory=list)
+    fused_backward_pass: bool = False
+    optimizer_train_fn: Any = None
+    optimizer_eval_fn: Any = None
+    validation_history: list[tuple[int, float]] = field(default_factory=list)
     optimizer_name: str = ""
     last_validation_loss: float | None = None
     final_path: Path | None = None
@@ -238,6 +242,11 @@ class NetworkTrainer:
         run.train_dataloader = create_data_loader_from_args(run.train_group, run.args)
         if run.val_group is not None and len(run.val_group) > 0:
             run.val_dataloader = create_data_loader_from_args(run.val_group, run.args)
+        # A DataLoader iterator draws its worker base seed from the global RNG unless it has a generator of its own:
+        # that draw would make a resumed run's noise differ from the uninterrupted run's.
+        for i, dl in enumerate((run.train_dataloader, run.val_dataloader)):
+            if dl is not None:
+                dl.generator = torch.Generator().manual_seed(run.args.seed + i)
 
     def _steps_and_epochs(self, run: RunState) -> None:
         args = run.args
@@ -292,11 +301,26 @@ class NetworkTrainer:
         )
         if run.val_dataloader is not None:
             run.val_dataloader = run.accelerator.prepare(run.val_dataloader)
+        self._install_fused_backward_pass(run)
         if args.resume:
             self._load_state(run, Path(args.resume))
         run.metadata = self._build_metadata(run)
         self._loop(run)
         return run
+
+    def _install_fused_backward_pass(self, run: RunState) -> None:
+        from library import optimizers
+
+        args = run.args
+        optimizers.check_fused_backward_pass(args, run.optimizer)
+        if args.fused_backward_pass:
+            if run.accelerator.num_processes > 1:
+                raise UserError("--fused_backward_pass steps each parameter inside backward, before gradients are"
+                                " averaged across processes: use it with one process only.")
+            run.fused_backward_pass = True
+            optimizers.install_fused_backward_pass(run.optimizer, args.max_grad_norm or 0.0)
+        run.optimizer_train_fn, run.optimizer_eval_fn = optimizers.get_optimizer_train_eval_fn(run.optimizer)
+        run.optimizer_train_fn()
 
     def enable_gradient_checkpointing(self, run: RunState) -> None:
         args = run.args
@@ -398,13 +422,16 @@ class NetworkTrainer:
             run.network.on_step_start() if hasattr(run.network, "on_step_start") else None
             loss = self.process_batch(run, batch, is_train=True)
             acc.backward(loss)
-            if acc.sync_gradients:
-                self._all_reduce_network(run)
-                if args.max_grad_norm and args.max_grad_norm > 0:
-                    acc.clip_grad_norm_(run.network.get_trainable_params(), args.max_grad_norm)
-            run.optimizer.step()
-            run.lr_scheduler.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            if run.fused_backward_pass:  # parameters were stepped inside backward
+                run.lr_scheduler.step()
+            else:
+                if acc.sync_gradients:
+                    self._all_reduce_network(run)
+                    if args.max_grad_norm and args.max_grad_norm > 0:
+                        acc.clip_grad_norm_(run.network.get_trainable_params(), args.max_grad_norm)
+                run.optimizer.step()
+                run.lr_scheduler.step()
+                run.optimizer.zero_grad(set_to_none=True)
         if acc.sync_gradients and args.scale_weight_norms:
             run.network.apply_max_norm_regularization(args.scale_weight_norms, acc.device)
         return float(loss.detach().item())
@@ -483,6 +510,7 @@ class NetworkTrainer:
         args, acc = run.args, run.accelerator
         sigmas = flow_matching.validation_sigmas(4)
         losses = []
+        run.optimizer_eval_fn()
         run.network.eval() if hasattr(run.network, "eval") else None
         with torch.no_grad():
             for i, batch in enumerate(run.val_dataloader):
@@ -494,6 +522,7 @@ class NetworkTrainer:
                     losses.append(float(acc.gather(loss.detach()[None]).mean()))
                 self.on_validation_step_end(run)
         run.network.train() if hasattr(run.network, "train") else None
+        run.optimizer_train_fn()
         if not losses:
             return None
         value = sum(losses) / len(losses)
@@ -505,6 +534,7 @@ class NetworkTrainer:
                 logs[log_key.replace("_average", "_divergence")] = value - sum(window) / len(window)
             acc.log(logs, step=run.global_step)
         run.last_validation_loss = value
+        run.validation_history.append((run.global_step, value))
         return value
 
     # -------------------------------------------------------------------------------------------- saving
@@ -522,8 +552,10 @@ class NetworkTrainer:
     def _save_lora(self, run: RunState, stem: str, epoch: int) -> Path:
         out = Path(run.args.output_dir) / f"{stem}.safetensors"
         run.accelerator.wait_for_everyone()
+        run.optimizer_eval_fn()  # schedule-free optimizers hold the evaluation weights only in eval mode
         if run.accelerator.is_main_process:
             run.network.save_weights(str(out), run.save_dtype, self._lora_metadata(run, epoch))
+        run.optimizer_train_fn()
         return out
 
     def _save_checkpoint(self, run: RunState, stem: str, step_save: bool) -> None:
