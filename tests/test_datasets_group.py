@@ -370,7 +370,8 @@ def test_dataset_metadata_shapes(tmp_path) -> None:
                                       {"image_dir": str(r), "is_reg": True}])])
     md = dataset_metadata(train)
     assert md["tag_frequency"] == {"imgs": {"red": 2, "cat": 1, "dog": 1}, "imgs (2)": {"cat": 1}, "reg": {}}
-    assert md["dataset_dirs"] == {"imgs": {"n_repeats": 2, "img_count": 2}, "imgs (2)": {"n_repeats": 1, "img_count": 1}}
+    dirs = {"imgs": {"n_repeats": 2, "img_count": 2}, "imgs (2)": {"n_repeats": 1, "img_count": 1}}
+    assert md["dataset_dirs"] == dirs
     ds = md["datasets"][0]
     assert ds["num_train_images"] == 5 and ds["num_reg_images"] == 1 and ds["is_dreambooth"] is True
     assert [s["image_dir"] for s in ds["subsets"]] == ["imgs", "imgs", "reg"] and ds["subsets"][2]["is_reg"]
