@@ -292,8 +292,9 @@ def _convert(key: str, value: Any, option: str) -> Any:
     return number
 
 
-def normalize_prompt_dict(entry: dict[str, Any]) -> dict[str, Any]:
-    """A prompt dict with every key (defaults filled, types checked, ``\\n`` turned into line breaks)."""
+def normalize_prompt_dict(entry: dict[str, Any], defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """A prompt dict with every key (defaults filled, types checked, ``\\n`` turned into line breaks). ``defaults``
+    replaces the official defaults (e.g. the command-line values of the inference script)."""
     unknown = [k for k in entry if k not in PROMPT_KEYS]
     if unknown:
         other = any(k in _OTHER_MODEL_OPTIONS.values() for k in unknown)
@@ -304,7 +305,7 @@ def normalize_prompt_dict(entry: dict[str, Any]) -> dict[str, Any]:
         )
     if "prompt" not in entry:
         raise UserError(f"prompt entry {entry!r} has no 'prompt' text.")
-    result: dict[str, Any] = {"prompt": None, **PROMPT_DEFAULTS}
+    result: dict[str, Any] = {"prompt": None, **PROMPT_DEFAULTS, **(defaults or {})}
     for key, value in entry.items():
         if key == "enum" or (value is None and key in ("seed", "negative_prompt")):
             continue
@@ -313,7 +314,7 @@ def normalize_prompt_dict(entry: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def parse_prompt_line(line: str) -> dict[str, Any]:
+def parse_prompt_line(line: str, defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """One .txt prompt line: ``text --w 1024 --h 1024 --s 50 --l 3.0 --fs 5.0 --n negative --d 42``."""
     parts = line.strip().split(" --")
     entry: dict[str, Any] = {"prompt": parts[0].strip()}
@@ -335,14 +336,14 @@ def parse_prompt_line(line: str) -> dict[str, Any]:
         if value == "" and key != "negative_prompt":
             raise UserError(f"prompt option --{name} needs a value.")
         entry[key] = value
-    return normalize_prompt_dict(entry)
+    return normalize_prompt_dict(entry, defaults)
 
 
 def _located(path: str, where: str, error: UserError) -> UserError:
     return UserError(f"{path} {where}: {error}")
 
 
-def _txt_prompts(path: str) -> list[dict[str, Any]]:
+def _txt_prompts(path: str, defaults: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     prompts = []
     with open(path, "r", encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -350,20 +351,22 @@ def _txt_prompts(path: str) -> list[dict[str, Any]]:
             if not text or text.startswith("#"):
                 continue
             try:
-                prompts.append(parse_prompt_line(text))
+                prompts.append(parse_prompt_line(text, defaults))
             except UserError as e:
                 raise _located(path, f"line {number}", e) from None
     return prompts
 
 
-def _entries_to_prompts(path: str, entries: Sequence[Any]) -> list[dict[str, Any]]:
+def _entries_to_prompts(
+    path: str, entries: Sequence[Any], defaults: Optional[dict[str, Any]] = None
+) -> list[dict[str, Any]]:
     prompts = []
     for i, entry in enumerate(entries):
         try:
             if isinstance(entry, str):
-                prompts.append(parse_prompt_line(entry))
+                prompts.append(parse_prompt_line(entry, defaults))
             elif isinstance(entry, dict):
-                prompts.append(normalize_prompt_dict(entry))
+                prompts.append(normalize_prompt_dict(entry, defaults))
             else:
                 raise UserError(f"a prompt entry must be a text or a table/object, got {type(entry).__name__}.")
         except UserError as e:
@@ -384,7 +387,7 @@ def _toml_entries(path: str, data: dict[str, Any]) -> list[Any]:
     return [{**defaults, **subset} if isinstance(subset, dict) else subset for subset in subsets]
 
 
-def load_prompts(path: str) -> list[dict[str, Any]]:
+def load_prompts(path: str, defaults: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     """Read a prompt file (.txt, .toml, .json, .jsonl) into prompt dicts with every key filled and ``enum`` set to the
     prompt's position (used in the sample image names)."""
     if not os.path.isfile(path):
@@ -392,14 +395,14 @@ def load_prompts(path: str) -> list[dict[str, Any]]:
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".txt":
-            prompts = _txt_prompts(path)
+            prompts = _txt_prompts(path, defaults)
         elif ext == ".toml":
             with open(path, "rb") as f:
-                prompts = _entries_to_prompts(path, _toml_entries(path, tomllib.load(f)))
+                prompts = _entries_to_prompts(path, _toml_entries(path, tomllib.load(f)), defaults)
         elif ext == ".json":
             with open(path, "r", encoding="utf-8") as f:
                 data = json.load(f)
-            prompts = _entries_to_prompts(path, data if isinstance(data, list) else [data])
+            prompts = _entries_to_prompts(path, data if isinstance(data, list) else [data], defaults)
         elif ext == ".jsonl":
             entries = []
             with open(path, "r", encoding="utf-8") as f:
@@ -409,7 +412,7 @@ def load_prompts(path: str) -> list[dict[str, Any]]:
                             entries.append(json.loads(line))
                         except json.JSONDecodeError as e:
                             raise UserError(f"{path} line {number} is not valid JSON ({e.msg}).") from None
-            prompts = _entries_to_prompts(path, entries)
+            prompts = _entries_to_prompts(path, entries, defaults)
         else:
             raise UserError(f"The prompt file {path} must end in .txt, .toml, .json or .jsonl.")
     except tomllib.TOMLDecodeError as e:

@@ -273,6 +273,11 @@ class NetworkTrainer:
         set_seed(args.seed)
         run = RunState(args)
         run.train_group, run.val_group = build_dataset_groups(args)
+        if args.debug_dataset:
+            from library.datasets import debug_dataset
+
+            debug_dataset(run.train_group)
+            return run
         self.assert_extra_args(args, run.train_group, run.val_group)
         run.train_unet = not args.network_train_text_encoder_only
         run.train_text_encoder = self.is_train_text_encoder(args)
@@ -355,8 +360,12 @@ class NetworkTrainer:
     def _build_metadata(self, run: RunState) -> dict[str, str]:
         if run.args.no_metadata:
             return {}
+        from library.datasets.metadata import dataset_metadata
+
+        ds = {k: model_spec.json_value(v) for k, v in dataset_metadata(run.train_group).items()}
         meta: dict[str, Any] = model_spec.training_metadata(
             run.args,
+            **ds,
             num_train_images=run.train_group.num_train_images,
             num_reg_images=run.train_group.num_reg_images,
             num_validation_images=run.val_group.num_train_images if run.val_group is not None else 0,

@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""Minimal MOSS-Image inference: the official sampler, LoRA merged at load, PNGs with their settings.
+
+    python moss_image_minimal_inference.py --dit DIT --text_encoder TE --vae VAE --prompt "A cat" \
+        --image_size 1024 1024 --infer_steps 50 --guidance_scale 3.0 --seed 42 --save_path output \
+        [--lora_weight my_lora.safetensors --lora_multiplier 1.0]
+
+Memory order (seed 002): the text encoder encodes every prompt first and is freed before the DiT is read; all
+prompts are denoised, the DiT leaves the GPU, then the VAE decodes (untiled: tiled decoding shifts colours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+logger = logging.getLogger("moss_image_minimal_inference")
+
+LATENT_SUFFIX = ".safetensors"
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="MOSS-Image minimal inference",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("models")
+    g.add_argument("--dit", type=str, default=None, help="DiT: first shard, transformer/ folder or ComfyUI file")
+    g.add_argument("--text_encoder", type=str, default=None, help="Qwen3.5 text encoder: first shard or single file")
+    g.add_argument("--vae", type=str, default=None, help="FLUX.2 VAE: flux2-vae.safetensors or the vae/ folder")
+    g.add_argument("--snapshot", type=str, default=None, help="snapshot folder: fills the model paths not given")
+    g.add_argument("--tokenizer_cache_dir", type=str, default=None, help="tokenizer folder or Hugging Face cache")
+    g.add_argument("--moss_max_token_length", type=int, default=4096, help="maximum text tokens (<= 4096)")
+    g.add_argument("--disable_mmap_load_safetensors", action="store_true", help="plain reads instead of mmap")
+    g.add_argument("--lora_weight", type=str, nargs="*", default=[], help="LoRA files merged at load")
+    g.add_argument("--lora_multiplier", type=float, nargs="*", default=[], help="one multiplier per LoRA (1.0)")
+    g.add_argument("--convrot_int8", action="store_true", help="quantise the DiT to ConvRot INT8 after the merge")
+    g.add_argument("--convrot_int8_text_encoder", action="store_true", help="quantise the text encoder (INT8)")
+    g.add_argument("--blocks_to_swap", type=int, default=None, help="DiT blocks swapped between CPU and GPU")
+    g.add_argument("--text_encoder_cpu", action="store_true", help="run the text encoder on the CPU")
+    g.add_argument("--attn_mode", type=str, default="torch", choices=["torch", "xformers", "flash", "sageattn"],
+                   help="attention implementation")
+    g.add_argument("--split_attn", action="store_true", help="attention per sample")
+    g.add_argument("--device", type=str, default=None, help="device (default cuda when available, else cpu)")
+    g.add_argument("--dtype", type=str, default=None, choices=["bf16", "fp16", "fp32"],
+                   help="DiT / text encoder dtype (default bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--cuda_expandable_segments", action="store_true",
+                   help="set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts (less fragmentation)")
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt", type=str, default=None, help="the prompt (\\n becomes a line break)")
+    g.add_argument("--negative_prompt", type=str, default="", help="negative prompt (default empty, as official)")
+    g.add_argument("--image_size", type=int, nargs=2, default=[1024, 1024], metavar=("HEIGHT", "WIDTH"),
+                   help="image height and width, multiples of 16")
+    g.add_argument("--infer_steps", type=int, default=50, help="sampling steps")
+    g.add_argument("--guidance_scale", type=float, default=3.0, help="CFG scale (1.0 disables CFG)")
+    g.add_argument("--flow_shift", type=float, default=5.0, help="shift of the sampling grid")
+    g.add_argument("--uncond_skip_layers", type=str, default="22",
+                   help="DiT blocks skipped in the unconditional branch ('' disables)")
+    g.add_argument("--seed", type=int, default=None, help="seed (random when not given)")
+    g.add_argument("--from_file", type=str, default=None, help="prompt file: one per line with --w --h --s --l --fs --n --d")
+    g.add_argument("--interactive", action="store_true", help="read prompts from the console")
+    g = p.add_argument_group("output")
+    g.add_argument("--save_path", type=str, default="output", help="output folder")
+    g.add_argument("--output_type", type=str, default="images", choices=["images", "latent", "both"],
+                   help="save images, latents (decode later with --latent_path) or both")
+    g.add_argument("--latent_path", type=str, nargs="*", default=None, help="saved latents to decode (no sampling)")
+    return p
+
+
+# ------------------------------------------------------------------------------------------------------- setup
+def _resolve_paths(args: argparse.Namespace) -> None:
+    from library.errors import UserError
+
+    if args.snapshot:
+        from library.moss_image_utils import resolve_snapshot
+
+        snap = resolve_snapshot(args.snapshot)
+        args.dit = args.dit or str(snap.dit)
+        args.text_encoder = args.text_encoder or str(snap.text_encoder)
+        args.vae = args.vae or str(snap.vae)
+        if args.tokenizer_cache_dir is None and snap.tokenizer is not None:
+            args.tokenizer_cache_dir = str(snap.tokenizer)
+    needed = ["vae"] if args.latent_path else ["dit", "text_encoder", "vae"]
+    missing = [n for n in needed if not getattr(args, n)]
+    if missing:
+        raise UserError(f"{', '.join('--' + n for n in missing)} required (or --snapshot with a snapshot folder).")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from library.errors import UserError
+    from library.moss_image_sampling import check_image_size, parse_uncond_skip_layers
+    from library.qwen35_text_encoder import check_max_token_length
+
+    if args.convrot_int8 or args.convrot_int8_text_encoder:
+        raise UserError("ConvRot INT8 (--convrot_int8 / --convrot_int8_text_encoder) is not wired into inference in"
+                        " this version yet: run with the bf16 weights.")
+    if args.blocks_to_swap:
+        raise UserError("--blocks_to_swap is not available in this version yet: use --text_encoder_cpu and the split"
+                        " decode (automatic) to save memory.")
+    if args.attn_mode == "xformers" and not args.split_attn:
+        raise UserError("--attn_mode xformers requires --split_attn.")
+    h, w = args.image_size
+    check_image_size(w, h, "--image_size")
+    parse_uncond_skip_layers(args.uncond_skip_layers)
+    check_max_token_length(args.moss_max_token_length)
+    if args.lora_multiplier and len(args.lora_multiplier) != len(args.lora_weight):
+        raise UserError("Give one --lora_multiplier per --lora_weight (or none for 1.0 each).")
+    if not args.latent_path and not (args.prompt is not None or args.from_file or args.interactive):
+        raise UserError("Nothing to generate: give --prompt, --from_file, --interactive or --latent_path.")
+
+
+def _device_and_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    return device, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _free(device: Any) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------- prompts
+def prompt_settings(args: argparse.Namespace) -> list[Any]:
+    """GenerationSettings for --prompt or --from_file, with the command-line values as defaults."""
+    from library.moss_image_generation import GenerationSettings
+    from library.moss_image_sampling import load_prompts, parse_uncond_skip_layers
+
+    skip = parse_uncond_skip_layers(args.uncond_skip_layers)
+    if args.from_file:
+        entries = load_prompts(args.from_file, cli_defaults(args))
+    else:
+        entries = [{**cli_defaults(args), "prompt": args.prompt.replace("\\n", "\n")}]
+    return [_settings(args, e, skip, i) for i, e in enumerate(entries)]
+
+
+def cli_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The command-line values that a prompt line's own options override."""
+    h, w = args.image_size
+    return {"negative_prompt": args.negative_prompt, "width": w, "height": h, "sample_steps": args.infer_steps,
+            "scale": args.guidance_scale, "flow_shift": args.flow_shift}
+
+
+def _settings(args: argparse.Namespace, entry: dict[str, Any], skip: tuple[int, ...], index: int) -> Any:
+    from library.moss_image_generation import GenerationSettings
+
+    seed = args.seed + index if args.seed is not None else None
+    return GenerationSettings.from_prompt_dict(entry, skip, seed)
+
+
+# ------------------------------------------------------------------------------------------------- models
+def _lora_plan(args: argparse.Namespace, prefix: str) -> Any:
+    from library.lora_merge import LoraMergePlan, load_lora_files
+
+    if not args.lora_weight:
+        return None
+    plan = LoraMergePlan(load_lora_files(args.lora_weight, args.lora_multiplier), prefix, names=args.lora_weight)
+    return None if plan.is_empty else plan
+
+
+def encode_prompts(args: argparse.Namespace, texts: list[str], device: Any, dtype: Any) -> dict[str, Any]:
+    """Load the text encoder (LoRA merged), encode every text once, free the encoder."""
+    import torch
+
+    from library.moss_image_utils import load_text_encoder
+    from library.qwen35_text_encoder import encode_prompts as encode, load_tokenizer
+
+    te_device = torch.device("cpu") if args.text_encoder_cpu else device
+    te_dtype = torch.float32 if te_device.type == "cpu" else dtype
+    plan = _lora_plan(args, "lora_te")
+    te = load_text_encoder(args.text_encoder, dtype=te_dtype, device=te_device,
+                           disable_mmap=args.disable_mmap_load_safetensors, tensor_hook=plan.merge if plan else None)
+    if plan:
+        plan.finish()
+    tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
+    with torch.no_grad():
+        outputs = encode(te, tokenizer, texts, args.moss_max_token_length)
+    result = {t: (e.cpu(), m.cpu()) for t, (e, m) in zip(texts, outputs)}
+    del te
+    _free(device)
+    return result
+
+
+def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
+    from library.moss_image_utils import load_moss_image_model
+
+    plan = _lora_plan(args, "lora_unet")
+    dit = load_moss_image_model(device, args.dit, args.attn_mode, args.split_attn, loading_device=device, dtype=dtype,
+                                disable_mmap=args.disable_mmap_load_safetensors,
+                                tensor_hook=plan.merge if plan else None)
+    if plan:
+        plan.finish()
+    return dit
+
+
+# ------------------------------------------------------------------------------------------------- outputs
+def _stem(settings: Any, index: int) -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}_{index:02d}_{settings.seed}"
+
+
+def save_latents(latents: Any, settings: Any, path: Path) -> Path:
+    import json
+    from dataclasses import asdict
+
+    from library.safetensors_utils import save_file_atomic
+
+    save_file_atomic({"latents": latents.float().cpu()}, path, {"moss_image_settings": json.dumps(asdict(settings))})
+    return path
+
+
+def load_latents(path: str) -> tuple[Any, Any]:
+    import json
+
+    from library.errors import UserError
+    from library.moss_image_generation import GenerationSettings
+    from library.safetensors_utils import load_safetensors, read_metadata
+
+    sd = load_safetensors(path)
+    if "latents" not in sd:
+        raise UserError(f"'{path}' holds no 'latents' tensor: give a file saved with --output_type latent.")
+    raw = read_metadata(path).get("moss_image_settings")
+    settings = GenerationSettings(**json.loads(raw)) if raw else GenerationSettings(prompt="")
+    settings.uncond_skip_layers = tuple(settings.uncond_skip_layers)
+    return sd["latents"], settings
+
+
+def decode_and_save(args: argparse.Namespace, items: list[tuple[Any, Any, str]], device: Any) -> list[Path]:
+    from library.flux2_vae import load_flux2_vae
+    from library.moss_image_generation import decode_to_pil, save_png
+
+    vae = load_flux2_vae(args.vae, device=device, disable_mmap=args.disable_mmap_load_safetensors)
+    paths = []
+    for latents, settings, stem in items:
+        image = decode_to_pil(vae, latents)[0]
+        paths.append(save_png(image, Path(args.save_path) / f"{stem}.png", settings))
+        logger.info("saved %s", paths[-1])
+    del vae
+    _free(device)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------- main
+def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
+    from library.moss_image_generation import denoise
+
+    texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
+    outputs = encode_prompts(args, texts, device, dtype)
+    dit = load_dit(args, device, dtype)
+    dit.eval()
+    results = []
+    for i, s in enumerate(all_settings):
+        t0 = time.perf_counter()
+        latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None, device)
+        logger.info("prompt %d/%d denoised in %.1f s (seed %s)", i + 1, len(all_settings), time.perf_counter() - t0,
+                    s.seed)
+        results.append((latents.cpu(), s, _stem(s, i)))
+    dit.to("cpu")  # the decode needs the room (seed 002: split decode)
+    del dit
+    _free(device)
+    paths: list[Path] = []
+    if args.output_type in ("latent", "both"):
+        for latents, s, stem in results:
+            paths.append(save_latents(latents, s, Path(args.save_path) / f"{stem}{LATENT_SUFFIX}"))
+            logger.info("saved latents %s", paths[-1])
+    if args.output_type in ("images", "both"):
+        paths += decode_and_save(args, results, device)
+    return paths
+
+
+def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]:
+    from library.moss_image_sampling import parse_prompt_line, parse_uncond_skip_layers
+
+    paths: list[Path] = []
+    skip = parse_uncond_skip_layers(args.uncond_skip_layers)
+    print("Enter a prompt (with --w --h --s --l --fs --n --d options), an empty line or Ctrl-D to quit.", flush=True)
+    index = 0
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        settings = _settings(args, parse_prompt_line(line.strip(), cli_defaults(args)), skip, index)
+        paths += generate(args, [settings], device, dtype)
+        index += 1
+    return paths
+
+
+def run(args: argparse.Namespace) -> list[Path]:
+    if args.cuda_expandable_segments:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    _resolve_paths(args)
+    _check_args(args)
+    device, dtype = _device_and_dtype(args)
+    Path(args.save_path).mkdir(parents=True, exist_ok=True)
+    if args.latent_path:
+        items = []
+        for p in args.latent_path:
+            latents, settings = load_latents(p)
+            items.append((latents, settings, Path(p).stem))
+        return decode_and_save(args, items, device)
+    if args.interactive:
+        return interactive(args, device, dtype)
+    return generate(args, prompt_settings(args), device, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = setup_parser().parse_args(argv)
+    from library.errors import UserError
+
+    try:
+        paths = run(args)
+    except UserError as e:
+        logger.error("%s", e)
+        return 2
+    print(f"wrote {len(paths)} file(s) to {args.save_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
