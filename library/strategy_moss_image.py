@@ -18,7 +18,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
+import uuid
+import zipfile
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,30 +38,56 @@ LATENTS_SUFFIX = "_moss.npz"
 TE_SUFFIX = "_moss_te.npz"
 VAE_SCALE = 8
 _SIZE_RE = re.compile(r"_(\d{4,})x(\d{4,})" + re.escape(LATENTS_SUFFIX) + "$")
+_CANDIDATE_RE = re.compile(r"prompt_embeds_\d+")
 
 TextOutputs = tuple[torch.Tensor, torch.Tensor]  # (embeds [T, D], mask [T] bool)
 
 
 # ------------------------------------------------------------------------------------------------ npz files
+# what a damaged npz raises: a truncated zip, a bad member, garbage instead of a zip
+_NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
 def save_npz_atomic(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
+    """Write an npz through a temp file in the same folder and an atomic rename: never half-written. The file gets
+    the permissions of a normally created file (umask applies), so caches can be shared between users."""
     p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp.npz", dir=p.parent)
-    os.close(fd)
+    tmp = p.parent / f".{p.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        np.savez(tmp, **arrays)
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
         os.replace(tmp, p)
     except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if tmp.exists():
+            tmp.unlink()
         raise
 
 
-def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+def read_npz(
+    path: str | os.PathLike, keys: Callable[[list[str]], Sequence[str]] | None = None
+) -> dict[str, np.ndarray]:
+    """The arrays of an npz, or only those named by `keys(names in the file)`: members are read lazily, so a check
+    of a few small keys does not read the embeddings. A damaged file is a UserError naming it."""
     try:
         with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError, EOFError) as e:
+            wanted = data.files if keys is None else keys(list(data.files))
+            return {k: data[k] for k in wanted}
+    except _NPZ_ERRORS as e:
         raise UserError(f"The cache file '{path}' cannot be read ({e}): delete it to re-create it.") from e
+
+
+def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    return read_npz(path)
+
+
+def npz_names(path: str | os.PathLike) -> list[str] | None:
+    """The array names of an npz (reads only the zip directory), or None when the file is damaged."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return list(data.files)
+    except _NPZ_ERRORS:
+        return None
 
 
 def _size_key(latent_hw: tuple[int, int]) -> str:
@@ -100,12 +128,11 @@ class MossImageLatentsCachingStrategy:
         if self.skip_disk_cache_validity_check:
             return True
         key = _size_key(self.latent_hw(bucket_reso))
-        try:
-            with np.load(npz_path, allow_pickle=False) as data:
-                names = set(data.files)
-        except (OSError, ValueError, EOFError):
+        found = npz_names(npz_path)
+        if found is None:
             logger.warning("unreadable latent cache %s: it will be re-created", npz_path)
             return False
+        names = set(found)
         needed = {f"latents_{key}"} | ({f"latents_flipped_{key}"} if flip_aug else set())
         needed |= {f"alpha_mask_{key}"} if alpha_mask else set()
         return needed <= names
@@ -115,12 +142,14 @@ class MossImageLatentsCachingStrategy:
         if info.latents is not None:
             lat = info.latents_flipped if flipped else info.latents
             if lat is None:
-                raise UserError(f"No flipped latents cached for '{info.absolute_path}': re-cache with flip_aug enabled.")
+                raise UserError(
+                    f"No flipped latents cached for '{info.absolute_path}': re-cache with flip_aug enabled."
+                )
             return lat, info.alpha_mask
         assert info.latents_npz is not None and info.bucket_reso is not None
-        data = load_npz(info.latents_npz)
         key = _size_key(self.latent_hw(info.bucket_reso))
         name = f"latents_flipped_{key}" if flipped else f"latents_{key}"
+        data = read_npz(info.latents_npz, lambda names: [n for n in (name, f"alpha_mask_{key}") if n in names])
         if name not in data:
             raise UserError(
                 f"The latent cache '{info.latents_npz}' has no '{name}' entry: delete it (or drop --skip_cache_check)"
@@ -146,7 +175,7 @@ class MossImageLatentsCachingStrategy:
             return
         assert info.latents_npz is not None and info.image_size is not None
         key = _size_key((latents.shape[-2], latents.shape[-1]))
-        arrays = load_npz(info.latents_npz) if os.path.exists(info.latents_npz) else {}
+        arrays = self._existing_entries(info.latents_npz)
         arrays[f"latents_{key}"] = latents.numpy()
         arrays[f"original_size_{key}"] = np.array(info.image_size, dtype=np.int64)
         arrays[f"crop_ltrb_{key}"] = np.array(crop_ltrb, dtype=np.int64)
@@ -155,6 +184,17 @@ class MossImageLatentsCachingStrategy:
         if alpha_mask is not None:
             arrays[f"alpha_mask_{key}"] = alpha_mask.float().cpu().numpy()
         save_npz_atomic(info.latents_npz, arrays)
+
+    @staticmethod
+    def _existing_entries(npz_path: str) -> dict[str, np.ndarray]:
+        """The arrays of an existing cache file (other bucket sizes are kept); a damaged file is replaced."""
+        if not os.path.exists(npz_path):
+            return {}
+        try:
+            return read_npz(npz_path)
+        except UserError:
+            logger.warning("unreadable latent cache %s: it is replaced", npz_path)
+            return {}
 
 
 # ------------------------------------------------------------------------------------- text-encoder outputs
@@ -181,54 +221,81 @@ class MossImageTextEncoderOutputsCachingStrategy:
 
     # validity ---------------------------------------------------------------------------------------------
     def is_disk_cached_outputs_expected(self, npz_path: str, captions: Sequence[str]) -> bool:
-        """True when the file exists and (unless the check is skipped) holds exactly these caption candidates."""
+        """True when the file exists and (unless the check is skipped) holds exactly these caption candidates.
+        Only the small entries (count, template, caption texts) are read, never the embeddings."""
         if not os.path.exists(npz_path):
             return False
         if self.skip_disk_cache_validity_check:
             return True
+        small = {"num_candidates", "template"} | {f"caption_{k}" for k in range(len(captions))}
+        names: list[str] = []
+
+        def select(found: list[str]) -> list[str]:
+            names.extend(found)
+            return [n for n in found if n in small]
+
         try:
-            data = load_npz(npz_path)
+            data = read_npz(npz_path, select)
         except UserError:
             logger.warning("unreadable text-encoder cache %s: it will be re-created", npz_path)
             return False
         if "num_candidates" not in data:  # older single-candidate format
-            return len(captions) == 1 and "prompt_embeds" in data and "attn_mask" in data
-        if str(data.get("template", "")) != PROMPT_TEMPLATE_ID:
+            return len(captions) == 1 and "prompt_embeds" in names and "attn_mask" in names
+        if str(data.get("template", "")) != PROMPT_TEMPLATE_ID or int(data["num_candidates"]) != len(captions):
             return False
-        n = int(data["num_candidates"])
-        if n != len(captions) or "uncond_embeds" not in data:
+        arrays = {"uncond_embeds", "uncond_mask"}
+        arrays |= {f"{kind}_{k}" for k in range(len(captions)) for kind in ("prompt_embeds", "attn_mask")}
+        if not arrays <= set(names):
             return False
-        return all(str(data.get(f"caption_{k}", "")) == c for k, c in enumerate(captions))
+        return all(f"caption_{k}" in data and str(data[f"caption_{k}"]) == c for k, c in enumerate(captions))
 
     # reading ----------------------------------------------------------------------------------------------
     def get_outputs(self, info: ImageInfo, candidate_index: int, dropped: bool) -> TextOutputs:
-        cached = info.text_encoder_outputs
-        if cached is None:
-            assert info.te_outputs_npz is not None
-            cached = self._read_file(info.te_outputs_npz)
-        candidates, uncond = cached
-        if dropped:
-            if uncond is None:
-                uncond = self.uncond
-            if uncond is None:
-                raise UserError(
-                    f"The text-encoder cache '{info.te_outputs_npz}' has no unconditional embedding (older format),"
-                    " so caption dropout cannot use it: delete the cache files to re-create them."
-                )
-            return uncond
-        return candidates[candidate_index % len(candidates)]
+        """Candidate `candidate_index` (modulo the number cached), or the unconditional outputs when `dropped`
+        (from the file, or the strategy's own empty-prompt outputs for files of the older format)."""
+        if info.text_encoder_outputs is not None:
+            candidates, uncond = info.text_encoder_outputs
+            if dropped:
+                return self._uncond_or_error(uncond, info)
+            return candidates[candidate_index % len(candidates)]
+        assert info.te_outputs_npz is not None
+        outputs = self._read_file(info.te_outputs_npz, None if dropped else candidate_index)
+        return self._uncond_or_error(outputs, info) if dropped else outputs
 
-    def _read_file(self, path: str) -> tuple[list[TextOutputs], TextOutputs | None]:
-        data = load_npz(path)
+    def _uncond_or_error(self, uncond: TextOutputs | None, info: ImageInfo) -> TextOutputs:
+        uncond = uncond if uncond is not None else self.uncond
+        if uncond is None:
+            raise UserError(
+                f"The text-encoder cache '{info.te_outputs_npz}' has no unconditional embedding (older format),"
+                " so caption dropout cannot use it: delete the cache files to re-create them."
+            )
+        return uncond
 
-        def pair(e: str, m: str) -> TextOutputs:
-            return torch.from_numpy(data[e]), torch.from_numpy(data[m]).bool()
+    @staticmethod
+    def _read_file(path: str, candidate_index: int | None) -> TextOutputs | None:
+        """One candidate's outputs (index modulo the count in the file), or with None the unconditional outputs
+        (None for a file of the older format, which has none). Reads only the two entries it returns."""
+        keys: list[str] = []
 
-        if "num_candidates" not in data:
-            return [pair("prompt_embeds", "attn_mask")], None
-        n = int(data["num_candidates"])
-        cands = [pair(f"prompt_embeds_{k}", f"attn_mask_{k}") for k in range(n)]
-        return cands, pair("uncond_embeds", "uncond_mask")
+        def select(names: list[str]) -> list[str]:
+            if candidate_index is None:
+                keys.extend(["uncond_embeds", "uncond_mask"])
+            elif "num_candidates" not in names:  # older single-candidate format
+                keys.extend(["prompt_embeds", "attn_mask"])
+            else:
+                count = sum(1 for n in names if _CANDIDATE_RE.fullmatch(n))
+                k = candidate_index % max(1, count)
+                keys.extend([f"prompt_embeds_{k}", f"attn_mask_{k}"])
+            return [n for n in keys if n in names]
+
+        data = read_npz(path, select)
+        if candidate_index is None and not data:
+            return None
+        missing = [n for n in keys if n not in data]
+        if missing:
+            raise UserError(f"The text-encoder cache '{path}' has no '{missing[0]}' entry: delete it (or drop"
+                            " --skip_cache_check) to re-create it.")
+        return torch.from_numpy(data[keys[0]]), torch.from_numpy(data[keys[1]]).bool()
 
     # writing ----------------------------------------------------------------------------------------------
     def store(self, info: ImageInfo, captions: Sequence[str], outputs: Sequence[TextOutputs]) -> None:
@@ -264,7 +331,9 @@ def batched(items: Sequence[Any], size: int) -> list[list[Any]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 
-def make_text_encode_fn(text_model: Any, tokenizer: Any, max_length: int) -> Callable[[Sequence[str]], list[TextOutputs]]:
+def make_text_encode_fn(
+    text_model: Any, tokenizer: Any, max_length: int
+) -> Callable[[Sequence[str]], list[TextOutputs]]:
     """captions -> outputs, one caption at a time without padding (as the official pipeline)."""
     from library.qwen35_text_encoder import encode_prompts
 
@@ -281,6 +350,17 @@ def _progress(items: Sequence[Any], desc: str, enabled: bool) -> Any:
     return tqdm(items, desc=desc, disable=not enabled, smoothing=0)
 
 
+def _unique(infos: Any) -> list[ImageInfo]:
+    return list({id(i): i for i in infos}.values())
+
+
+def _files_of_this_process(paths: Any, process_index: int, num_processes: int) -> set[str]:
+    """The cache files one process writes: every file of the run (cached or not, so that all processes agree
+    whatever the others have already written), sorted, dealt out with `my_share`. All entries of one file go to
+    one process, so no two processes ever write the same file."""
+    return set(my_share(sorted(set(paths)), process_index, num_processes))
+
+
 def cache_latents(
     groups: Sequence[Any],
     vae: Any,
@@ -292,27 +372,26 @@ def cache_latents(
     """Attach `strategy` to the groups and encode every image whose cache is missing or stale.
 
     Images are grouped by bucket (one VAE call per `strategy.batch_size` images of one bucket); with several
-    processes each caches its share of the disk files. Returns the number of images this process encoded.
+    processes each caches the images of its share of the disk files. Returns the number of images (entries of
+    the groups) this process encoded.
     """
     from library.datasets import prepare_image_for_cache
 
-    todo: list[ImageInfo] = []
+    infos: list[ImageInfo] = []
     for group in groups:
-        if group is None:
-            continue
-        group.attach_latents_cache(strategy)
-        for info in group.image_infos():
-            flip, alpha = bool(info.subset.flip_aug), bool(info.subset.alpha_mask)
-            if strategy.cache_to_disk and strategy.is_disk_cached_latents_expected(
-                info.bucket_reso, info.latents_npz, flip, alpha
-            ):
-                continue
-            todo.append(info)
-    todo = list({id(i): i for i in todo}.values())
+        if group is not None:
+            group.attach_latents_cache(strategy)
+            infos += list(group.image_infos())
+    todo = _unique(infos)
     if strategy.cache_to_disk:
-        todo = my_share(sorted(todo, key=lambda i: i.absolute_path), process_index, num_processes)
+        mine = _files_of_this_process((i.latents_npz for i in todo), process_index, num_processes)
+        todo = [
+            i for i in todo
+            if i.latents_npz in mine and not strategy.is_disk_cached_latents_expected(
+                i.bucket_reso, i.latents_npz, bool(i.subset.flip_aug), bool(i.subset.alpha_mask))
+        ]
     by_bucket: dict[tuple[int, int, bool], list[ImageInfo]] = {}
-    for info in todo:
+    for info in sorted(todo, key=lambda i: i.absolute_path):
         by_bucket.setdefault((*info.bucket_reso, bool(info.subset.flip_aug)), []).append(info)
     batches = [b for infos in by_bucket.values() for b in batched(infos, strategy.batch_size)]
     done = 0
@@ -331,6 +410,23 @@ def cache_latents(
     return done
 
 
+def _captions_per_file(groups: Sequence[Any]) -> dict[str, tuple[ImageInfo, list[str]]]:
+    """The caption candidates each disk cache file must hold; one image file with two different caption lists
+    (the same image in two subsets with different prefixes, say) cannot share one cache file."""
+    files: dict[str, tuple[ImageInfo, list[str]]] = {}
+    for group in groups:
+        for info in group.image_infos():
+            captions = group.captions_for_text_encoder_cache(info)
+            seen = files.setdefault(info.te_outputs_npz, (info, captions))
+            if seen[1] != captions:
+                raise UserError(
+                    f"The image '{info.absolute_path}' is used by {seen[0].subset.where} and {info.subset.where}"
+                    " with different captions, but its text-encoder outputs have one cache file: give both the same"
+                    " caption settings, or drop --cache_text_encoder_outputs_to_disk (caching in memory works)."
+                )
+    return files
+
+
 def cache_text_encoder_outputs(
     groups: Sequence[Any],
     encode: Callable[[Sequence[str]], list[TextOutputs]],
@@ -340,26 +436,19 @@ def cache_text_encoder_outputs(
     show_progress: bool = True,
 ) -> int:
     """Attach `strategy` to the groups, encode the empty prompt, then every caption candidate whose cache is
-    missing or stale (all candidates of an image in one file). Returns the number of images this process encoded."""
+    missing or stale (all candidates of an image in one file; with several processes each caches its share of the
+    files). Returns the number of images (files, or entries when caching in memory) this process encoded."""
     strategy.set_uncond(encode([""])[0])
-    todo: list[tuple[ImageInfo, list[str]]] = []
-    seen: set[str] = set()
+    groups = [g for g in groups if g is not None]
     for group in groups:
-        if group is None:
-            continue
         group.attach_text_encoder_outputs_cache(strategy, cache_supports_dropout=True,
                                                 supports_multiple_caption_candidates=True)
-        for info in group.image_infos():
-            captions = group.captions_for_text_encoder_cache(info)
-            key = f"{info.te_outputs_npz}|{len(captions)}" if strategy.cache_to_disk else str(id(info))
-            if key in seen:
-                continue
-            seen.add(key)
-            if strategy.cache_to_disk and strategy.is_disk_cached_outputs_expected(info.te_outputs_npz, captions):
-                continue
-            todo.append((info, captions))
     if strategy.cache_to_disk:
-        todo = my_share(sorted(todo, key=lambda t: t[0].absolute_path), process_index, num_processes)
+        files = _captions_per_file(groups)
+        mine = _files_of_this_process(files, process_index, num_processes)
+        todo = [files[p] for p in sorted(mine) if not strategy.is_disk_cached_outputs_expected(p, files[p][1])]
+    else:
+        todo = [(i, g.captions_for_text_encoder_cache(i)) for g in groups for i in _unique(g.image_infos())]
     for chunk in _progress(batched(todo, strategy.batch_size), "caching text encoder outputs", show_progress):
         flat = [c for _, caps in chunk for c in caps]
         outputs = encode(flat)
@@ -367,5 +456,5 @@ def cache_text_encoder_outputs(
         for info, caps in chunk:
             strategy.store(info, caps, outputs[pos : pos + len(caps)])
             pos += len(caps)
-    logger.info("text encoder outputs: %d images encoded", len(todo))
+    logger.info("text encoder outputs: %d images encoded by this process", len(todo))
     return len(todo)
