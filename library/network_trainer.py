@@ -506,7 +506,8 @@ class NetworkTrainer:
         if epoch_losses and acc.trackers:
             acc.log({"loss/epoch_average": sum(epoch_losses) / len(epoch_losses), "epoch": epoch}, step=run.global_step)
         every = args.validate_every_n_epochs or 1
-        if run.val_dataloader is not None and epoch % every == 0:
+        just_validated = bool(run.validation_history) and run.validation_history[-1][0] == run.global_step
+        if run.val_dataloader is not None and epoch % every == 0 and not just_validated:
             self._validate(run, f"epoch {epoch}", "loss/validation/epoch_average")
         if args.save_every_n_epochs and epoch % args.save_every_n_epochs == 0 and epoch < run.num_train_epochs:
             self._save_checkpoint(run, train_checkpoints.epoch_name(self._output_name(run), epoch), step_save=False)
