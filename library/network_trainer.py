@@ -179,7 +179,10 @@ class NetworkTrainer:
         kwargs = []
         if args.ddp_timeout:
             kwargs.append(InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=args.ddp_timeout)))
+        # a multi-process launch on a machine without CUDA (torchrun / accelerate on CPU) runs DDP over gloo
+        cpu_ddp = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
         acc = Accelerator(
+            cpu=cpu_ddp,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             mixed_precision=args.mixed_precision,
             log_with=log_with,

@@ -173,3 +173,17 @@ def test_show_timesteps_console(capsys):
     import moss_image_train_network as m
 
     assert m.main(["--show_timesteps", "console", "--timestep_sampling", "shift", "--discrete_flow_shift", "3"]) == 0
+
+
+def test_ddp_two_cpu_processes_stay_in_sync(tiny_snapshot, toy_data, tmp_path):
+    out = tmp_path / "ddp"
+    # torchrun on a machine without CUDA: the trainer's Accelerator runs DDP over gloo
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(REPO / "tests" / "ddp_worker.py"),
+           *base_args(tiny_snapshot, toy_data, out, "--max_train_steps", "3", "--learning_rate", "1e-2")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in reports] == [2, 2] and [r["steps"] for r in reports] == [3, 3]
+    assert reports[0]["batches"] == 16  # 32 batches (8 images x 4 repeats) sharded over 2 processes
+    assert reports[0]["sha"] == reports[1]["sha"]  # averaged gradients: identical LoRA on both ranks
+    assert (out / "toy.safetensors").exists()
