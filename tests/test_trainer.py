@@ -187,3 +187,27 @@ def test_ddp_two_cpu_processes_stay_in_sync(tiny_snapshot, toy_data, tmp_path):
     assert reports[0]["batches"] == 16  # 32 batches (8 images x 4 repeats) sharded over 2 processes
     assert reports[0]["sha"] == reports[1]["sha"]  # averaged gradients: identical LoRA on both ranks
     assert (out / "toy.safetensors").exists()
+
+
+def test_text_encoder_lora_trains_and_merges_at_inference(tiny_snapshot, toy_data, tmp_path, caplog):
+    argv = base_args(tiny_snapshot, toy_data, tmp_path / "out", "--max_train_steps", "2", "--learning_rate", "1e-2",
+                     "--text_encoder_lr", "1e-2", "--gradient_checkpointing")
+    argv.remove("--network_train_unet_only")
+    argv.remove("--cache_text_encoder_outputs")
+    train(argv)
+    lora = tmp_path / "out" / "toy.safetensors"
+    sd = load_safetensors(lora)
+    te_up = [k for k in sd if k.startswith("lora_te_") and k.endswith("lora_up.weight")]
+    assert len(te_up) == 25  # q/k/v/o, in_proj_qkv/z, out_proj, mlp: in_proj_a/b excluded by default
+    assert not any("in_proj_a" in k or "in_proj_b" in k for k in sd)
+    assert all(sd[k].abs().max() > 0 for k in te_up)  # the text encoder LoRA was trained
+
+    import logging
+
+    import moss_image_minimal_inference as inf
+
+    caplog.set_level(logging.INFO)
+    inf.run(inf.setup_parser().parse_args(["--snapshot", str(tiny_snapshot), "--prompt", "x", "--image_size", "32", "32",
+                                           "--infer_steps", "1", "--save_path", str(tmp_path / "i"),
+                                           "--output_type", "latent", "--lora_weight", str(lora)]))
+    assert "merged 25 lora_te LoRA modules" in caplog.text and "merged 144 lora_unet LoRA modules" in caplog.text
