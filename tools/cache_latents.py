@@ -1,0 +1,159 @@
+"""Cache the FLUX.2 VAE latents of a MOSS-Image dataset to disk before training (or to share them between runs).
+
+    python tools/cache_latents.py --moss_image --vae flux2-vae.safetensors \
+        --dataset_config my_moss_dataset_config.toml --cache_latents_to_disk [--vae_batch_size 4]
+    accelerate launch tools/cache_latents.py ...      # several GPUs: each process caches its share of the files
+
+The datasets are built by the trainer's own code (`library.datasets.build_dataset_groups`, the same dataset
+options) and the files are written by the trainer's caching driver, so `moss_image_train_network.py
+--cache_latents_to_disk` finds them valid and encodes nothing. Files: `<stem>_<WWWW>x<HHHH>_moss.npz` beside each
+image (the original image size in the name), holding the raw VAE output per bucket size. The VAE always runs in
+fp32. Images whose file is already valid are skipped (`--skip_cache_check`: any existing file is trusted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+if __name__ == "__main__":  # run as a script from anywhere: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.errors import UserError
+
+logger = logging.getLogger("cache_latents")
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """What a run found and did, over all processes."""
+
+    images: int  # entries of the datasets (an image used at two bucket sizes counts twice)
+    files: int  # cache files they use
+    encoded: int  # entries encoded by this run
+    processes: int
+
+    def line(self) -> str:
+        return (f"latents: {self.images} images in {self.files} cache files; {self.encoded} encoded now,"
+                f" {self.images - self.encoded} already cached ({self.processes} process"
+                f"{'es' if self.processes > 1 else ''})")
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    from library.datasets.args import add_dataset_arguments
+
+    parser = argparse.ArgumentParser(
+        description="Cache the FLUX.2 VAE latents of a MOSS-Image dataset to *_moss.npz files.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = parser.add_argument_group("model and caching")
+    g.add_argument("--moss_image", action="store_true",
+                   help="required: cache for MOSS-Image (the only model this tool supports)")
+    g.add_argument("--vae", type=str, default=None,
+                   help="FLUX.2 VAE: flux2-vae.safetensors (BFL/ComfyUI) or the diffusers vae/ folder")
+    g.add_argument("--snapshot", type=str, default=None,
+                   help="a MOSS-Image snapshot folder: its vae/ is used when --vae is not given")
+    g.add_argument("--disable_mmap_load_safetensors", action="store_true",
+                   help="read safetensors with plain reads instead of memory mapping")
+    g.add_argument("--cache_latents", action="store_true",
+                   help="accepted for command lines copied from training; the tool always caches")
+    g.add_argument("--cache_latents_to_disk", action="store_true",
+                   help="required: write the latents to *_moss.npz files beside the images")
+    g.add_argument("--vae_batch_size", type=int, default=1, help="images per VAE call")
+    g.add_argument("--skip_cache_check", action="store_true",
+                   help="trust every existing cache file without checking its contents")
+    g.add_argument("--device", type=str, default=None, choices=["cpu", "cuda"],
+                   help="where the VAE runs (default: the GPU when there is one; under accelerate, its device)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="dataset seed (validation_split; the cache holds every image whatever the split)")
+    add_dataset_arguments(parser)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what this tool cannot do and fill --vae from --snapshot."""
+    if not args.moss_image:
+        raise UserError("This tool caches MOSS-Image latents only: add --moss_image to the command.")
+    if not args.cache_latents_to_disk:
+        raise UserError("Without --cache_latents_to_disk the latents would be thrown away at exit: add"
+                        " --cache_latents_to_disk.")
+    if args.vae_batch_size < 1:
+        raise UserError(f"--vae_batch_size {args.vae_batch_size} must be at least 1.")
+    if args.snapshot and not args.vae:
+        from library.moss_image_utils import resolve_snapshot
+
+        args.vae = str(resolve_snapshot(args.snapshot).vae)
+    if not args.vae:
+        raise UserError("--vae is required: give the FLUX.2 VAE file (flux2-vae.safetensors) or --snapshot.")
+
+
+def make_accelerator(device: str | None) -> Any:
+    """The accelerator of this process (`accelerate launch` sets the process count); `device` cpu forces the CPU."""
+    import torch
+    from accelerate import Accelerator
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was given but no CUDA GPU is available: use --device cpu or run on a GPU.")
+    return Accelerator(cpu=device == "cpu")
+
+
+def total_over_processes(acc: Any, value: int) -> int:
+    import torch
+
+    return int(acc.reduce(torch.tensor([value], device=acc.device), reduction="sum").item())
+
+
+def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
+    """Cache the latents of the datasets of `args` and print a summary (None with --debug_dataset, which only
+    shows the batches)."""
+    import torch
+
+    from library.datasets import build_dataset_groups, debug_dataset
+    from library.flux2_vae import load_flux2_vae
+    from library.strategy_moss_image import MossImageLatentsCachingStrategy, cache_latents
+
+    check_args(args)
+    train, val = build_dataset_groups(args)
+    if args.debug_dataset:
+        debug_dataset(train)
+        return None
+    blockers = train.latent_cache_blockers()
+    if blockers:
+        raise UserError(f"Latents cannot be cached with {', '.join(blockers)}: turn those off in the dataset config.")
+    acc = make_accelerator(args.device)
+    logger.info("loading the FLUX.2 VAE (fp32) on %s", acc.device)
+    vae = load_flux2_vae(args.vae, dtype=torch.float32, device=acc.device,
+                         disable_mmap=args.disable_mmap_load_safetensors)
+    strategy = MossImageLatentsCachingStrategy(True, args.vae_batch_size, args.skip_cache_check)
+    groups = [g for g in (train, val) if g is not None]
+    encoded = cache_latents(groups, vae, strategy, acc.process_index, acc.num_processes, acc.is_local_main_process)
+    acc.wait_for_everyone()
+    infos = {id(i): i for g in groups for i in g.image_infos()}.values()
+    summary = CacheSummary(len(infos), len({i.latents_npz for i in infos}), total_over_processes(acc, encoded),
+                           acc.num_processes)
+    if acc.is_main_process:
+        print(summary.line())
+    return summary
+
+
+def run(argv: list[str] | None = None) -> CacheSummary | None:
+    """Parse the command line and cache; UserError for bad input."""
+    return cache_from_args(setup_parser().parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(argv)
+    except UserError as e:
+        logger.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Cache the Qwen3.5 text-encoder outputs of a MOSS-Image dataset to disk before training.
+
+    python tools/cache_text_encoder_outputs.py --moss_image \
+        --text_encoder text_encoder/model-00001-of-00004.safetensors \
+        --dataset_config my_moss_dataset_config.toml --cache_text_encoder_outputs_to_disk
+    accelerate launch tools/cache_text_encoder_outputs.py ...   # several GPUs: each process caches its share
+
+The datasets are built by the trainer's own code (`library.datasets.build_dataset_groups`, the same dataset
+options) and the files are written by the trainer's caching driver, so `moss_image_train_network.py
+--cache_text_encoder_outputs_to_disk` finds them valid and encodes nothing. Files: `<stem>_moss_te.npz` beside each
+image with every caption candidate (after caption_prefix / caption_suffix) and the unconditional (empty-prompt)
+embedding. A file is re-made when its candidate count or texts differ from the current captions, unless
+--skip_cache_check. The text encoder runs in bf16 on a GPU and in fp32 on the CPU, one caption at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+if __name__ == "__main__":  # run as a script from anywhere: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.errors import UserError
+
+logger = logging.getLogger("cache_text_encoder_outputs")
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """What a run found and did, over all processes."""
+
+    files: int  # cache files of the datasets (one per image file)
+    encoded: int  # files encoded by this run
+    processes: int
+
+    def line(self) -> str:
+        return (f"text encoder outputs: {self.files} cache files; {self.encoded} encoded now,"
+                f" {self.files - self.encoded} already cached ({self.processes} process"
+                f"{'es' if self.processes > 1 else ''})")
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    from library.datasets.args import add_dataset_arguments
+
+    parser = argparse.ArgumentParser(
+        description="Cache the Qwen3.5 text-encoder outputs of a MOSS-Image dataset to *_moss_te.npz files.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = parser.add_argument_group("model and caching")
+    g.add_argument("--moss_image", action="store_true",
+                   help="required: cache for MOSS-Image (the only model this tool supports)")
+    g.add_argument("--text_encoder", type=str, default=None,
+                   help="Qwen3.5-9B text encoder: first shard of the official files (text_encoder/model-00001-of-0000N)"
+                        " or a single file")
+    g.add_argument("--snapshot", type=str, default=None,
+                   help="a MOSS-Image snapshot folder: its text_encoder/ and tokenizer/ are used when not given")
+    g.add_argument("--tokenizer_cache_dir", type=str, default=None,
+                   help="folder with the tokenizer files, or a Hugging Face cache folder (for offline use)")
+    g.add_argument("--moss_max_token_length", type=int, default=4096,
+                   help="maximum text tokens including the chat template (default and maximum 4096)")
+    g.add_argument("--convrot_int8_text_encoder", action="store_true",
+                   help="quantise the text encoder to ConvRot INT8 at load time (not available in this version)")
+    g.add_argument("--disable_mmap_load_safetensors", action="store_true",
+                   help="read safetensors with plain reads instead of memory mapping")
+    g.add_argument("--cache_text_encoder_outputs", action="store_true",
+                   help="accepted for command lines copied from training; the tool always caches")
+    g.add_argument("--cache_text_encoder_outputs_to_disk", action="store_true",
+                   help="required: write the outputs to *_moss_te.npz files beside the images")
+    g.add_argument("--text_encoder_batch_size", type=int, default=None,
+                   help="captions per caching step (the encoder itself runs one caption at a time)")
+    g.add_argument("--skip_cache_check", action="store_true",
+                   help="trust every existing cache file without checking its captions")
+    g.add_argument("--device", type=str, default=None, choices=["cpu", "cuda"],
+                   help="where the text encoder runs (default: the GPU when there is one; under accelerate, its"
+                        " device)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="dataset seed (validation_split; the cache holds every image whatever the split)")
+    add_dataset_arguments(parser)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what this tool cannot do and fill the text encoder and tokenizer from --snapshot."""
+    from library.qwen35_text_encoder import check_max_token_length
+
+    if not args.moss_image:
+        raise UserError("This tool caches MOSS-Image text-encoder outputs only: add --moss_image to the command.")
+    if not args.cache_text_encoder_outputs_to_disk:
+        raise UserError("Without --cache_text_encoder_outputs_to_disk the outputs would be thrown away at exit: add"
+                        " --cache_text_encoder_outputs_to_disk.")
+    if args.convrot_int8_text_encoder:
+        raise UserError("--convrot_int8_text_encoder is not available in this version yet: cache with the bf16 text"
+                        " encoder (drop the option).")
+    if args.text_encoder_batch_size is not None and args.text_encoder_batch_size < 1:
+        raise UserError(f"--text_encoder_batch_size {args.text_encoder_batch_size} must be at least 1.")
+    args.moss_max_token_length = check_max_token_length(args.moss_max_token_length)
+    if args.snapshot:
+        from library.moss_image_utils import resolve_snapshot
+
+        snap = resolve_snapshot(args.snapshot)
+        args.text_encoder = args.text_encoder or str(snap.text_encoder)
+        if args.tokenizer_cache_dir is None and snap.tokenizer is not None:
+            args.tokenizer_cache_dir = str(snap.tokenizer)
+    if not args.text_encoder:
+        raise UserError("--text_encoder is required: give the first shard of the Qwen3.5-9B text encoder"
+                        " (text_encoder/model-00001-of-00004.safetensors) or --snapshot.")
+
+
+def make_accelerator(device: str | None) -> Any:
+    """The accelerator of this process (`accelerate launch` sets the process count); `device` cpu forces the CPU."""
+    import torch
+    from accelerate import Accelerator
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was given but no CUDA GPU is available: use --device cpu or run on a GPU.")
+    return Accelerator(cpu=device == "cpu")
+
+
+def total_over_processes(acc: Any, value: int) -> int:
+    import torch
+
+    return int(acc.reduce(torch.tensor([value], device=acc.device), reduction="sum").item())
+
+
+def load_encode_fn(args: argparse.Namespace, device: Any) -> Any:
+    """captions -> outputs with the tokenizer and the text encoder of `args` (bf16 on a GPU, fp32 on the CPU)."""
+    import torch
+
+    from library.moss_image_utils import load_text_encoder
+    from library.qwen35_text_encoder import load_tokenizer
+    from library.strategy_moss_image import make_text_encode_fn
+
+    tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    logger.info("loading the Qwen3.5 text encoder (%s) on %s", str(dtype).replace("torch.", ""), device)
+    model = load_text_encoder(args.text_encoder, dtype=dtype, device=device,
+                              disable_mmap=args.disable_mmap_load_safetensors)
+    model.eval().requires_grad_(False)
+    return make_text_encode_fn(model, tokenizer, args.moss_max_token_length)
+
+
+def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
+    """Cache the text-encoder outputs of the datasets of `args` and print a summary (None with --debug_dataset,
+    which only shows the batches)."""
+    from library.datasets import build_dataset_groups, debug_dataset
+    from library.strategy_moss_image import MossImageTextEncoderOutputsCachingStrategy, cache_text_encoder_outputs
+
+    check_args(args)
+    train, val = build_dataset_groups(args)
+    if args.debug_dataset:
+        debug_dataset(train)
+        return None
+    groups = [g for g in (train, val) if g is not None]
+    blockers = [r for g in groups for r in g.text_encoder_output_cache_blockers(True, True)]
+    if blockers:
+        raise UserError(f"Text encoder outputs cannot be cached with {', '.join(blockers)}: turn those off in the"
+                        " dataset config.")
+    acc = make_accelerator(args.device)
+    encode = load_encode_fn(args, acc.device)
+    strategy = MossImageTextEncoderOutputsCachingStrategy(True, args.text_encoder_batch_size, args.skip_cache_check)
+    encoded = cache_text_encoder_outputs(groups, encode, strategy, acc.process_index, acc.num_processes,
+                                         acc.is_local_main_process)
+    acc.wait_for_everyone()
+    files = {i.te_outputs_npz for g in groups for i in g.image_infos()}
+    summary = CacheSummary(len(files), total_over_processes(acc, encoded), acc.num_processes)
+    if acc.is_main_process:
+        print(summary.line())
+    return summary
+
+
+def run(argv: list[str] | None = None) -> CacheSummary | None:
+    """Parse the command line and cache; UserError for bad input."""
+    return cache_from_args(setup_parser().parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(argv)
+    except UserError as e:
+        logger.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
