@@ -1,0 +1,118 @@
+"""The Triton ConvRot kernels against the eager reference.
+
+On a CPU machine they run under Triton's interpreter (TRITON_INTERPRET=1, which can execute the int8 tl.dot) in a
+subprocess, because the interpreter is chosen when the kernels are defined. With a CUDA GPU the same checks also run
+compiled, in-process. Running this file as a script prints the check results as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = [(5, 512, 48, 256), (33, 192, 40, 64), (3, 64, 24, 16), (7, 96, 8, 0)]  # (M, K, N, group size)
+
+
+def run_checks(device: str) -> dict:
+    """Compare the Triton path with the eager path on small shapes; returns counts (all exact ones must be 0)."""
+    from library import convrot_int8_kernels as K
+
+    torch.manual_seed(0)
+    out: dict = {"has_triton": K.HAS_TRITON, "cases": []}
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for m, k, n, g in CASES:
+            w = torch.randn(n, k, device=device)
+            q, s = K.quantize_convrot_weight(w, g)
+            x = (torch.randn(2, m, k, device=device) * 2).to(dt)
+            x[0, 0, 3] = 40.0
+            bias = torch.randn(n, device=device).to(dt)
+            q_t, s_t = K._quantize_rows_triton(x.reshape(-1, k), g)
+            q_e, s_e = K.quantize_rowwise(K.rotate_activation(x, g).reshape(-1, k) if g else x.reshape(-1, k))
+            y_t = K.int8_linear(x, q, s, bias, g, backend="triton")
+            y_e = K.int8_linear(x, q, s, bias, g, backend="eager")
+            case = {
+                "dtype": str(dt), "shape": [m, k, n, g],
+                "q_mismatch": int((q_t != q_e).sum()), "s_mismatch": int((s_t != s_e.reshape(-1)).sum()),
+                "y_mismatch": int((y_t != y_e).sum()), "y_dtype_ok": y_t.dtype == dt and y_t.shape == (2, m, n),
+                "y_relerr": float((y_t.float() - y_e.float()).norm() / y_e.float().norm()),
+            }
+            if g:
+                d_t = K.dequantize_weight(q, s, g, dt, backend="triton")
+                d_e = K.dequantize_weight(q, s, g, dt, backend="eager")
+                case["deq_mismatch_frac"] = float((d_t != d_e).float().mean())
+                case["deq_maxrel"] = float(((d_t.float() - d_e.float()).abs() / d_e.float().abs().clamp(min=1e-3)).max())
+                gy = torch.randn(2, m, n, device=device).to(dt)
+                g_t = K.int8_linear_grad_input(gy, q, s, g, mode="int8", backend="triton")
+                g_e = K.int8_linear_grad_input(gy, q, s, g, mode="int8", backend="eager")
+                case["bwd_int8_relerr"] = float((g_t.float() - g_e.float()).norm() / g_e.float().norm())
+            out["cases"].append(case)
+    # the activation cache: the same tensor object is quantised once; an in-place change invalidates it
+    w = torch.randn(32, 256, device=device)
+    q, s = K.quantize_convrot_weight(w, 256)
+    x = torch.randn(4, 256, device=device, dtype=torch.bfloat16)
+    K._ACT_CACHE.clear()
+    hits = K._ACT_CACHE.hits
+    y1 = K.int8_linear(x, q, s, None, 256, backend="triton")
+    y2 = K.int8_linear(x, q, s, None, 256, backend="triton")
+    x.mul_(2)
+    y3 = K.int8_linear(x, q, s, None, 256, backend="triton")
+    out["cache"] = {
+        "hits": K._ACT_CACHE.hits - hits, "same": bool(torch.equal(y1, y2)),
+        "after_inplace_ok": bool(torch.equal(y3, K.int8_linear(x, q, s, None, 256, backend="eager"))),
+    }
+    return out
+
+
+def _assert_checks(res: dict) -> None:
+    assert res["has_triton"]
+    for c in res["cases"]:
+        exact = c["dtype"] != "torch.float32" or c["shape"][3] == 0
+        assert c["y_dtype_ok"], c
+        if exact:  # bf16/fp16 rows: the fp32 transform rounded once to T equals the eager T matmul on these data
+            assert c["q_mismatch"] == 0 and c["s_mismatch"] == 0 and c["y_mismatch"] == 0, c
+        else:  # fp32 activations: the rotation sums round differently from a BLAS fp32 matmul
+            assert c["q_mismatch"] <= 0.01 * 2 * c["shape"][0] * c["shape"][1] and c["y_relerr"] < 1e-2, c
+        if "deq_mismatch_frac" in c:  # dequantisation: summation order differs; at most 1 ulp (bf16 2^-8, fp16
+            # 2^-11 relative) on a few elements; fp32 outputs keep the last bits of the different fp32 sums
+            if c["dtype"] == "torch.float32":
+                assert c["deq_maxrel"] < 1e-3, c
+            else:
+                assert c["deq_mismatch_frac"] < 0.01 and c["deq_maxrel"] <= 2**-7, c
+            assert c["bwd_int8_relerr"] < 1e-2, c
+    assert res["cache"] == {"hits": 1, "same": True, "after_inplace_ok": True}
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _triton_importable(), reason="triton is not installed")
+def test_triton_kernels_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_checks(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _triton_importable(), reason="needs a CUDA GPU and triton")
+def test_triton_kernels_on_cuda():
+    _assert_checks(run_checks("cuda"))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    print(json.dumps(run_checks(device)))
