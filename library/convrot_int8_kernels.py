@@ -496,15 +496,25 @@ if _TRITON_IMPORTED:
         tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], _cast_rne(x, y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _int8_gemm_kernel(
-        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET,
-        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        """C = epilogue(A @ B) with int8 A [M, K], B [K, N] (any strides), int32 accumulation.
+    def _gemm_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
+                       HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """c = T_out(fp32(acc) * (sa[m] * sb[n])), then T_out(c + bias[n]) (bias already in T_out); masked store."""
+        sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
+        if HAS_SB:
+            sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
+            c = acc.to(tl.float32) * (sa[:, None] * sb[None, :])
+        else:
+            c = acc.to(tl.float32) * sa[:, None]
+        out = _cast_rne(c, c_ptr.dtype.element_ty)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            out = _cast_rne(out.to(tl.float32) + bias[None, :], c_ptr.dtype.element_ty)
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, out, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
-        Epilogue: c = T_out(fp32(acc) * (sa[m] * sb[n])), then T_out(c + bias[n]) (bias already in T_out)."""
+    @triton.jit
+    def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Grouped ordering of the output tiles (GROUP_M row tiles share their B columns in L2)."""
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -514,7 +524,39 @@ if _TRITON_IMPORTED:
         group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
         pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
         pid_n = (pid % num_pid_in_group) // group_size_m
+        return pid_m, pid_n
 
+    @triton.jit
+    def _int8_gemm_tma_kernel(
+        a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET, stride_cm, stride_cn,
+        HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """The forward GEMM with tensor-memory-accelerator loads (Hopper+): A [M, K] and W [N, K], both K-major,
+        out-of-range tiles zero-filled by the copy engine."""
+        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_desc.load([off_m, kk * BLOCK_K])
+            b = b_desc.load([off_n, kk * BLOCK_K])
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        _gemm_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS)
+
+    @triton.jit
+    def _int8_gemm_kernel(
+        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+        HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """C = epilogue(A @ B) with int8 A [M, K], B [K, N] (any strides), int32 accumulation.
+
+        Epilogue: c = T_out(fp32(acc) * (sa[m] * sb[n])), then T_out(c + bias[n]) (bias already in T_out)."""
+        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_am = offs_m % M  # wrap-around rows/columns: loads stay in bounds, the store is masked
@@ -535,28 +577,15 @@ if _TRITON_IMPORTED:
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
-        sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
-        if HAS_SB:
-            sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
-            c = acc.to(tl.float32) * (sa[:, None] * sb[None, :])
-        else:
-            c = acc.to(tl.float32) * sa[:, None]
-        out = _cast_rne(c, c_ptr.dtype.element_ty)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            out = _cast_rne(out.to(tl.float32) + bias[None, :], c_ptr.dtype.element_ty)
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, out, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        _gemm_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS)
 
     # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). BLOCK_K = 128 keeps 128-byte int8 rows for the K-major operands.
     _GEMM_CONFIGS = [
         (128, 256, 128, 3, 8),
         (256, 128, 128, 3, 8),
         (128, 128, 128, 4, 8),
-        (128, 128, 128, 4, 4),
         (128, 256, 64, 4, 8),
         (64, 256, 128, 4, 4),
-        (128, 64, 128, 4, 4),
         (64, 128, 128, 4, 4),
     ]
     _int8_gemm_tuned = triton.autotune(
@@ -567,6 +596,24 @@ if _TRITON_IMPORTED:
         key=["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"],
     )(_int8_gemm_kernel)
 
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+    except ImportError:  # older triton: pointer kernel only
+        _TensorDescriptor = None
+
+    def _set_tma_blocks(nargs: dict) -> None:
+        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+    _int8_gemm_tma_tuned = triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st, num_warps=wp,
+                          pre_hook=_set_tma_blocks)
+            for bm, bn, bk, st, wp in _GEMM_CONFIGS
+        ],
+        key=["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"],
+    )(_int8_gemm_tma_kernel)
+
 
 _T_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -575,8 +622,9 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (int(v) - 1).bit_length())
 
 
-# Launch parameters of the whole-row kernels (the benchmark can override them): elements per program and per thread.
-_TUNING: dict[str, int] = {"row_elems": 8192, "elems_per_thread": 16}
+# Launch parameters (the benchmark can override them): elements per program and per thread of the whole-row kernels,
+# and the forward GEMM kernel ("ptr": pointer loads, pipelined with cp.async; "tma": tensor-descriptor loads).
+_TUNING: dict = {"row_elems": 8192, "elems_per_thread": 16, "gemm": "ptr"}
 
 
 def _row_kernel_launch(kp: int) -> tuple[int, int]:
@@ -631,6 +679,16 @@ def _scale_rotate_triton(
     return y
 
 
+def _tma_ok(a: torch.Tensor, b: torch.Tensor, stride_bn: int, stride_bk: int, k: int) -> bool:
+    """TMA descriptors need K-major operands with 16-byte aligned bases and row strides (and a Hopper GPU)."""
+    return (
+        _TensorDescriptor is not None and not _INTERPRET and a.is_cuda
+        and torch.cuda.get_device_capability(a.device) >= (9, 0)
+        and stride_bk == 1 and a.stride(1) == 1 and k % 16 == 0 and a.stride(0) % 16 == 0 and stride_bn % 16 == 0
+        and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    )
+
+
 def _int8_gemm_triton(
     a: torch.Tensor,
     sa: torch.Tensor,
@@ -663,6 +721,14 @@ def _int8_gemm_triton(
     def grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
+    if _TUNING["gemm"] == "tma" and _tma_ok(a, b, stride_bn, stride_bk, k):
+        a_desc = _TensorDescriptor(a, [m, k], [a.stride(0), 1], [1, 16])
+        b_desc = _TensorDescriptor(b, [n, k], [stride_bn, 1], [1, 16])
+        _int8_gemm_tma_tuned[grid](
+            a_desc, b_desc, c, sa, sb if sb is not None else sa, bias if bias is not None else sa, m, n, k,
+            min(_next_pow2(m), 8192), c.stride(0), c.stride(1), HAS_SB=sb is not None, HAS_BIAS=bias is not None,
+        )
+        return c
     _int8_gemm_tuned[grid](*args, HAS_SB=sb is not None, HAS_BIAS=bias is not None, EVEN_K=k % 128 == 0)
     return c
 
