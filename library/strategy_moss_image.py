@@ -10,7 +10,12 @@ Text-encoder cache `<stem>_moss_te.npz`: `num_candidates`, and for each caption 
 `uncond_mask`, and the prompt template id. A file is re-made when its candidate count, caption texts or template
 differ from the current ones (unless --skip_cache_check). Files of the older single-candidate format
 (`prompt_embeds`, `attn_mask`) stay valid for images with one candidate.
-Every cache file is written to a temp file and renamed: never half-written.
+Every cache file is written to a temp file and renamed: never half-written. Checks and per-step reads open only the
+entries they need (an npz member is read lazily), and a damaged file is re-made by the caching drivers.
+
+Drivers (`cache_latents`, `cache_text_encoder_outputs`, used by the trainer and by tools/cache_*.py): with several
+processes, the run's cache files (all of them, valid or not) are sorted and dealt out with `my_share`, so every
+process agrees on who writes what whatever the others have written already, and no file has two writers.
 """
 
 from __future__ import annotations
