@@ -174,7 +174,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if not args.cache_text_encoder_outputs:
             return None
         return MossImageTextEncoderOutputsCachingStrategy(
-            args.cache_text_encoder_outputs_to_disk, args.text_encoder_batch_size, args.skip_cache_check
+            args.cache_text_encoder_outputs_to_disk, args.text_encoder_batch_size, args.skip_cache_check,
+            max_token_length=args.moss_max_token_length,
         )
 
     def cache_latents(self, run: RunState) -> None:

@@ -328,6 +328,13 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     return read_safetensors_header(check_safetensors_path(path))[1]
 
 
+def _default_mode() -> int:
+    """The permissions a plainly created file gets (0o666 less the umask); mkstemp's 0o600 would hide shared files."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def save_file_atomic(
     tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
 ) -> None:
@@ -342,6 +349,7 @@ def save_file_atomic(
     os.close(fd)
     try:
         save_file(contiguous, tmp, metadata=meta or None)
+        os.chmod(tmp, _default_mode())
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
@@ -357,6 +365,7 @@ def write_text_atomic(text: str, path: str | os.PathLike) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, _default_mode())
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):

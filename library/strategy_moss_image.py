@@ -214,11 +214,13 @@ class MossImageTextEncoderOutputsCachingStrategy:
         batch_size: int | None = None,
         skip_disk_cache_validity_check: bool = False,
         is_partial: bool = False,
+        max_token_length: int | None = None,
     ):
         self.cache_to_disk = cache_to_disk
         self.batch_size = max(1, int(batch_size or 1))
         self.skip_disk_cache_validity_check = skip_disk_cache_validity_check
         self.is_partial = is_partial
+        self.max_token_length = max_token_length  # recorded in the files: a different limit re-makes them
         self.uncond: TextOutputs | None = None  # the empty prompt's outputs, shared by every image
 
     def get_outputs_npz_path(self, absolute_path: str) -> str:
@@ -232,7 +234,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
             return False
         if self.skip_disk_cache_validity_check:
             return True
-        small = {"num_candidates", "template"} | {f"caption_{k}" for k in range(len(captions))}
+        small = {"num_candidates", "template", "max_token_length"} | {f"caption_{k}" for k in range(len(captions))}
         names: list[str] = []
 
         def select(found: list[str]) -> list[str]:
@@ -247,6 +249,9 @@ class MossImageTextEncoderOutputsCachingStrategy:
         if "num_candidates" not in data:  # older single-candidate format
             return len(captions) == 1 and "prompt_embeds" in names and "attn_mask" in names
         if str(data.get("template", "")) != PROMPT_TEMPLATE_ID or int(data["num_candidates"]) != len(captions):
+            return False
+        if self.max_token_length is not None and "max_token_length" in data \
+                and int(data["max_token_length"]) != self.max_token_length:
             return False
         arrays = {"uncond_embeds", "uncond_mask"}
         arrays |= {f"{kind}_{k}" for k in range(len(captions)) for kind in ("prompt_embeds", "attn_mask")}
@@ -313,6 +318,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
         arrays: dict[str, np.ndarray] = {
             "num_candidates": np.array(len(cands), dtype=np.int64),
             "template": np.array(PROMPT_TEMPLATE_ID),
+            "max_token_length": np.array(self.max_token_length or -1, dtype=np.int64),
             "uncond_embeds": self.uncond[0].numpy(),
             "uncond_mask": self.uncond[1].numpy(),
         }

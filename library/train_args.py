@@ -265,7 +265,7 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
 def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line on top of `--config_file` values (the command line wins)."""
     args = parser.parse_args(argv)
-    if args.config_file:
+    if args.config_file and not args.output_config:  # with --output_config the file is the output
         values = read_config_file(args.config_file, parser)
         parser.set_defaults(**values)
         args = parser.parse_args(argv)

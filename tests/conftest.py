@@ -9,6 +9,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # tiny models: threads only fight each other on a 2-core machine
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -82,8 +82,8 @@ def te_groups(tmp_path: Path, folder: Path, **subset):
     return train
 
 
-def cache_te(group, encoder, skip_check: bool = False, to_disk: bool = True):
-    strategy = sm.MossImageTextEncoderOutputsCachingStrategy(to_disk, 2, skip_check)
+def cache_te(group, encoder, skip_check: bool = False, to_disk: bool = True, max_token_length: int | None = None):
+    strategy = sm.MossImageTextEncoderOutputsCachingStrategy(to_disk, 2, skip_check, max_token_length=max_token_length)
     return sm.cache_text_encoder_outputs([group, None], encoder, strategy, show_progress=False), strategy
 
 
@@ -228,6 +228,13 @@ def test_te_recache_rules_and_skip_cache_check(tmp_path):
     with pytest.raises(UserError, match="img2_moss_te.npz' cannot be read"):
         group.text_encoder_outputs_cache.get_outputs(info, 0, False)
     assert cache_te(group, FakeTextEncoder())[0] == 1
+
+
+def test_te_cache_remade_when_the_token_limit_changes(tmp_path):
+    folder = image_folder(tmp_path / "a", ["one", "two"])
+    assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), max_token_length=4096)[0] == 2
+    assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), max_token_length=4096)[0] == 0
+    assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), max_token_length=512)[0] == 2
 
 
 def test_older_single_candidate_files_stay_valid_and_dropout_uses_the_strategy_uncond(tmp_path):

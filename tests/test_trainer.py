@@ -211,3 +211,24 @@ def test_text_encoder_lora_trains_and_merges_at_inference(tiny_snapshot, toy_dat
                                            "--infer_steps", "1", "--save_path", str(tmp_path / "i"),
                                            "--output_type", "latent", "--lora_weight", str(lora)]))
     assert "merged 25 lora_te LoRA modules" in caplog.text and "merged 144 lora_unet LoRA modules" in caplog.text
+
+
+def test_config_file_tensorboard_and_output_config(tiny_snapshot, toy_data, tmp_path):
+    import moss_image_train_network as m
+
+    cfg = tmp_path / "args.toml"
+    cfg.write_text('[training]\nmax_train_steps = 2\nlearning_rate = 1e-3\n[logging]\nlog_with = "tensorboard"\n')
+    argv = base_args(tiny_snapshot, toy_data, tmp_path / "out", "--config_file", str(cfg),
+                     "--logging_dir", str(tmp_path / "logs"), "--log_prefix", "toy_")
+    assert m.main(argv) == 0
+    assert list((tmp_path / "logs").glob("toy_*/**/events.out.tfevents.*"))  # tensorboard wrote its log
+    assert read_metadata(tmp_path / "out" / "toy.safetensors")["ss_steps"] == "2"  # from the config file
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("max_train_stepz = 3\n")
+    assert m.main(base_args(tiny_snapshot, toy_data, tmp_path / "o2", "--config_file", str(bad))) == 2
+
+    written = tmp_path / "written.toml"
+    assert m.main([*base_args(tiny_snapshot, toy_data, tmp_path / "o3", "--max_train_steps", "5"),
+                   "--output_config", "--config_file", str(written)]) == 0
+    assert "max_train_steps = 5" in written.read_text()

@@ -162,7 +162,8 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
                         " dataset config.")
     acc = make_accelerator(args.device)
     encode = load_encode_fn(args, acc.device)
-    strategy = MossImageTextEncoderOutputsCachingStrategy(True, args.text_encoder_batch_size, args.skip_cache_check)
+    strategy = MossImageTextEncoderOutputsCachingStrategy(True, args.text_encoder_batch_size, args.skip_cache_check,
+                                                          max_token_length=args.moss_max_token_length)
     encoded = cache_text_encoder_outputs(groups, encode, strategy, acc.process_index, acc.num_processes,
                                          acc.is_local_main_process)
     acc.wait_for_everyone()
