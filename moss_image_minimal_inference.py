@@ -97,9 +97,6 @@ def _check_args(args: argparse.Namespace) -> None:
     from library.moss_image_sampling import check_image_size, parse_uncond_skip_layers
     from library.qwen35_text_encoder import check_max_token_length
 
-    if args.convrot_int8 or args.convrot_int8_text_encoder:
-        raise UserError("ConvRot INT8 (--convrot_int8 / --convrot_int8_text_encoder) is not wired into inference in"
-                        " this version yet: run with the bf16 weights.")
     if args.blocks_to_swap:
         raise UserError("--blocks_to_swap is not available in this version yet: use --text_encoder_cpu and the split"
                         " decode (automatic) to save memory.")
@@ -180,7 +177,8 @@ def encode_prompts(args: argparse.Namespace, texts: list[str], device: Any, dtyp
     te_dtype = torch.float32 if te_device.type == "cpu" else dtype
     plan = _lora_plan(args, "lora_te")
     te = load_text_encoder(args.text_encoder, dtype=te_dtype, device=te_device,
-                           disable_mmap=args.disable_mmap_load_safetensors, tensor_hook=plan.merge if plan else None)
+                           disable_mmap=args.disable_mmap_load_safetensors, tensor_hook=plan.merge if plan else None,
+                           convrot_int8=args.convrot_int8_text_encoder, calc_device=device)
     if plan:
         plan.finish()
     tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
@@ -196,9 +194,13 @@ def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
     from library.moss_image_utils import load_moss_image_model
 
     plan = _lora_plan(args, "lora_unet")
-    dit = load_moss_image_model(device, args.dit, args.attn_mode, args.split_attn, loading_device=device, dtype=dtype,
+    # LoRA merged while reading, then (with --convrot_int8) quantised layer by layer on the device
+    dit = load_moss_image_model(device, args.dit, args.attn_mode, args.split_attn,
+                                loading_device="cpu" if args.convrot_int8 else device, dtype=dtype,
                                 disable_mmap=args.disable_mmap_load_safetensors,
-                                tensor_hook=plan.merge if plan else None)
+                                tensor_hook=plan.merge if plan else None, convrot_int8=args.convrot_int8,
+                                calc_device=device)
+    dit.to(device)
     if plan:
         plan.finish()
     return dit

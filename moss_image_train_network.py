@@ -121,20 +121,33 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if args.block_swap_h2d_only or args.no_pinned_memory_for_block_swap:
             raise UserError("--block_swap_h2d_only / --no_pinned_memory_for_block_swap need --blocks_to_swap, which is"
                             " not available in this version yet.")
-        if args.convrot_int8 or args.convrot_int8_text_encoder or args.convrot_int8_bwd != "bf16":
-            raise UserError("ConvRot INT8 (--convrot_int8, --convrot_int8_text_encoder, --convrot_int8_bwd) is not wired"
-                            " into the trainer in this version yet: train with the bf16 weights.")
+        if args.convrot_int8_bwd == "int8":
+            import torch
+
+            from library.convrot_int8_kernels import HAS_TRITON
+
+            if not (HAS_TRITON and torch.cuda.is_available()):
+                raise UserError("--convrot_int8_bwd int8 needs triton and a CUDA GPU (triton-windows on Windows): use"
+                                " the default --convrot_int8_bwd bf16.")
+            if not (args.convrot_int8 or args.convrot_int8_text_encoder):
+                logger.info("--convrot_int8_bwd int8 only takes effect with a ConvRot INT8 base (--convrot_int8,"
+                            " --convrot_int8_text_encoder or a pre-quantised checkpoint)")
 
     # --------------------------------------------------------------------------------------------- models
     def load_target_model(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any) -> tuple:
+        from library.convrot_int8_utils import is_convrot_int8_model
         from library.flux2_vae import load_flux2_vae
         from library.moss_image_utils import load_text_encoder
         from library.qwen35_text_encoder import load_tokenizer
 
         logger.info("loading the Qwen3.5 text encoder (bf16)")
         te_dtype = torch.bfloat16 if accelerator.device.type != "cpu" or args.mixed_precision == "bf16" else torch.float32
-        text_encoder = load_text_encoder(args.text_encoder, dtype=te_dtype, device="cpu",
-                                         disable_mmap=args.disable_mmap_load_safetensors)
+        text_encoder = load_text_encoder(
+            args.text_encoder, dtype=te_dtype, device="cpu", disable_mmap=args.disable_mmap_load_safetensors,
+            convrot_int8=args.convrot_int8_text_encoder, convrot_int8_bwd=args.convrot_int8_bwd,
+            calc_device=accelerator.device,  # quantised on the GPU, kept on the CPU
+        )
+        self.text_encoder_convrot_int8 = is_convrot_int8_model(text_encoder)
         self.tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
         logger.info("loading the FLUX.2 VAE (fp32)")
         vae = load_flux2_vae(args.vae, dtype=torch.float32, device="cpu", disable_mmap=args.disable_mmap_load_safetensors)
@@ -144,13 +157,20 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     def load_unet_lazily(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any,
                          text_encoders: list) -> tuple:
+        from library.convrot_int8_utils import is_convrot_int8_model
         from library.moss_image_utils import load_moss_image_model
 
         attn_mode = args.attn_mode or ("xformers" if args.xformers else "torch")
+        # with --convrot_int8 the bf16 weights are read to the CPU and quantised on the GPU, one layer at a time
+        loading_device = "cpu" if args.convrot_int8 else accelerator.device
         model = load_moss_image_model(
             accelerator.device, args.pretrained_model_name_or_path, attn_mode, args.split_attn,
-            loading_device=accelerator.device, dtype=weight_dtype, disable_mmap=args.disable_mmap_load_safetensors,
+            loading_device=loading_device, dtype=weight_dtype, disable_mmap=args.disable_mmap_load_safetensors,
+            convrot_int8=args.convrot_int8, convrot_int8_bwd=args.convrot_int8_bwd, calc_device=accelerator.device,
         )
+        self.dit_convrot_int8 = is_convrot_int8_model(model)
+        if self.dit_convrot_int8:
+            logger.info("the DiT base is ConvRot INT8 (%s)", "quantised at load" if args.convrot_int8 else "pre-quantised file")
         return model, text_encoders
 
     def prepare_unet(self, run: RunState) -> None:

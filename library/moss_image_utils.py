@@ -155,6 +155,9 @@ def _read_config_json(checkpoint: Path) -> dict[str, Any] | None:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:
         raise UserError(f"The DiT config '{path}' is not valid JSON ({e}): fix or remove it.") from e
+    if "model_type" in raw and "_class_name" not in raw:  # a transformers config (e.g. a text encoder's) lying there
+        logger.debug("ignoring %s: not a DiT config", path)
+        return None
     return {k: v for k, v in raw.items() if not k.startswith("_")}
 
 
@@ -168,21 +171,27 @@ def load_moss_image_model(
     dtype: torch.dtype | None = torch.bfloat16,
     disable_mmap: bool = False,
     tensor_hook: TensorHook | None = None,
+    convrot_int8: bool = False,
+    convrot_int8_bwd: str = "bf16",
+    calc_device: str | torch.device | None = None,
 ) -> MossImage:
     """Load the DiT from any supported layout onto `loading_device` (default `device`) in `dtype`.
 
     `tensor_hook(key, tensor)` sees each tensor under the model's key before the dtype cast (LoRA merge at load).
-    `dtype=None` keeps the checkpoint's dtypes.
+    `dtype=None` keeps the checkpoint's dtypes. `convrot_int8` quantises the 252 block Linears after loading (and
+    after the merge), layer by layer on `calc_device` when given. A ComfyUI pre-quantised file (`.comfy_quant`
+    markers) is detected and loaded as it is, whatever `convrot_int8` says.
     """
+    from library import convrot_int8_utils as cr
+
     checkpoint = _dit_checkpoint(dit_path)
     loading_device = torch.device(loading_device or device)
     source = open_dit_source(checkpoint, disable_mmap)
-    comfy_markers = [k for k in source.keys() if k.endswith(".comfy_quant")]
-    if comfy_markers:
-        raise UserError(
-            f"'{checkpoint}' is a pre-quantised ComfyUI checkpoint ({len(comfy_markers)} quantised layers), which this"
-            " version cannot load yet: use the bf16 single file or the official shards."
-        )
+    what = f"the DiT checkpoint '{checkpoint}'"
+    cr.check_quantization_format(source.source, source.source.metadata, what)
+    if cr.is_comfy_quantized_state_dict(source.source.keys(), source.source.metadata):
+        return _load_prequantized_dit(checkpoint, source, dtype, loading_device, attn_mode, split_attn,
+                                      convrot_int8_bwd, tensor_hook)
     config = infer_dit_config(source, _read_config_json(checkpoint))
     with torch.device("meta"):
         model = MossImage(config, attn_mode=attn_mode, split_attn=split_attn)
@@ -207,6 +216,9 @@ def load_moss_image_model(
                 t = t.to(dtype)
             state[key] = t.to(loading_device)
     model.load_state_dict(state, strict=True, assign=True)
+    del state
+    if convrot_int8:
+        quantize_dit(model, convrot_int8_bwd, calc_device)
     model.requires_grad_(False)
     model.eval()
     total = sum(p.numel() for p in model.parameters())
@@ -217,6 +229,92 @@ def load_moss_image_model(
     return model
 
 
+# ------------------------------------------------------------------------------------------- ConvRot INT8
+def convrot_group_size(model: torch.nn.Module, name_filter: Callable[[str], bool], largest: int = 256) -> int:
+    """The ConvRot group size for a model: the largest power of 4 (at most `largest`, the official 256) that divides
+    the input width of every layer in scope (256 for the full models; smaller for tiny test models)."""
+    widths = [m.in_features if isinstance(m, torch.nn.Linear) else m.embedding_dim
+              for n, m in model.named_modules() if n and name_filter(n)
+              and isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    g = largest
+    while g > 4 and any(w % g for w in widths):
+        g //= 4
+    return g
+
+
+def quantize_dit(model: MossImage, bwd: str = "bf16", calc_device: str | torch.device | None = None) -> int:
+    """ConvRot INT8 for the block Linears of a loaded DiT (in place, one layer at a time)."""
+    from library import convrot_int8_utils as cr
+
+    g = convrot_group_size(model, cr.dit_convrot_filter)
+    return cr.convert_model_to_convrot_int8(model, cr.dit_convrot_filter, calc_device, g, bwd)
+
+
+def reject_lora_merge_into_quantized(checkpoint: Path, option: str) -> None:
+    raise UserError(
+        f"Merging a LoRA into the pre-quantised ConvRot INT8 checkpoint '{checkpoint}' is not possible: use the bf16"
+        f" checkpoint with {option} instead (the LoRA is merged first, then quantised)."
+    )
+
+
+class _DictShapes:
+    """keys() / shape() / __contains__ over a state dict, for `infer_dit_config`."""
+
+    def __init__(self, sd: dict[str, torch.Tensor]):
+        self.sd = sd
+
+    def keys(self) -> list[str]:
+        return list(self.sd)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.sd
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.sd[key].shape)
+
+
+def _cast_floats(sd: dict[str, torch.Tensor], dtype: torch.dtype | None, device: torch.device) -> None:
+    """Float tensors to `dtype` (the fp32 `weight_scale`s and the int8 codes stay as they are), all to `device`."""
+    for k, t in sd.items():
+        if dtype is not None and t.is_floating_point() and not k.endswith(".weight_scale"):
+            t = t.to(dtype)
+        sd[k] = t.to(device)
+
+
+def _load_prequantized_dit(
+    checkpoint: Path, source: SplitTensorAdapter, dtype: torch.dtype | None, loading_device: torch.device,
+    attn_mode: str, split_attn: bool, bwd: str, tensor_hook: TensorHook | None,
+) -> MossImage:
+    """A ComfyUI ConvRot INT8 single file as it is: int8 codes + per-row scales, fused qkv split with its scales."""
+    from library import convrot_int8_utils as cr
+
+    if tensor_hook is not None:
+        reject_lora_merge_into_quantized(checkpoint, "--convrot_int8")
+    raw = source.source
+    what = f"the DiT checkpoint '{checkpoint}'"
+    with raw:
+        sd = {k: raw.get_tensor(k) for k in raw.keys() if cr.comfy_key_filter(k)}
+        metadata = raw.metadata
+    cr.split_fused_int8_qkv_state_dict(sd)
+    specs = cr.comfy_int8_layer_specs(sd, metadata, what)
+    config = infer_dit_config(_DictShapes(sd), _read_config_json(checkpoint))
+    with torch.device("meta"):
+        model = MossImage(config, attn_mode=attn_mode, split_attn=split_attn)
+    cr.prepare_model_for_comfy_int8(model, specs, bwd, what)
+    _cast_floats(sd, dtype, loading_device)
+    expected = set(model.state_dict().keys())
+    found = set(sd)
+    if expected != found:
+        raise UserError(describe_key_mismatch("DiT checkpoint", checkpoint, sorted(expected - found),
+                                              sorted(found - expected)))
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.requires_grad_(False)
+    model.eval()
+    logger.info("loaded the pre-quantised ConvRot INT8 DiT %s: %d int8 layers, %d blocks, %s on %s", checkpoint,
+                len(specs), config.num_layers, dtype, loading_device)
+    return model
+
+
 # ------------------------------------------------------------------------------------ text encoder loader
 def load_text_encoder(
     path: str | os.PathLike,
@@ -224,8 +322,14 @@ def load_text_encoder(
     device: str | torch.device = "cpu",
     disable_mmap: bool = False,
     tensor_hook: TensorHook | None = None,
+    convrot_int8: bool = False,
+    convrot_int8_bwd: str = "bf16",
+    calc_device: str | torch.device | None = None,
 ) -> Any:
-    """The Qwen3.5 text model (`transformers.Qwen3_5TextModel`): call it with `input_ids`, read `last_hidden_state`."""
+    """The Qwen3.5 text model (`transformers.Qwen3_5TextModel`): call it with `input_ids`, read `last_hidden_state`.
+
+    `convrot_int8` quantises the attention / GatedDeltaNet / MLP projections and `embed_tokens` after loading (on
+    `calc_device` when given); a ComfyUI pre-quantised file is detected and loaded as it is."""
     from library.qwen35_text_encoder import load_qwen35_text_model
 
     p = Path(path)
@@ -233,4 +337,5 @@ def load_text_encoder(
         p = p / "text_encoder"
     if not p.is_dir():
         check_safetensors_path(p, "text encoder checkpoint")
-    return load_qwen35_text_model(p, dtype=dtype, device=device, disable_mmap=disable_mmap, tensor_hook=tensor_hook)
+    return load_qwen35_text_model(p, dtype=dtype, device=device, disable_mmap=disable_mmap, tensor_hook=tensor_hook,
+                                  convrot_int8=convrot_int8, convrot_int8_bwd=convrot_int8_bwd, calc_device=calc_device)

@@ -121,35 +121,54 @@ def load_qwen35_text_model(
     device: str | torch.device = "cpu",
     disable_mmap: bool = False,
     tensor_hook: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    convrot_int8: bool = False,
+    convrot_int8_bwd: str = "bf16",
+    calc_device: str | torch.device | None = None,
 ) -> Any:
     """Build `transformers.Qwen3_5TextModel` without allocating weights, then fill it tensor by tensor.
 
     `tensor_hook(key, tensor)` may transform each tensor as it is read (LoRA merge at load); it sees the tensor in
-    the checkpoint's dtype, before the cast to `dtype`.
+    the checkpoint's dtype, before the cast to `dtype`. `convrot_int8` quantises the ComfyUI scope (attention /
+    GatedDeltaNet / MLP projections and embed_tokens) after loading; a ComfyUI ConvRot INT8 file (`.comfy_quant`
+    markers) is loaded as it is.
     """
     from accelerate import init_empty_weights
     from transformers import Qwen3_5TextModel
 
+    from library import convrot_int8_utils as cr
+
     source, checkpoint = open_text_encoder_source(path, disable_mmap)
     config = load_text_config(checkpoint)
+    what = f"the text encoder checkpoint '{checkpoint}'"
+    cr.check_quantization_format(source, source.metadata, what)
     with init_empty_weights(include_buffers=False):
         model = Qwen3_5TextModel(config)
-    expected_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cr.is_comfy_quantized_state_dict(source.keys(), source.metadata):
+        if tensor_hook is not None:
+            raise UserError(
+                f"Merging a LoRA into the pre-quantised ConvRot INT8 text encoder '{checkpoint}' is not possible: use"
+                " the bf16 checkpoint with --convrot_int8_text_encoder instead (the LoRA is merged first, then quantised)."
+            )
+        specs = cr.comfy_int8_layer_specs(source, source.metadata, what)
+        cr.prepare_model_for_comfy_int8(model, specs, convrot_int8_bwd, what)
+    expected_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith(cr.COMFY_QUANT_SUFFIX)}
     expected = set(expected_shapes)
-    found = set(source.keys())
+    found = {k for k in source.keys() if not k.endswith(cr.COMFY_QUANT_SUFFIX) and cr.comfy_key_filter(k)}
     if expected != found:
         raise UserError(
             describe_key_mismatch("text encoder checkpoint", checkpoint, sorted(expected - found), sorted(found - expected))
         )
     state: dict[str, torch.Tensor] = {}
     with source:
-        for key in source.keys():
+        for key in sorted(found):
             t = source.get_tensor(key)
             if tensor_hook is not None:
                 t = tensor_hook(key, t)
-            if t.is_floating_point():
+            if t.is_floating_point() and not key.endswith(".weight_scale"):
                 t = t.to(dtype)
-            if tuple(t.shape) != expected_shapes[key]:
+            if key.endswith(".weight_scale"):
+                t = t.float().reshape(-1, 1) if t.numel() == expected_shapes[key][0] else t.float()
+            if tuple(t.shape) != expected_shapes[key] and not key.endswith(".weight_scale"):
                 raise UserError(
                     f"Tensor '{key}' of '{checkpoint}' has shape {tuple(t.shape)} but the config expects"
                     f" {expected_shapes[key]}:"
@@ -157,6 +176,12 @@ def load_qwen35_text_model(
                 )
             state[key] = t.to(device)
     model.load_state_dict(state, strict=True, assign=True)
+    del state
+    if convrot_int8 and not cr.is_convrot_int8_model(model):
+        from library.moss_image_utils import convrot_group_size
+
+        g = convrot_group_size(model, cr.text_encoder_convrot_filter)
+        cr.convert_model_to_convrot_int8(model, cr.text_encoder_convrot_filter, calc_device, g, convrot_int8_bwd)
     model.to(device)
     model.requires_grad_(False)
     model.eval()

@@ -7,6 +7,8 @@ Layout written under OUT_DIR (the same as the official repository, plus the Comf
     vae/diffusion_pytorch_model.safetensors, config.json (diffusers layout)
     flux2-vae.safetensors (BFL / ComfyUI layout)
     moss_image_base_bf16.safetensors (ComfyUI single-file DiT with fused qkv)
+    moss_image_base_int8_convrot.safetensors, text_encoder_int8/qwen3.5_9b_int8_convrot.safetensors (ComfyUI ConvRot
+    INT8 files made by the project's own quantiser; the tiny text encoder's config.json lies beside its file)
 Weights are deterministic random numbers (seeded), so every build gives the same tensors.
 """
 
@@ -152,6 +154,54 @@ def write_comfy_dit(out: Path, sd: dict[str, torch.Tensor]) -> None:
     save_file_atomic(fused, out / "moss_image_base_bf16.safetensors")
 
 
+TINY_CONVROT_GROUP_SIZE = 64  # the tiny widths (64, 128) take 64; the full models use the official 256
+
+
+def _int8_layer(prefix: str, weight: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+    """`prefix.weight` int8 + `.weight_scale` fp32 [N, 1] + `.comfy_quant` marker, as ComfyUI writes them."""
+    from library import convrot_int8_kernels as kernels
+    from library import convrot_int8_utils as cr
+
+    q, scale = kernels.quantize_convrot_weight(weight, TINY_CONVROT_GROUP_SIZE)
+    out[f"{prefix}.weight"] = q
+    out[f"{prefix}.weight_scale"] = scale
+    out[f"{prefix}.comfy_quant"] = cr.comfy_quant_tensor(cr.comfy_quant_spec(TINY_CONVROT_GROUP_SIZE))
+
+
+def write_comfy_int8_dit(out: Path, sd: dict[str, torch.Tensor]) -> None:
+    """`moss_image_base_int8_convrot.safetensors`: the block Linears as ConvRot INT8 (q/k/v fused into `proj.qkv`,
+    rows and per-row scales concatenated), everything else bf16, as the ComfyUI files are made."""
+    from library.convrot_int8_utils import dit_convrot_filter
+
+    result: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        module = k[: -len(".weight")] if k.endswith(".weight") else None
+        if module is None or not dit_convrot_filter(module):
+            result[k] = v
+        elif module.endswith(".proj.q"):
+            b = module[: -len(".q")]
+            _int8_layer(f"{b}.qkv", torch.cat([sd[f"{b}.q.weight"], sd[f"{b}.k.weight"], sd[f"{b}.v.weight"]]), result)
+        elif not module.endswith((".proj.k", ".proj.v")):
+            _int8_layer(module, v, result)
+    save_file_atomic(result, out / "moss_image_base_int8_convrot.safetensors")
+
+
+def write_comfy_int8_text_encoder(out: Path, text: dict[str, torch.Tensor]) -> None:
+    """`qwen3.5_9b_int8_convrot.safetensors`: the ComfyUI scope (projections + embed_tokens) as ConvRot INT8."""
+    from library.convrot_int8_utils import text_encoder_convrot_filter
+
+    result: dict[str, torch.Tensor] = {}
+    for k, v in text.items():
+        module = k[: -len(".weight")] if k.endswith(".weight") else None
+        if module is not None and text_encoder_convrot_filter(module):
+            _int8_layer(f"model.language_model.{module}", v, result)
+        else:
+            result[f"model.language_model.{k}"] = v
+    folder = out / "text_encoder_int8"  # with the tiny config beside it (the real file uses the bundled 9B config)
+    save_file_atomic(result, folder / "qwen3.5_9b_int8_convrot.safetensors")
+    shutil.copy(out / "text_encoder" / "config.json", folder / "config.json")
+
+
 def tiny_text_state_dict(seed: int) -> dict[str, torch.Tensor]:
     from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
 
@@ -167,7 +217,7 @@ def tiny_text_state_dict(seed: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-def write_text_encoder(out: Path, seed: int) -> None:
+def write_text_encoder(out: Path, seed: int) -> dict[str, torch.Tensor]:
     """The official VL layout: text weights under model.language_model., plus vision / lm_head / MTP tensors that a
     text-encoder loader must skip."""
     g = _generator(seed + 2)
@@ -190,6 +240,7 @@ def write_text_encoder(out: Path, seed: int) -> None:
     cfg = dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5", text_config=TINY_TEXT_CONFIG,
                vision_config=vision, tie_word_embeddings=False)
     write_text_atomic(json.dumps(cfg, indent=2), folder / "config.json")
+    return text
 
 
 def write_tokenizer(out: Path) -> None:
@@ -249,7 +300,9 @@ def build_tiny_snapshot(out_dir: str | os.PathLike, seed: int = 0, overwrite: bo
     try:
         dit = write_dit(tmp, seed)
         write_comfy_dit(tmp, dit)
-        write_text_encoder(tmp, seed)
+        write_comfy_int8_dit(tmp, dit)
+        text = write_text_encoder(tmp, seed)
+        write_comfy_int8_text_encoder(tmp, text)
         write_tokenizer(tmp)
         write_vae(tmp, seed)
         if out.exists():

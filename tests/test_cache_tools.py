@@ -127,8 +127,6 @@ def test_skip_cache_check_trusts_existing_files(tiny_snapshot, tmp_path):
         ("latents", ["--moss_image", "--cache_latents_to_disk", "--vae_batch_size", "0"], "at least 1"),
         ("te", ["--cache_text_encoder_outputs_to_disk"], "add --moss_image"),
         ("te", ["--moss_image", "--cache_text_encoder_outputs"], "add --cache_text_encoder_outputs_to_disk"),
-        ("te", ["--moss_image", "--cache_text_encoder_outputs_to_disk", "--convrot_int8_text_encoder"],
-         "--convrot_int8_text_encoder is not available in this version yet"),
         ("te", ["--moss_image", "--cache_text_encoder_outputs_to_disk", "--moss_max_token_length", "9000"],
          "out of range"),
     ],

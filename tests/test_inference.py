@@ -85,7 +85,6 @@ def test_from_file_and_latent_then_decode(tiny_snapshot, tmp_path):
     (["--image_size", "30", "32"], "multiple of 16"),
     (["--lora_multiplier", "1", "2", "--lora_weight", "x.safetensors"], "one --lora_multiplier per --lora_weight"),
     (["--uncond_skip_layers", "a"], "not a block index"),
-    (["--convrot_int8"], "ConvRot INT8"),
 ])
 def test_bad_options(tiny_snapshot, tmp_path, extra, message):
     with pytest.raises(UserError, match=message):

@@ -93,9 +93,6 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.cache_text_encoder_outputs_to_disk:
         raise UserError("Without --cache_text_encoder_outputs_to_disk the outputs would be thrown away at exit: add"
                         " --cache_text_encoder_outputs_to_disk.")
-    if args.convrot_int8_text_encoder:
-        raise UserError("--convrot_int8_text_encoder is not available in this version yet: cache with the bf16 text"
-                        " encoder (drop the option).")
     if args.text_encoder_batch_size is not None and args.text_encoder_batch_size < 1:
         raise UserError(f"--text_encoder_batch_size {args.text_encoder_batch_size} must be at least 1.")
     args.moss_max_token_length = check_max_token_length(args.moss_max_token_length)
@@ -139,7 +136,8 @@ def load_encode_fn(args: argparse.Namespace, device: Any) -> Any:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     logger.info("loading the Qwen3.5 text encoder (%s) on %s", str(dtype).replace("torch.", ""), device)
     model = load_text_encoder(args.text_encoder, dtype=dtype, device=device,
-                              disable_mmap=args.disable_mmap_load_safetensors)
+                              disable_mmap=args.disable_mmap_load_safetensors,
+                              convrot_int8=args.convrot_int8_text_encoder, calc_device=device)
     model.eval().requires_grad_(False)
     return make_text_encode_fn(model, tokenizer, args.moss_max_token_length)
 
