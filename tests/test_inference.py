@@ -93,3 +93,12 @@ def test_bad_options(tiny_snapshot, tmp_path, extra, message):
 
 def test_main_exit_code_on_error(tmp_path):
     assert inf.main(["--prompt", "x", "--save_path", str(tmp_path)]) == 2
+
+
+def test_interactive_reads_prompts_until_an_empty_line(tiny_snapshot, tmp_path, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("first prompt --w 48 --h 32\nsecond --s 2\n\nnever read\n"))
+    paths = _run(tiny_snapshot, tmp_path, "--interactive", "--output_type", "latent")
+    assert [p.suffix for p in paths] == [".safetensors", ".safetensors"]
+    assert _latents(paths)[0].shape == (1, 128, 2, 3)
