@@ -108,7 +108,8 @@ def check_linear(m: int, k: int, n: int, device: str, dtype: torch.dtype) -> dic
 # ----------------------------------------------------------------------------------------------------------------
 # Linear
 # ----------------------------------------------------------------------------------------------------------------
-def bench_linear(m: int, k: int, n: int, device: str, variants: bool) -> dict:
+def bench_linear(m: int, k: int, n: int, device: str, variants: str) -> dict:
+    """variants: "none" (bf16 vs int8 only), "final" (+ components and backward), "all" (+ alternatives)."""
     torch.manual_seed(0)
     w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
     bias = (torch.randn(n, device=device) * 0.1).to(torch.bfloat16)
@@ -118,6 +119,7 @@ def bench_linear(m: int, k: int, n: int, device: str, variants: bool) -> dict:
     nx, ngy = cycler(xs), cycler(gys)
     flops = 2.0 * m * k * n
     r: dict = {"M": m, "K": k, "N": n}
+    gemm_default = K._TUNING["gemm"]
 
     def int8_full():
         K._ACT_CACHE.clear()
@@ -125,11 +127,16 @@ def bench_linear(m: int, k: int, n: int, device: str, variants: bool) -> dict:
 
     r["bf16_ms"] = bench(lambda: F.linear(nx(), w, bias), device)
     r["int8_ms"] = bench(int8_full, device)
-    if variants and device == "cuda":
+    if variants != "none" and device == "cuda":
         q_x, s_x = K._quantize_rows_triton(xs[0], G)
         s_w = s.reshape(-1)
         r["quant_ms"] = bench(lambda: K._quantize_rows_triton(nx(), G), device)
         r["gemm_ms"] = bench(lambda: K._int8_gemm_triton(q_x, s_x, q, (k, 1), s_w, bias, torch.bfloat16, n), device)
+    if variants == "final" and device == "cuda":
+        r["bwd_bf16_ref_ms"] = bench(lambda: ngy() @ w, device)
+        r["bwd_int8mode_bf16_ms"] = bench(lambda: K.int8_linear_grad_input(ngy(), q, s, G, "bf16"), device)
+        r["dequant_ms"] = bench(lambda: K.dequantize_weight(q, s, G, torch.bfloat16), device)
+    if variants == "all" and device == "cuda":
         r["cublas_int_mm_ms"] = bench(lambda: torch._int_mm(q_x, q.t()), device)
         r["torch_rotation_ms"] = bench(lambda: K.rotate_activation(nx(), G), device)
         r["eager_int8_ms"] = bench(lambda: K.int8_linear(nx(), q, s, bias, G, backend="eager"), device)
@@ -145,7 +152,7 @@ def bench_linear(m: int, k: int, n: int, device: str, variants: bool) -> dict:
         except Exception as e:  # noqa: BLE001 - report, keep benchmarking
             r["tma_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         finally:
-            K._TUNING["gemm"] = "ptr"
+            K._TUNING["gemm"] = gemm_default
         r["bwd_bf16_ref_ms"] = bench(lambda: ngy() @ w, device)
         r["bwd_int8mode_bf16_ms"] = bench(lambda: K.int8_linear_grad_input(ngy(), q, s, G, "bf16"), device)
         r["bwd_int8mode_int8_ms"] = bench(lambda: K.int8_linear_grad_input(ngy(), q, s, G, "int8"), device)
@@ -300,9 +307,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the JSON results here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU or GPU): only checks that the script runs")
-    ap.add_argument("--no_variants", action="store_true", help="time only bf16 vs int8 (no component timings)")
-    ap.add_argument("--no_sweep", action="store_true", help="skip the quantisation launch-shape sweep")
-    ap.add_argument("--gemm", choices=["ptr", "tma"], default=None, help="forward GEMM kernel")
+    ap.add_argument("--variants", choices=["none", "final", "all"], default="final",
+                    help="component timings: none, final (quantisation, GEMM, backward) or all (+ alternatives)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the launch shapes of the quantisation kernel")
+    ap.add_argument("--gemm", choices=["ptr", "tma"], default=None, help="forward GEMM kernel (default: tma on Hopper)")
     ap.add_argument("--row_elems", type=int, default=None)
     ap.add_argument("--elems_per_thread", type=int, default=None)
     args = ap.parse_args()
@@ -328,16 +336,19 @@ def main() -> None:
     }
     t0 = time.time()
     if device == "cuda":
-        res["checks"] = [check_linear(m, k, n, device, dt) for (k, n) in shapes[:1] + shapes[2:]
-                         for dt in (torch.bfloat16, torch.float16)]
+        res["checks"] = [check_linear(m, k, n, device, torch.bfloat16) for (k, n) in shapes[:1] + shapes[2:]]
         print("checks done %.0fs" % (time.time() - t0), flush=True)
-    res["linear"] = [bench_linear(m, k, n, device, not args.no_variants) for k, n in shapes]
+    res["linear"] = [bench_linear(m, k, n, device, args.variants) for k, n in shapes]
     print("linear done %.0fs" % (time.time() - t0), flush=True)
-    if device == "cuda" and not args.no_sweep:
+    if device == "cuda" and args.sweep:
         res["quant_sweep"] = sweep_quant(m, shapes[0][0], device) + sweep_quant(m, shapes[2][0], device)
         print("sweep done %.0fs" % (time.time() - t0), flush=True)
     res["tuning"] = dict(K._TUNING)
     res["block"] = bench_block(m, *block, device)
+    res["gemm_autotune"] = {
+        name: {str(key): str(cfg) for key, cfg in getattr(getattr(K, name, None), "cache", {}).items()}
+        for name in ("_int8_gemm_tuned", "_int8_gemm_tma_tuned")
+    }
     res["seconds"] = time.time() - t0
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -349,6 +360,7 @@ def main() -> None:
     for r in res.get("quant_sweep", []):
         print("quant", r)
     print("block", json.dumps(res["block"]))
+    print("autotune", json.dumps(res["gemm_autotune"]))
 
 
 if __name__ == "__main__":

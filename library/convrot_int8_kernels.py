@@ -402,32 +402,22 @@ def _use_triton(t: torch.Tensor, k: int, backend: str) -> bool:
 if _TRITON_IMPORTED:
 
     @triton.jit
-    def _h4_last(x):
-        """Regular H4 / 2 along a trailing axis of size 4 given as [..., 2 (high bit), 2 (low bit)]:
-        out[a] = 0.5 * (+-x0 +-x1 +-x2 +-x3), summed left to right, with -1 where a + b == 3."""
-        u0, u1 = tl.split(x)  # low bit 0: (x0, x2); low bit 1: (x1, x3)
-        x0, x2 = tl.split(u0)
-        x1, x3 = tl.split(u1)
-        o0 = 0.5 * (x0 + x1 + x2 - x3)
-        o1 = 0.5 * (x0 + x1 - x2 + x3)
-        o2 = 0.5 * (x0 - x1 + x2 + x3)
-        o3 = 0.5 * (x1 - x0 + x2 + x3)
-        return tl.join(tl.join(o0, o2), tl.join(o1, o3))
-
-    @triton.jit
-    def _fwht_rows(x, BM: tl.constexpr, KP: tl.constexpr, LOG4G: tl.constexpr):
+    def _fwht_rows(x, BM: tl.constexpr, KP: tl.constexpr, LOG4G: tl.constexpr, GATHER: tl.constexpr):
         """Blockwise regular-Hadamard transform of each row of x [BM, KP] (fp32): LOG4G radix-4 stages, one per
         base-4 digit of the index inside a block of 4**LOG4G elements (H_g is the Kronecker power of H4 / 2).
-        Each stage moves its digit to the last axis (a permute) and combines the 4 values with split/join."""
+
+        With H4[a, b] = -1 exactly where a + b == 3, a stage is out[a] = 0.5 * sum_b x[b] - x[3 - a]: a sum and a
+        flip along the digit axis. Both are reductions that stay in registers or warp shuffles (the row layout puts
+        a 256-block inside one warp), so no shared memory or barrier is needed. GATHER does the (exact) flip with
+        tl.gather instead: identical values, used under the interpreter where tl.flip is very slow."""
         for s in tl.static_range(LOG4G):
-            if s == 0:
-                y = _h4_last(tl.reshape(x, (BM, KP // 4, 2, 2)))
+            y = tl.reshape(x, (BM, KP // (4 << (2 * s)), 4, 1 << (2 * s)))
+            if GATHER:
+                d = tl.arange(0, 4)
+                flipped = tl.gather(y, tl.broadcast_to((3 - d)[None, None, :, None], y.shape), 2)
             else:
-                y = tl.reshape(x, (BM, KP // (4 << (2 * s)), 4, 1 << (2 * s)))
-                y = tl.permute(y, (0, 1, 3, 2))
-                y = _h4_last(tl.reshape(y, (BM, KP // (4 << (2 * s)), 1 << (2 * s), 2, 2)))
-                y = tl.reshape(y, (BM, KP // (4 << (2 * s)), 1 << (2 * s), 4))
-                y = tl.permute(y, (0, 1, 3, 2))
+                flipped = tl.flip(y, 2)
+            y = 0.5 * tl.sum(y, axis=2, keep_dims=True) - flipped
             x = tl.reshape(y, (BM, KP))
         return x
 
@@ -454,7 +444,7 @@ if _TRITON_IMPORTED:
     def _rot_quant_kernel(
         x_ptr, q_ptr, s_ptr, cs_ptr, M, K, stride_xm, stride_qm,
         T_CODE: tl.constexpr, TINY: tl.constexpr, HAS_CS: tl.constexpr,
-        LOG4G: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
+        LOG4G: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, GATHER: tl.constexpr,
     ):
         """Rotate BM whole rows, quantise each to int8 with an fp32 scale (eager numerics)."""
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -466,7 +456,7 @@ if _TRITON_IMPORTED:
         if HAS_CS:
             x = x * tl.load(cs_ptr + cols, mask=cols < K, other=0.0)[None, :]
         if LOG4G > 0:
-            x = _fwht_rows(x, BM, KP, LOG4G)
+            x = _fwht_rows(x, BM, KP, LOG4G, GATHER)
         x = _round_to_dtype(x, T_CODE)
         amax = tl.max(tl.abs(x), axis=1)
         s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
@@ -481,7 +471,7 @@ if _TRITON_IMPORTED:
     @triton.jit
     def _scale_rotate_kernel(
         x_ptr, y_ptr, rs_ptr, M, K, stride_xm, stride_ym,
-        HAS_RS: tl.constexpr, LOG4G: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
+        HAS_RS: tl.constexpr, LOG4G: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, GATHER: tl.constexpr,
     ):
         """y = rotate(fp32(x) * row_scale) per row, stored in y's dtype (dequantisation / int8-backward output)."""
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -492,7 +482,7 @@ if _TRITON_IMPORTED:
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0).to(tl.float32)
         if HAS_RS:
             x = x * tl.load(rs_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        x = _fwht_rows(x, BM, KP, LOG4G)
+        x = _fwht_rows(x, BM, KP, LOG4G, GATHER)
         tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], _cast_rne(x, y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -582,7 +572,9 @@ if _TRITON_IMPORTED:
     # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). BLOCK_K = 128 keeps 128-byte int8 rows for the K-major operands.
     _GEMM_CONFIGS = [
         (128, 256, 128, 3, 8),
+        (128, 256, 128, 4, 8),
         (256, 128, 128, 3, 8),
+        (256, 128, 128, 4, 8),
         (128, 128, 128, 4, 8),
         (128, 256, 64, 4, 8),
         (64, 256, 128, 4, 4),
@@ -624,7 +616,7 @@ def _next_pow2(v: int) -> int:
 
 # Launch parameters (the benchmark can override them): elements per program and per thread of the whole-row kernels,
 # and the forward GEMM kernel ("ptr": pointer loads, pipelined with cp.async; "tma": tensor-descriptor loads).
-_TUNING: dict = {"row_elems": 8192, "elems_per_thread": 16, "gemm": "ptr"}
+_TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "gemm": "tma"}
 
 
 def _row_kernel_launch(kp: int) -> tuple[int, int]:
@@ -653,7 +645,7 @@ def _quantize_rows_triton(
     _rot_quant_kernel[(triton.cdiv(m, bm),)](
         x2, q, s, cs, m, k, x2.stride(0), q.stride(0),
         T_CODE=_T_CODE[t_dtype], TINY=float(torch.finfo(t_dtype).tiny), HAS_CS=col_scale is not None,
-        LOG4G=_log4(group_size) if group_size else 0, KP=kp, BM=bm, num_warps=warps,
+        LOG4G=_log4(group_size) if group_size else 0, KP=kp, BM=bm, GATHER=_INTERPRET, num_warps=warps,
     )
     return q, s
 
@@ -673,7 +665,7 @@ def _scale_rotate_triton(
     rs = row_scale.to(device=x2.device, dtype=torch.float32).contiguous() if row_scale is not None else y
     _scale_rotate_kernel[(triton.cdiv(m, bm),)](
         x2, y, rs, m, k, x2.stride(0), y.stride(0),
-        HAS_RS=row_scale is not None, LOG4G=_log4(group_size), KP=kp, BM=bm,
+        HAS_RS=row_scale is not None, LOG4G=_log4(group_size), KP=kp, BM=bm, GATHER=_INTERPRET,
         num_warps=warps,
     )
     return y
