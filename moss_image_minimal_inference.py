@@ -70,6 +70,9 @@ def setup_parser() -> argparse.ArgumentParser:
     g.add_argument("--output_type", type=str, default="images", choices=["images", "latent", "both"],
                    help="save images, latents (decode later with --latent_path) or both")
     g.add_argument("--latent_path", type=str, nargs="*", default=None, help="saved latents to decode (no sampling)")
+    from library.te_quant import add_text_encoder_memory_arguments
+
+    add_text_encoder_memory_arguments(p, text_encoder_cpu=False)
     return p
 
 
@@ -77,15 +80,9 @@ def setup_parser() -> argparse.ArgumentParser:
 def _resolve_paths(args: argparse.Namespace) -> None:
     from library.errors import UserError
 
-    if args.snapshot:
-        from library.moss_image_utils import resolve_snapshot
+    from library.moss_image_utils import fill_paths_from_snapshot
 
-        snap = resolve_snapshot(args.snapshot)
-        args.dit = args.dit or str(snap.dit)
-        args.text_encoder = args.text_encoder or str(snap.text_encoder)
-        args.vae = args.vae or str(snap.vae)
-        if args.tokenizer_cache_dir is None and snap.tokenizer is not None:
-            args.tokenizer_cache_dir = str(snap.tokenizer)
+    fill_paths_from_snapshot(args, "dit", "text_encoder", "vae")
     needed = ["vae"] if args.latent_path else ["dit", "text_encoder", "vae"]
     missing = [n for n in needed if not getattr(args, n)]
     if missing:
@@ -97,9 +94,11 @@ def _check_args(args: argparse.Namespace) -> None:
     from library.moss_image_sampling import check_image_size, parse_uncond_skip_layers
     from library.qwen35_text_encoder import check_max_token_length
 
-    if args.blocks_to_swap:
-        raise UserError("--blocks_to_swap is not available in this version yet: use --text_encoder_cpu and the split"
-                        " decode (automatic) to save memory.")
+    from library.offloading import check_block_swap_args
+    from library.te_quant import check_text_encoder_memory_args
+
+    check_block_swap_args(args, training=False, device=args.device)
+    check_text_encoder_memory_args(args)
     if args.attn_mode == "xformers" and not args.split_attn:
         raise UserError("--attn_mode xformers requires --split_attn.")
     h, w = args.image_size
@@ -131,7 +130,6 @@ def _free(device: Any) -> None:
 # ------------------------------------------------------------------------------------------------- prompts
 def prompt_settings(args: argparse.Namespace) -> list[Any]:
     """GenerationSettings for --prompt or --from_file, with the command-line values as defaults."""
-    from library.moss_image_generation import GenerationSettings
     from library.moss_image_sampling import load_prompts, parse_uncond_skip_layers
 
     skip = parse_uncond_skip_layers(args.uncond_skip_layers)
@@ -173,12 +171,16 @@ def encode_prompts(args: argparse.Namespace, texts: list[str], device: Any, dtyp
     from library.moss_image_utils import load_text_encoder
     from library.qwen35_text_encoder import encode_prompts as encode, load_tokenizer
 
-    te_device = torch.device("cpu") if args.text_encoder_cpu else device
+    from library.te_quant import loading_device, prepare_text_encoder, te_on_cpu
+
+    te_device = torch.device("cpu") if te_on_cpu(args) else device
     te_dtype = torch.float32 if te_device.type == "cpu" else dtype
     plan = _lora_plan(args, "lora_te")
-    te = load_text_encoder(args.text_encoder, dtype=te_dtype, device=te_device,
+    load_on = loading_device(args.te_quant, te_on_cpu(args), te_device)  # the CPU when --te_quant may quantise
+    te = load_text_encoder(args.text_encoder, dtype=te_dtype, device=load_on,
                            disable_mmap=args.disable_mmap_load_safetensors, tensor_hook=plan.merge if plan else None,
                            convrot_int8=args.convrot_int8_text_encoder, calc_device=device)
+    te.to(prepare_text_encoder(te, args.te_quant, te_device, te_on_cpu(args)).device)  # --te_quant: quantised here
     if plan:
         plan.finish()
     tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
@@ -196,11 +198,14 @@ def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
     plan = _lora_plan(args, "lora_unet")
     # LoRA merged while reading, then (with --convrot_int8) quantised layer by layer on the device
     dit = load_moss_image_model(device, args.dit, args.attn_mode, args.split_attn,
-                                loading_device="cpu" if args.convrot_int8 else device, dtype=dtype,
+                                loading_device="cpu" if args.convrot_int8 or args.blocks_to_swap else device,
+                                dtype=dtype,
                                 disable_mmap=args.disable_mmap_load_safetensors,
                                 tensor_hook=plan.merge if plan else None, convrot_int8=args.convrot_int8,
                                 calc_device=device)
-    dit.to(device)
+    from library.offloading import place_model
+
+    place_model(dit, device, args.blocks_to_swap, supports_backward=False)  # --blocks_to_swap: the rest streams
     if plan:
         plan.finish()
     return dit

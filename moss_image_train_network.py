@@ -28,15 +28,9 @@ logger = logging.getLogger("moss_image_train_network")
 
 def resolve_model_paths(args: argparse.Namespace) -> None:
     """--snapshot fills the model paths (and the tokenizer) that are not given; then all three are required."""
-    if args.snapshot:
-        from library.moss_image_utils import resolve_snapshot
+    from library.moss_image_utils import fill_paths_from_snapshot
 
-        snap = resolve_snapshot(args.snapshot)
-        args.pretrained_model_name_or_path = args.pretrained_model_name_or_path or str(snap.dit)
-        args.text_encoder = args.text_encoder or str(snap.text_encoder)
-        args.vae = args.vae or str(snap.vae)
-        if args.tokenizer_cache_dir is None and snap.tokenizer is not None:
-            args.tokenizer_cache_dir = str(snap.tokenizer)
+    fill_paths_from_snapshot(args, "pretrained_model_name_or_path", "text_encoder", "vae")
     for opt, what in (("pretrained_model_name_or_path", "the MOSS-Image DiT (first shard or ComfyUI file)"),
                       ("text_encoder", "the Qwen3.5-9B text encoder (first shard)"), ("vae", "the FLUX.2 VAE")):
         if not getattr(args, opt):
@@ -51,6 +45,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         self.sample_prompts_te_outputs: dict[str, Any] | None = None
         self.dit_convrot_int8 = False
         self.text_encoder_convrot_int8 = False
+        self.te_device: torch.device | None = None  # where the text encoder runs (--te_device / --te_quant)
 
     # ----------------------------------------------------------------------------------------------- checks
     def assert_extra_args(self, args: argparse.Namespace, train_group: Any, val_group: Any) -> None:
@@ -105,6 +100,9 @@ class MossImageNetworkTrainer(NetworkTrainer):
             logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
             args.gradient_checkpointing = True
         self._check_unavailable(args)
+        from library.te_quant import check_text_encoder_memory_args
+
+        check_text_encoder_memory_args(args, self.is_train_text_encoder(args))
         for group in (train_group, val_group):
             if group is not None:
                 group.verify_bucket_reso_steps(16)  # FLUX.2 VAE 8x and 2x2 patchify
@@ -112,15 +110,9 @@ class MossImageNetworkTrainer(NetworkTrainer):
     @staticmethod
     def _check_unavailable(args: argparse.Namespace) -> None:
         """Options of the guide whose machinery is not in this version: refused with a reason, never ignored."""
-        if args.blocks_to_swap:
-            if args.cpu_offload_checkpointing or args.unsloth_offload_checkpointing:
-                raise UserError("--blocks_to_swap cannot be used with --cpu_offload_checkpointing or"
-                                " --unsloth_offload_checkpointing.")
-            raise UserError("--blocks_to_swap is not available in this version yet: use --unsloth_offload_checkpointing"
-                            " or --gradient_checkpointing to save memory.")
-        if args.block_swap_h2d_only or args.no_pinned_memory_for_block_swap:
-            raise UserError("--block_swap_h2d_only / --no_pinned_memory_for_block_swap need --blocks_to_swap, which is"
-                            " not available in this version yet.")
+        from library.offloading import check_block_swap_args
+
+        check_block_swap_args(args, training=True)
         if args.convrot_int8_bwd == "int8":
             import torch
 
@@ -148,6 +140,10 @@ class MossImageNetworkTrainer(NetworkTrainer):
             calc_device=accelerator.device,  # quantised on the GPU, kept on the CPU
         )
         self.text_encoder_convrot_int8 = is_convrot_int8_model(text_encoder)
+        from library.te_quant import prepare_text_encoder, te_on_cpu
+
+        self.te_device = prepare_text_encoder(text_encoder, args.te_quant, accelerator.device, te_on_cpu(args),
+                                              frozen=not self.is_train_text_encoder(args)).device
         self.tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
         logger.info("loading the FLUX.2 VAE (fp32)")
         vae = load_flux2_vae(args.vae, dtype=torch.float32, device="cpu", disable_mmap=args.disable_mmap_load_safetensors)
@@ -162,7 +158,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
         attn_mode = args.attn_mode or ("xformers" if args.xformers else "torch")
         # with --convrot_int8 the bf16 weights are read to the CPU and quantised on the GPU, one layer at a time
-        loading_device = "cpu" if args.convrot_int8 else accelerator.device
+        loading_device = "cpu" if args.convrot_int8 or args.blocks_to_swap else accelerator.device
         model = load_moss_image_model(
             accelerator.device, args.pretrained_model_name_or_path, attn_mode, args.split_attn,
             loading_device=loading_device, dtype=weight_dtype, disable_mmap=args.disable_mmap_load_safetensors,
@@ -171,12 +167,27 @@ class MossImageNetworkTrainer(NetworkTrainer):
         self.dit_convrot_int8 = is_convrot_int8_model(model)
         if self.dit_convrot_int8:
             logger.info("the DiT base is ConvRot INT8 (%s)", "quantised at load" if args.convrot_int8 else "pre-quantised file")
+        if args.blocks_to_swap:
+            self._enable_block_swap(args, model, accelerator)
         return model, text_encoders
+
+    @staticmethod
+    def _enable_block_swap(args: argparse.Namespace, model: Any, accelerator: Any) -> None:
+        """Freeze the base (the H2D-only ring never writes back), then swap blocks; prepare_unet places the rest."""
+        from library.offloading import BlockSwapConfig, check_block_swap_device
+
+        check_block_swap_device(accelerator.device, accelerator.num_processes)
+        model.requires_grad_(False)
+        model.enable_block_swap(args.blocks_to_swap, BlockSwapConfig.from_args(args, accelerator.device))
 
     def prepare_unet(self, run: RunState) -> None:
         from library.compile_utils import apply_cuda_optimizations, compile_blocks
 
-        run.unet.to(run.accelerator.device)
+        if getattr(run.unet, "block_offloader", None) is not None:
+            run.unet.move_to_device_except_swap_blocks(run.accelerator.device)
+            run.unet.prepare_block_swap_before_forward()
+        else:
+            run.unet.to(run.accelerator.device)
         apply_cuda_optimizations(run.args)
         if run.args.compile:
             buckets = {i.bucket_reso for g in (run.train_group, run.val_group) if g is not None for i in g.image_infos()}
@@ -220,7 +231,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         te = run.text_encoders[0]
         if not args.cache_text_encoder_outputs:
             return
-        te.to(acc.device)
+        te.to(self.te_device or acc.device)
         encode = self._encode_fn(te, args.moss_max_token_length)
         cache_text_encoder_outputs([run.train_group, run.val_group], encode,
                                    self.get_text_encoder_outputs_caching_strategy(args),
@@ -228,7 +239,11 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if args.sample_prompts:
             self.sample_prompts_te_outputs = self._encode_sample_prompts(args, encode)
         acc.wait_for_everyone()
-        te.to("cpu")
+        if self.is_text_encoder_not_needed_for_training(args):
+            run.text_encoders[0] = None  # freed before the DiT is read: the two are never in RAM together
+            del te, encode
+        else:
+            te.to("cpu")
 
     def _encode_sample_prompts(self, args: argparse.Namespace, encode: Any) -> dict[str, Any]:
         from library.moss_image_sampling import load_prompts
@@ -260,7 +275,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         outputs = batch.get("text_encoder_outputs")
         if outputs is None:
             te = run.text_encoders[0]
-            te.to(run.accelerator.device)
+            te.to(self.te_device or run.accelerator.device)
             outputs = _encode_grad(te, self.tokenizer, batch["captions"], run.args.moss_max_token_length)
         embeds, mask = pad_and_stack([(e.to(run.accelerator.device), m.to(run.accelerator.device)) for e, m in outputs])
         return embeds, mask
@@ -294,6 +309,9 @@ class MossImageNetworkTrainer(NetworkTrainer):
         return pred, target, timesteps, weighting
 
     # --------------------------------------------------------------------------------------------- sampling
+    def on_validation_step_end(self, run: RunState) -> None:
+        run.unet.prepare_block_swap_before_forward()  # block swap: re-arm the ring (a no-op when it is armed)
+
     def sample_images(self, run: RunState, epoch: int | None, step: int) -> None:
         from library.moss_image_train_sampling import is_due, sample_images_if_due
 
@@ -324,6 +342,9 @@ def setup_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_common_arguments(parser)
+    from library.te_quant import add_text_encoder_memory_arguments
+
+    add_text_encoder_memory_arguments(parser)
     add_dataset_arguments(parser)
     add_optimizer_arguments(parser)
     flow_matching.add_flow_matching_arguments(parser)

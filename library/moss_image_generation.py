@@ -106,9 +106,6 @@ def png_metadata(settings: GenerationSettings, extra: dict[str, Any] | None = No
 
 def save_png(image: Any, path: str | os.PathLike, settings: GenerationSettings, extra: dict[str, Any] | None = None) -> Path:
     """Save atomically (temp file + rename) with the prompt, seed and settings in the PNG text chunks."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    image.save(tmp, format="PNG", pnginfo=png_metadata(settings, extra))
-    os.replace(tmp, p)
-    return p
+    from library.safetensors_utils import write_atomic
+
+    return write_atomic(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=png_metadata(settings, extra)))

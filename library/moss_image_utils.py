@@ -66,6 +66,20 @@ def resolve_snapshot(root: str | os.PathLike) -> SnapshotPaths:
     return SnapshotPaths(r / "transformer", r / "text_encoder", r / "vae", tok if tok.is_dir() else None)
 
 
+def fill_paths_from_snapshot(
+    args: Any, dit_attr: str | None = None, te_attr: str | None = None, vae_attr: str | None = None
+) -> None:
+    """`--snapshot DIR`: set the named model-path options (and `tokenizer_cache_dir`) that were not given."""
+    if not getattr(args, "snapshot", None):
+        return
+    snap = resolve_snapshot(args.snapshot)
+    for attr, value in ((dit_attr, snap.dit), (te_attr, snap.text_encoder), (vae_attr, snap.vae)):
+        if attr and not getattr(args, attr, None):
+            setattr(args, attr, str(value))
+    if hasattr(args, "tokenizer_cache_dir") and args.tokenizer_cache_dir is None and snap.tokenizer is not None:
+        args.tokenizer_cache_dir = str(snap.tokenizer)
+
+
 def _first_shard_in(folder: Path, stem: str) -> Path:
     files = sorted(folder.glob("*.safetensors"))
     firsts = [f for f in files if "00001-of-" in f.name]

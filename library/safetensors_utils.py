@@ -335,42 +335,38 @@ def _default_mode() -> int:
     return 0o666 & ~mask
 
 
-def save_file_atomic(
-    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
-) -> None:
-    """Write a safetensors file through a temp file in the same folder and an atomic rename: never half-written."""
-    from safetensors.torch import save_file
-
+def write_atomic(path: str | os.PathLike, write: Callable[[str], None], suffix: str = ".tmp") -> Path:
+    """Call `write(temp_path)` on a temp file beside `path`, give it the usual permissions and rename it over `path`:
+    a reader never sees a half-written file, and a failure leaves neither the file nor the temp file."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=suffix, dir=p.parent)
     os.close(fd)
     try:
-        save_file(contiguous, tmp, metadata=meta or None)
+        write(tmp)
         os.chmod(tmp, _default_mode())
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+    return p
+
+
+def save_file_atomic(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> None:
+    """Write a safetensors file atomically (see `write_atomic`)."""
+    from safetensors.torch import save_file
+
+    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    write_atomic(path, lambda tmp: save_file(contiguous, tmp, metadata=meta or None))
 
 
 def write_text_atomic(text: str, path: str | os.PathLike) -> None:
     """Write a small text file (JSON config, etc.) atomically."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, _default_mode())
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def describe_key_mismatch(what: str, path: str | os.PathLike, missing: list[str], unexpected: list[str]) -> str:

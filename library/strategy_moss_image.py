@@ -23,11 +23,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-import uuid
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +34,7 @@ import torch
 from library.datasets.image_info import ImageInfo
 from library.errors import UserError
 from library.qwen35_text_encoder import PROMPT_TEMPLATE_ID
+from library.safetensors_utils import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +53,13 @@ _NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
 
 
 def save_npz_atomic(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
-    """Write an npz through a temp file in the same folder and an atomic rename: never half-written. The file gets
-    the permissions of a normally created file (umask applies), so caches can be shared between users."""
-    p = Path(path)
-    tmp = p.parent / f".{p.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
+    """Write an npz atomically (never half-written; the usual file permissions, so caches can be shared)."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.savez would append ".npz" to a name
             np.savez(f, **arrays)
-        os.replace(tmp, p)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
+
+    write_atomic(path, write, suffix=".tmp.npz")
 
 
 def read_npz(

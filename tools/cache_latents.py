@@ -83,10 +83,9 @@ def check_args(args: argparse.Namespace) -> None:
                         " --cache_latents_to_disk.")
     if args.vae_batch_size < 1:
         raise UserError(f"--vae_batch_size {args.vae_batch_size} must be at least 1.")
-    if args.snapshot and not args.vae:
-        from library.moss_image_utils import resolve_snapshot
+    from library.moss_image_utils import fill_paths_from_snapshot
 
-        args.vae = str(resolve_snapshot(args.snapshot).vae)
+    fill_paths_from_snapshot(args, vae_attr="vae")
     if not args.vae:
         raise UserError("--vae is required: give the FLUX.2 VAE file (flux2-vae.safetensors) or --snapshot.")
 

@@ -96,13 +96,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.text_encoder_batch_size is not None and args.text_encoder_batch_size < 1:
         raise UserError(f"--text_encoder_batch_size {args.text_encoder_batch_size} must be at least 1.")
     args.moss_max_token_length = check_max_token_length(args.moss_max_token_length)
-    if args.snapshot:
-        from library.moss_image_utils import resolve_snapshot
+    from library.moss_image_utils import fill_paths_from_snapshot
 
-        snap = resolve_snapshot(args.snapshot)
-        args.text_encoder = args.text_encoder or str(snap.text_encoder)
-        if args.tokenizer_cache_dir is None and snap.tokenizer is not None:
-            args.tokenizer_cache_dir = str(snap.tokenizer)
+    fill_paths_from_snapshot(args, te_attr="text_encoder")
     if not args.text_encoder:
         raise UserError("--text_encoder is required: give the first shard of the Qwen3.5-9B text encoder"
                         " (text_encoder/model-00001-of-00004.safetensors) or --snapshot.")
