@@ -286,6 +286,7 @@ class MossImage(nn.Module):
         self.final_layer = FinalLayer(cfg)
         self.gradient_checkpointing = False
         self.checkpoint_mode = "none"  # none | plain | cpu_offload | unsloth
+        self._block_offloader: Any = None  # library.offloading.ModelOffloader when block swap is on
 
     # ----------------------------------------------------------------------------------------------- properties
     @property
@@ -319,6 +320,36 @@ class MossImage(nn.Module):
             with torch.autograd.graph.save_on_cpu(pin_memory=x.device.type == "cuda"):
                 return checkpoint(block, x, *args, use_reentrant=False)
         return checkpoint(block, x, *args, use_reentrant=False)
+
+    # ------------------------------------------------------------------------------------------------ block swap
+    def enable_block_swap(self, num_blocks: int, config: Any) -> None:
+        """Swap `num_blocks` of the main blocks between host memory and the GPU (`library.offloading`); `config` is
+        a `BlockSwapConfig`. The base weights must be frozen first."""
+        from library.offloading import ModelOffloader
+
+        self._block_offloader = ModelOffloader(list(self.layers), num_blocks, config, name="DiT")
+
+    @property
+    def block_offloader(self) -> Any:
+        return self._block_offloader
+
+    def move_to_device_except_swap_blocks(self, device: str | torch.device) -> None:
+        """Move everything but the swapped blocks (which the offloader places) to `device`."""
+        off = self._block_offloader
+        if off is None:
+            self.to(device)
+            return
+        for child in self.children():
+            if child is not self.layers:
+                child.to(device)
+        for i, block in enumerate(self.layers):
+            if i not in off.position:
+                block.to(device)
+
+    def prepare_block_swap_before_forward(self) -> None:
+        """Arm the swap ring for the next forward (a no-op when it is armed or block swap is off)."""
+        if self._block_offloader is not None:
+            self._block_offloader.prepare_before_forward()
 
     # ------------------------------------------------------------------------------------------------- forward
     def _positions(self, text_len: torch.Tensor, t_pad: int, h: int, w: int) -> torch.Tensor:
@@ -364,10 +395,16 @@ class MossImage(nn.Module):
         seq = torch.cat([txt, img], dim=1)
         key_mask = torch.cat([attn_mask, torch.ones(b, h * w, dtype=torch.bool, device=x.device)], dim=1)
         skip = set(skip_layers or ())
+        swap = self._block_offloader
+        if swap is not None:
+            swap.begin_forward(torch.is_grad_enabled(), self.gradient_checkpointing)
         for i, block in enumerate(self.layers):
-            if i in skip:
-                continue
-            seq = self._run_block(block, seq, cos, sin, key_mask, mod)
+            if swap is not None:
+                swap.wait_for_block(i)
+            if i not in skip:
+                seq = self._run_block(block, seq, cos, sin, key_mask, mod)
+            if swap is not None:
+                seq = swap.block_done(i, seq)
 
         out = self.final_layer(seq[:, t_pad:], t_emb)
         return out.transpose(1, 2).reshape(b, cfg.in_channels, h, w)
