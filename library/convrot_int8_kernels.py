@@ -33,6 +33,7 @@ import math
 import os
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -616,7 +617,7 @@ def _next_pow2(v: int) -> int:
 
 # Launch parameters (the benchmark can override them): elements per program and per thread of the whole-row kernels,
 # and the forward GEMM kernel ("ptr": pointer loads, pipelined with cp.async; "tma": tensor-descriptor loads).
-_TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "gemm": "tma"}
+_TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "gemm": "ptr"}
 
 
 def _row_kernel_launch(kp: int) -> tuple[int, int]:
@@ -713,16 +714,35 @@ def _int8_gemm_triton(
     def grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
+    flags = {"HAS_SB": sb is not None, "HAS_BIAS": bias is not None}
+    key = (min(_next_pow2(m), 8192), n, k, flags["HAS_SB"], flags["HAS_BIAS"], out_dtype, a.device.index)
     if _TUNING["gemm"] == "tma" and _tma_ok(a, b, stride_bn, stride_bk, k):
-        a_desc = _TensorDescriptor(a, [m, k], [a.stride(0), 1], [1, 16])
-        b_desc = _TensorDescriptor(b, [n, k], [stride_bn, 1], [1, 16])
-        _int8_gemm_tma_tuned[grid](
-            a_desc, b_desc, c, sa, sb if sb is not None else sa, bias if bias is not None else sa, m, n, k,
-            min(_next_pow2(m), 8192), c.stride(0), c.stride(1), HAS_SB=sb is not None, HAS_BIAS=bias is not None,
-        )
+        descs = (_TensorDescriptor(a, [m, k], [a.stride(0), 1], [1, 16]),
+                 _TensorDescriptor(b, [n, k], [stride_bn, 1], [1, 16]))
+        tma_args = (*descs, *args[2:10], c.stride(0), c.stride(1))
+        _launch_tuned(_int8_gemm_tma_tuned, _int8_gemm_tma_kernel, ("tma", *key), grid, tma_args, flags, descs)
         return c
-    _int8_gemm_tuned[grid](*args, HAS_SB=sb is not None, HAS_BIAS=bias is not None, EVEN_K=k % 128 == 0)
+    flags["EVEN_K"] = k % 128 == 0
+    _launch_tuned(_int8_gemm_tuned, _int8_gemm_kernel, ("ptr", *key), grid, args, flags, None)
     return c
+
+
+_BEST_GEMM: dict[tuple, Any] = {}
+
+
+def _launch_tuned(tuned: Any, raw: Any, key: tuple, grid: Any, args: tuple, flags: dict, descs: tuple | None) -> None:
+    """Autotune once per shape key, then launch the plain kernel with the chosen config (the autotuner's per-call
+    bookkeeping is a noticeable share of the host time at these sizes)."""
+    cfg = _BEST_GEMM.get(key)
+    if cfg is None:
+        tuned[grid](*args, **flags)
+        _BEST_GEMM[key] = tuned.best_config
+        return
+    meta = dict(cfg.kwargs)
+    if descs is not None:
+        descs[0].block_shape = [meta["BLOCK_M"], meta["BLOCK_K"]]
+        descs[1].block_shape = [meta["BLOCK_N"], meta["BLOCK_K"]]
+    raw[grid(meta)](*args, **flags, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 class _ActivationCache:

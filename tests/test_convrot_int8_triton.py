@@ -63,11 +63,49 @@ def run_checks(device: str) -> dict:
     y2 = K.int8_linear(x, q, s, None, 256, backend="triton")
     x.mul_(2)
     y3 = K.int8_linear(x, q, s, None, 256, backend="triton")
+    out["launch_tuned"] = _check_launch_tuned(device)
     out["cache"] = {
         "hits": K._ACT_CACHE.hits - hits, "same": bool(torch.equal(y1, y2)),
         "after_inplace_ok": bool(torch.equal(y3, K.int8_linear(x, q, s, None, 256, backend="eager"))),
     }
     return out
+
+
+def _check_launch_tuned(device: str) -> bool:
+    """The first call of a shape goes through the autotuner, later calls launch the plain kernel with its choice."""
+    import triton
+
+    from library import convrot_int8_kernels as K
+
+    calls = []
+
+    class FakeTuner:  # stands in for triton.autotune (whose timing needs a GPU): picks one config
+        best_config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4,
+                                    num_stages=2)
+
+        def __getitem__(self, grid):
+            def run(*args, **flags):
+                calls.append("tuned")
+                meta = dict(self.best_config.kwargs)
+                K._int8_gemm_kernel[grid(meta)](*args, **flags, **meta)
+            return run
+
+    a = torch.randint(-128, 128, (40, 96), dtype=torch.int8, device=device)
+    b = torch.randint(-128, 128, (24, 96), dtype=torch.int8, device=device)
+    sa, sb = torch.rand(40, device=device), torch.rand(24, device=device)
+    ref = K._epilogue_eager(K.int8_mm(a, b), sa, sb, torch.bfloat16)
+    outs = []
+    key = ("test", 40, 24, 96)
+    K._BEST_GEMM.pop(key, None)
+    for _ in range(2):
+        c = torch.empty(40, 24, dtype=torch.bfloat16, device=device)
+        args = (a, b, c, sa, sb, sa, 40, 24, 96, 64, a.stride(0), 1, 1, b.stride(0), c.stride(0), 1)
+        K._launch_tuned(FakeTuner(), K._int8_gemm_kernel, key, lambda meta: (triton.cdiv(40, meta["BLOCK_M"])
+                        * triton.cdiv(24, meta["BLOCK_N"]),), args, {"HAS_SB": True, "HAS_BIAS": False,
+                        "EVEN_K": True}, None)
+        outs.append(c)
+    K._BEST_GEMM.pop(key, None)
+    return calls == ["tuned"] and all(torch.equal(c, ref) for c in outs)
 
 
 def _assert_checks(res: dict) -> None:
@@ -87,6 +125,7 @@ def _assert_checks(res: dict) -> None:
                 assert c["deq_mismatch_frac"] < 0.01 and c["deq_maxrel"] <= 2**-7, c
             assert c["bwd_int8_relerr"] < 1e-2, c
     assert res["cache"] == {"hits": 1, "same": True, "after_inplace_ok": True}
+    assert res["launch_tuned"]
 
 
 def _triton_importable() -> bool:
