@@ -340,7 +340,7 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.gemm:
-        K._TUNING["gemm"] = args.gemm
+        K.set_gemm_kernel(args.gemm)
     if args.row_elems:
         K._TUNING["row_elems"] = args.row_elems
     if args.elems_per_thread:
