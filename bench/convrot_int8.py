@@ -23,8 +23,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from library import convrot_int8_kernels as K  # noqa: E402
-from library import convrot_int8_utils as U  # noqa: E402
+from library import convrot_int8_kernels as K
+from library import convrot_int8_utils as U
 
 G = 256
 
@@ -106,7 +106,8 @@ def check_linear(m: int, k: int, n: int, device: str, dtype: torch.dtype) -> dic
         "grad_x_bwd_bf16_relerr": relerr(K.int8_linear_grad_input(gy, q, s, G, "bf16"), gx_ref),
         "grad_x_bwd_int8_relerr": relerr(K.int8_linear_grad_input(gy, q, s, G, "int8"), gx_ref),
         "grad_x_bwd_int8_triton_vs_eager_relerr": relerr(
-            K.int8_linear_grad_input(gy, q, s, G, "int8"), K.int8_linear_grad_input(gy, q, s, G, "int8", backend="eager")
+            K.int8_linear_grad_input(gy, q, s, G, "int8"),
+            K.int8_linear_grad_input(gy, q, s, G, "int8", backend="eager"),
         ),
     }
     # weight quantisation on the GPU equals the CPU (fp32 recipe: exact sums, identical on both)

@@ -28,11 +28,12 @@ with the same numerics runs (``torch._int_mm`` where it accepts the shapes, else
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -102,7 +103,9 @@ def _log4(group_size: int) -> int:
     return (int(group_size).bit_length() - 1) // 2
 
 
-def hadamard(group_size: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def hadamard(
+    group_size: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The normalised regular Hadamard matrix H_g (symmetric, orthogonal, entries +-1/sqrt(g)); cached."""
     check_group_size(group_size)
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -118,12 +121,34 @@ def hadamard(group_size: int, device: torch.device | str | None = None, dtype: t
     return h
 
 
+_MATMUL_FLAGS = ("allow_tf32", "allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
+
+@contextlib.contextmanager
+def _full_precision_matmul(t: torch.Tensor) -> Iterator[None]:
+    """On CUDA, run the rotation matmuls without TF32 and without reduced-precision reductions (a trainer may have
+    enabled TF32 globally; that would change the quantised codes), restoring the flags afterwards."""
+    if not t.is_cuda:
+        yield
+        return
+    m = torch.backends.cuda.matmul
+    saved = {f: getattr(m, f) for f in _MATMUL_FLAGS if hasattr(m, f)}
+    try:
+        for f in saved:
+            setattr(m, f, False)
+        yield
+    finally:
+        for f, v in saved.items():
+            setattr(m, f, v)
+
+
 def rotate_weight(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     """Blockwise ``W @ H^T`` along the last axis, one matmul in weight.dtype (fp32 accumulation, one rounding)."""
     rows, cols = weight.shape
     check_group_size(group_size, cols)
     h_t = hadamard(group_size, weight.device, torch.float32).t().to(weight.dtype)
-    return torch.matmul(weight.reshape(rows, cols // group_size, group_size), h_t).reshape(rows, cols)
+    with _full_precision_matmul(weight):
+        return torch.matmul(weight.reshape(rows, cols // group_size, group_size), h_t).reshape(rows, cols)
 
 
 def rotate_activation(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -131,7 +156,8 @@ def rotate_activation(x: torch.Tensor, group_size: int) -> torch.Tensor:
     cols = x.shape[-1]
     check_group_size(group_size, cols)
     h = hadamard(group_size, x.device, x.dtype)
-    return torch.matmul(x.reshape(-1, cols // group_size, group_size), h).reshape(x.shape)
+    with _full_precision_matmul(x):
+        return torch.matmul(x.reshape(-1, cols // group_size, group_size), h).reshape(x.shape)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -529,13 +555,15 @@ if _TRITON_IMPORTED:
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        for kk in range(tl.cdiv(K, BLOCK_K)):
             a = a_desc.load([off_m, kk * BLOCK_K])
             b = b_desc.load([off_n, kk * BLOCK_K])
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
-        _gemm_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS)
+        _gemm_epilogue(
+            acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS
+        )
 
     @triton.jit
     def _int8_gemm_kernel(
@@ -556,7 +584,7 @@ if _TRITON_IMPORTED:
         a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_bn[None, :].to(tl.int64) * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        for kk in range(tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs)
@@ -568,7 +596,9 @@ if _TRITON_IMPORTED:
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
-        _gemm_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS)
+        _gemm_epilogue(
+            acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS
+        )
 
     # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). BLOCK_K = 128 keeps 128-byte int8 rows for the K-major operands.
     _GEMM_CONFIGS = [
@@ -804,7 +834,7 @@ def _int8_linear_triton(
     group_size: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    n, k = weight.shape
+    n = weight.shape[0]
     q_x, s_x = _quantized_activation(x, group_size)
     s_w = scale_vector(weight_scale, n).to(x.device)
     b = bias.to(device=x.device, dtype=out_dtype).contiguous() if bias is not None else None

@@ -75,7 +75,9 @@ def comfy_quant_tensor(spec: Mapping[str, Any]) -> torch.Tensor:
     return torch.tensor(list(json.dumps(dict(spec)).encode("utf-8")), dtype=torch.uint8)
 
 
-def parse_comfy_quant(value: torch.Tensor | bytes | str | Mapping[str, Any], where: str = "a .comfy_quant marker") -> dict:
+def parse_comfy_quant(
+    value: torch.Tensor | bytes | str | Mapping[str, Any], where: str = "a .comfy_quant marker"
+) -> dict:
     """Decode a marker (uint8 tensor, bytes, JSON text or dict) into a dict."""
     if isinstance(value, Mapping):
         return dict(value)
@@ -173,7 +175,9 @@ def comfy_key_filter(key: str) -> bool:
     return not key.endswith(COMFY_ATTENTION_CONFIG_SUFFIX)
 
 
-def check_quantization_format(source: Any, metadata: Mapping[str, str] | None = None, what: str = "the model file") -> None:
+def check_quantization_format(
+    source: Any, metadata: Mapping[str, str] | None = None, what: str = "the model file"
+) -> None:
     """Raise UserError unless every quantized layer of `source` is ComfyUI int8_tensorwise (with or without convrot).
 
     `source`: a state dict or a lazy reader with keys() / get_tensor() (/ dtype()), e.g. safetensors_utils.TensorSource.
@@ -358,7 +362,7 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
         group_size: int,
         bias: torch.Tensor | None = None,
         bwd: str = "bf16",
-    ) -> "ConvRotInt8Linear":
+    ) -> ConvRotInt8Linear:
         """Wrap existing int8 codes [N, K] and scales (any accepted shape) without copying the codes."""
         n, k = weight.shape
         mod = cls(k, n, bias=False, group_size=group_size, bwd=bwd, device="meta")
@@ -376,7 +380,7 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
         bwd: str = "bf16",
         calc_device: torch.device | str | None = None,
         recipe: str = kernels.DEFAULT_WEIGHT_RECIPE,
-    ) -> "ConvRotInt8Linear":
+    ) -> ConvRotInt8Linear:
         """Quantise a float Linear (on `calc_device` if given); the result lives on the Linear's device."""
         w = linear.weight.detach()
         home = w.device
@@ -387,6 +391,9 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
         q, s = kernels.quantize_convrot_weight(w, group_size, recipe)
         bias = linear.bias.detach() if linear.bias is not None else None
         return cls.from_quantized(q.to(home), s.to(home), group_size, bias, bwd)
+
+    def reset_parameters(self) -> None:
+        """Nothing to initialise: the int8 codes are frozen data (nn.Linear's init would fail on them)."""
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -443,7 +450,7 @@ class ConvRotInt8Embedding(_Int8StateMixin, nn.Embedding):
         calc_device: torch.device | str | None = None,
         recipe: str = kernels.DEFAULT_WEIGHT_RECIPE,
         row_chunk: int = EMBEDDING_ROW_CHUNK,
-    ) -> "ConvRotInt8Embedding":
+    ) -> ConvRotInt8Embedding:
         """Quantise a float embedding table row chunk by row chunk (on `calc_device` if given)."""
         w = embedding.weight.detach()
         home = w.device
@@ -465,6 +472,9 @@ class ConvRotInt8Embedding(_Int8StateMixin, nn.Embedding):
         mod.weight = q
         mod.weight_scale = s
         return mod
+
+    def reset_parameters(self) -> None:
+        """Nothing to initialise: the int8 codes are frozen data (nn.Embedding's init would fail on them)."""
 
     @torch.compiler.disable
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
@@ -719,6 +729,6 @@ def text_encoder_convrot_filter(name: str) -> bool:
     in_proj_qkv / in_proj_z / out_proj, MLP gate/up/down_proj (200 Linear layers) and embed_tokens.
     GatedDeltaNet in_proj_a / in_proj_b (32 outputs) stay bf16, as in the ComfyUI file; the vision tower, the MTP
     layer and lm_head are never quantised."""
-    if name.startswith(("visual.", "mtp.", "lm_head")) or ".visual." in name or name.startswith("model.visual"):
+    if name.startswith(("visual.", "mtp.", "lm_head", "model.visual")) or ".visual." in name:
         return False
     return _TE_LINEAR_RE.search(name) is not None or _TE_EMBED_RE.search(name) is not None

@@ -14,9 +14,9 @@ from library import convrot_int8_utils as U
 from library.errors import UserError
 
 ck = pytest.importorskip("comfy_kitchen")
-from comfy_kitchen.tensor.base import QuantizedTensor  # noqa: E402
-from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout  # noqa: E402
-from comfy_kitchen.tensor.int8_utils import _build_hadamard  # noqa: E402
+from comfy_kitchen.tensor.base import QuantizedTensor
+from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
+from comfy_kitchen.tensor.int8_utils import _build_hadamard
 
 OPS = torch.ops.comfy_kitchen
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -203,7 +203,9 @@ def test_to_dtype_keeps_int8_weights_and_fp32_scales():
     model = nn.Sequential(nn.Linear(256, 32), nn.Embedding(10, 256))
     U.convert_model_to_convrot_int8(model, lambda n: True, group_size=256)
     lin, emb = model[0], model[1]
-    scale_before = lin.weight_scale.clone()
+    scale_before, codes_before = lin.weight_scale.clone(), lin.weight.clone()
+    model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)  # init code is harmless
+    assert torch.equal(lin.weight, codes_before)
     for convert in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.float16)):
         convert(model)
         assert lin.weight.dtype == torch.int8 and emb.weight.dtype == torch.int8
@@ -263,7 +265,7 @@ class _TinyDiT(nn.Module):
     def __init__(self):
         super().__init__()
         self.x_embedder = nn.Linear(256, 256)
-        block = lambda: nn.ModuleDict(  # noqa: E731
+        block = lambda: nn.ModuleDict(
             {"proj": nn.ModuleDict({n: nn.Linear(256, 256) for n in ("q", "k", "v", "o")}),
              "ffn_up_gate": nn.Linear(256, 512), "ffn_down": nn.Linear(256, 256), "odd": nn.Linear(100, 256)}
         )
@@ -276,7 +278,7 @@ def test_convert_streams_layer_by_layer_and_respects_the_filter():
     ref = _TinyDiT().to(torch.bfloat16)
     ref.load_state_dict(model.state_dict())
     old = model.layers[0]["proj"]["q"]
-    filt = lambda n: U.dit_convrot_filter(n) or n.endswith(".odd")  # noqa: E731
+    filt = lambda n: U.dit_convrot_filter(n) or n.endswith(".odd")
     count = U.convert_model_to_convrot_int8(model, filt, calc_device="cpu", group_size=64)
     assert count == 2 * 6
     assert old.weight is None  # the float weight was dropped
@@ -370,7 +372,8 @@ def test_comfy_files_load_in_ours_with_fused_qkv(tmp_path):
     qo = _comfy_layer("blk.proj.o", w["o"], 64, tensors)
     tensors["blk.proj.o.weight_scale"] = tensors["blk.proj.o.weight_scale"].reshape(-1)  # [N] is accepted too
     tensors["blk.proj.o.bias"] = b["o"]
-    tensors["blk.comfy_attention.config"] = torch.tensor(list(b'{"attention": "comfy_kitchen_int8"}'), dtype=torch.uint8)
+    attention_pref = list(b'{"attention": "comfy_kitchen_int8"}')
+    tensors["blk.comfy_attention.config"] = torch.tensor(attention_pref, dtype=torch.uint8)
     sd, _ = _save_load(tmp_path, tensors)
     assert U.is_comfy_quantized_state_dict(sd.keys())
 
@@ -440,12 +443,13 @@ def _marker(spec: dict) -> torch.Tensor:
         ({"a.weight_codebook": torch.zeros(16)}, "W4A8"),
         ({"a.qweight": torch.zeros(4, 2, dtype=torch.int32), "a.qzeros": torch.zeros(1, dtype=torch.int32)}, "GPTQ"),
         ({"a.g_idx": torch.zeros(4, dtype=torch.int32)}, "GPTQ"),
-        ({"a.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn), "a.comfy_quant": _marker({"format": "float8_e4m3fn"})},
-         "fp8"),
+        ({"a.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
+          "a.comfy_quant": _marker({"format": "float8_e4m3fn"})}, "fp8"),
         ({"a.weight": torch.zeros(4, 2, dtype=torch.uint8), "a.comfy_quant": _marker({"format": "nvfp4"})}, "NVFP4"),
         ({"a.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn)}, "float8"),
         ({"scaled_fp8": torch.zeros(1), "a.weight": torch.zeros(4, 4)}, "scaled-fp8"),
-        ({"a.weight": torch.zeros(4, 4, dtype=torch.int8), "a.weight_scale": torch.ones(4, 1)}, "without a quantization marker"),
+        ({"a.weight": torch.zeros(4, 4, dtype=torch.int8), "a.weight_scale": torch.ones(4, 1)},
+         "without a quantization marker"),
         ({"a.weight": torch.zeros(4, 8, dtype=torch.int8),
           "a.comfy_quant": _marker({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 128})},
          "not a power of 4"),

@@ -47,7 +47,8 @@ def run_checks(device: str) -> dict:
                 d_t = K.dequantize_weight(q, s, g, dt, backend="triton")
                 d_e = K.dequantize_weight(q, s, g, dt, backend="eager")
                 case["deq_mismatch_frac"] = float((d_t != d_e).float().mean())
-                case["deq_maxrel"] = float(((d_t.float() - d_e.float()).abs() / d_e.float().abs().clamp(min=1e-3)).max())
+                rel = (d_t.float() - d_e.float()).abs() / d_e.float().abs().clamp(min=1e-3)
+                case["deq_maxrel"] = float(rel.max())
                 gy = torch.randn(2, m, n, device=device).to(dt)
                 g_t = K.int8_linear_grad_input(gy, q, s, g, mode="int8", backend="triton")
                 g_e = K.int8_linear_grad_input(gy, q, s, g, mode="int8", backend="eager")
@@ -140,7 +141,8 @@ def _triton_importable() -> bool:
 def test_triton_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(Path(__file__).resolve())],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_checks(json.loads(proc.stdout.strip().splitlines()[-1]))
