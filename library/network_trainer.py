@@ -336,8 +336,11 @@ class NetworkTrainer:
             cpu_offload=args.cpu_offload_checkpointing, unsloth_offload=args.unsloth_offload_checkpointing
         )
         if run.train_text_encoder:
-            for te in run.text_encoders:
-                te.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            for te in run.text_encoders:  # newer transformers renamed the switch (and its keyword)
+                if hasattr(te, "activation_checkpointing_enable"):
+                    te.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                else:
+                    te.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(run.network, "enable_gradient_checkpointing"):
             run.network.enable_gradient_checkpointing()
 
