@@ -258,16 +258,12 @@ class _UnslothOffload(torch.autograd.Function):
         args = [a.detach().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a for a in ctx.args]
         with torch.enable_grad():
             out = ctx.block(x, *args)
-        inputs = [x] + [a for a in args if torch.is_tensor(a) and a.requires_grad]
-        wanted = [t for t in inputs if t.requires_grad]
-        params = [p for p in ctx.block.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(out, wanted + params, grad_out, allow_unused=True)
-        for p, g in zip(params, grads[len(wanted) :]):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
-        by_id = {id(t): g for t, g in zip(wanted, grads[: len(wanted)])}
-        arg_grads = [by_id.get(id(a)) if torch.is_tensor(a) else None for a in args]
-        return (None, by_id.get(id(x)), *arg_grads)
+        # a plain backward through the recomputed block: every trainable tensor it used accumulates its gradient,
+        # its own parameters and those routed into its layers from outside (the LoRA modules live in the network)
+        if out.requires_grad:
+            torch.autograd.backward(out, grad_out)
+        arg_grads = [a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args]
+        return (None, x.grad if x.requires_grad else None, *arg_grads)
 
 
 class MossImage(nn.Module):

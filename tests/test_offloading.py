@@ -166,7 +166,7 @@ def test_offloader_rejects_bad_setups():
 
 
 # ------------------------------------------------------------------------------------------- the tiny MOSS-Image DiT
-def tiny_pair(blocks_to_swap: int | None, h2d_only: bool = False):
+def tiny_pair(blocks_to_swap: int | None, h2d_only: bool = False, **checkpointing: bool):
     from library.moss_image_models import MossImage
     from library.tiny_snapshot import TINY_DIT_CONFIG, tiny_dit_state_dict
     from networks.lora_generic import create_network
@@ -183,7 +183,7 @@ def tiny_pair(blocks_to_swap: int | None, h2d_only: bool = False):
         for p in net.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     net.apply_to(None, model, False, True)
-    model.enable_gradient_checkpointing()
+    model.enable_gradient_checkpointing(**checkpointing)
     return model, net
 
 
@@ -216,6 +216,17 @@ def test_dit_block_swap_same_loss_and_lora_gradients(h2d_only):
             torch.testing.assert_close(dit(x, t, emb, mask, skip_layers=skip), ref(x, t, emb, mask, skip_layers=skip))
     dit.prepare_block_swap_before_forward()  # what the trainer calls after each validation batch: a no-op here
     assert off.is_armed()
+
+
+@pytest.mark.parametrize("mode", ["cpu_offload", "unsloth_offload"])
+def test_dit_offloaded_checkpointing_same_loss_and_lora_gradients(mode):
+    (ref, ref_net), (dit, net) = tiny_pair(None), tiny_pair(None, **{mode: True})
+    x, t, emb, mask = dit_inputs(1)
+    for model in (ref, dit):
+        model(x.clone().requires_grad_(True), t, emb, mask).pow(2).mean().backward()
+    for (name, a), b in zip(ref_net.named_parameters(), net.parameters()):
+        assert b.grad is not None and a.grad.abs().sum() > 0, name  # the LoRA outside the block gets its gradient
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA streams
