@@ -109,12 +109,16 @@ def _check_launch_tuned(device: str) -> bool:
     return calls == ["tuned"] and all(torch.equal(c, ref) for c in outs)
 
 
-def _assert_checks(res: dict) -> None:
+def _assert_checks(res: dict, on_cuda: bool = False) -> None:
     assert res["has_triton"]
     for c in res["cases"]:
         exact = c["dtype"] != "torch.float32" or c["shape"][3] == 0
         assert c["y_dtype_ok"], c
-        if exact:  # bf16/fp16 rows: the fp32 transform rounded once to T equals the eager T matmul on these data
+        if exact and on_cuda:  # Triton's fp32 division on the GPU is not IEEE: a scale may differ in its last bit
+            # (a few rows), the int8 codes may not; the outputs then follow those scales
+            assert c["q_mismatch"] == 0 and c["s_mismatch"] <= max(2, 0.1 * c["shape"][0]), c
+            assert c["y_relerr"] < 1e-3, c
+        elif exact:  # bf16/fp16 rows: the fp32 transform rounded once to T equals the eager T matmul on these data
             assert c["q_mismatch"] == 0 and c["s_mismatch"] == 0 and c["y_mismatch"] == 0, c
         else:  # fp32 activations: the rotation sums round differently from a BLAS fp32 matmul
             assert c["q_mismatch"] <= 0.01 * 2 * c["shape"][0] * c["shape"][1] and c["y_relerr"] < 1e-2, c
@@ -137,7 +141,17 @@ def _triton_importable() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _triton_importable(), reason="triton is not installed")
+def _interpreter_runs_int8_dots() -> bool:
+    """Triton's CPU interpreter runs these kernels from 3.9 on (3.6 fails inside its loop-bound handling)."""
+    try:
+        import triton
+
+        return tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.skipif(not _interpreter_runs_int8_dots(), reason="needs triton >= 3.9 for the CPU interpreter")
 def test_triton_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run(
@@ -150,7 +164,7 @@ def test_triton_kernels_under_the_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _triton_importable(), reason="needs a CUDA GPU and triton")
 def test_triton_kernels_on_cuda():
-    _assert_checks(run_checks("cuda"))
+    _assert_checks(run_checks("cuda"), on_cuda=True)
 
 
 if __name__ == "__main__":
