@@ -134,11 +134,17 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
         logger.info("loading the Qwen3.5 text encoder (bf16)")
         te_dtype = torch.bfloat16 if accelerator.device.type != "cpu" or args.mixed_precision == "bf16" else torch.float32
+        plan = self._base_weights_plan(args, "lora_te")
+        # --lowram: straight to the GPU (little CPU RAM); otherwise kept on the CPU until it is needed
+        home = accelerator.device if args.lowram else "cpu"
         text_encoder = load_text_encoder(
-            args.text_encoder, dtype=te_dtype, device="cpu", disable_mmap=args.disable_mmap_load_safetensors,
+            args.text_encoder, dtype=te_dtype, device=home, disable_mmap=args.disable_mmap_load_safetensors,
             convrot_int8=args.convrot_int8_text_encoder, convrot_int8_bwd=args.convrot_int8_bwd,
-            calc_device=accelerator.device,  # quantised on the GPU, kept on the CPU
+            calc_device=accelerator.device,  # quantised on the GPU
+            tensor_hook=plan.merge if plan else None,
         )
+        if plan:
+            plan.finish()
         self.text_encoder_convrot_int8 = is_convrot_int8_model(text_encoder)
         from library.te_quant import prepare_text_encoder, te_on_cpu
 
@@ -146,10 +152,21 @@ class MossImageNetworkTrainer(NetworkTrainer):
                                               frozen=not self.is_train_text_encoder(args)).device
         self.tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
         logger.info("loading the FLUX.2 VAE (fp32)")
-        vae = load_flux2_vae(args.vae, dtype=torch.float32, device="cpu", disable_mmap=args.disable_mmap_load_safetensors)
+        vae = load_flux2_vae(args.vae, dtype=torch.float32, device=home, disable_mmap=args.disable_mmap_load_safetensors)
         self.bn_running_mean = vae.bn.running_mean.detach().clone().float()
         self.bn_running_var = vae.bn.running_var.detach().clone().float()
         return "moss_image", [text_encoder], vae, None
+
+    @staticmethod
+    def _base_weights_plan(args: argparse.Namespace, prefix: str) -> Any:
+        """--base_weights: LoRA files merged into the base weights while they are read (before any quantisation)."""
+        from library.lora_merge import LoraMergePlan, load_lora_files
+
+        if not args.base_weights:
+            return None
+        plan = LoraMergePlan(load_lora_files(args.base_weights, args.base_weights_multiplier), prefix,
+                             names=args.base_weights)
+        return None if plan.is_empty else plan
 
     def load_unet_lazily(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any,
                          text_encoders: list) -> tuple:
@@ -159,11 +176,15 @@ class MossImageNetworkTrainer(NetworkTrainer):
         attn_mode = args.attn_mode or ("xformers" if args.xformers else "torch")
         # with --convrot_int8 the bf16 weights are read to the CPU and quantised on the GPU, one layer at a time
         loading_device = "cpu" if args.convrot_int8 or args.blocks_to_swap else accelerator.device
+        plan = self._base_weights_plan(args, "lora_unet")
         model = load_moss_image_model(
             accelerator.device, args.pretrained_model_name_or_path, attn_mode, args.split_attn,
             loading_device=loading_device, dtype=weight_dtype, disable_mmap=args.disable_mmap_load_safetensors,
             convrot_int8=args.convrot_int8, convrot_int8_bwd=args.convrot_int8_bwd, calc_device=accelerator.device,
+            tensor_hook=plan.merge if plan else None,
         )
+        if plan:
+            plan.finish()
         self.dit_convrot_int8 = is_convrot_int8_model(model)
         if self.dit_convrot_int8:
             logger.info("the DiT base is ConvRot INT8 (%s)", "quantised at load" if args.convrot_int8 else "pre-quantised file")
@@ -216,7 +237,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
         run.vae.to(acc.device)
         cache_latents([run.train_group, run.val_group], run.vae, self.get_latents_caching_strategy(run.args),
                       acc.process_index, acc.num_processes, acc.is_local_main_process)
-        run.vae.to("cpu")
+        if not run.args.highvram:  # --highvram keeps the VAE on the GPU (faster sample images, more VRAM)
+            run.vae.to("cpu")
         acc.wait_for_everyone()
 
     def _encode_fn(self, text_encoder: Any, max_length: int) -> Any:

@@ -55,7 +55,12 @@ def _text_outputs(trainer: Any, run: Any, texts: list[str]) -> dict[str, Any]:
         return cached
     te = run.text_encoders[0] if run.text_encoders else None
     if te is None:
-        raise RuntimeError("sample prompts were not cached and the text encoder is gone")
+        from library.errors import UserError
+
+        raise UserError(
+            f"The sample prompt file '{run.args.sample_prompts}' changed during training ({len(missing)} new texts) and"
+            " the text encoder is no longer loaded (--cache_text_encoder_outputs): restore the file, or restart the run."
+        )
     from library.strategy_moss_image import make_text_encode_fn
 
     te_was = next(te.parameters()).device
@@ -94,7 +99,7 @@ def _generate_all(trainer: Any, run: Any, epoch: int | None, step: int) -> list[
             image = decode_to_pil(run.vae, latents)[0]
             path = out_dir / f"{name}_{suffix}_{i:02d}_{stamp}_{settings.seed}.png"
             paths.append(save_png(image, path, settings, {"step": step, "epoch": epoch}))
-    if args.cache_latents:  # otherwise the VAE stays on the device: batches are encoded on the fly
+    if args.cache_latents and not args.highvram:  # otherwise the VAE stays: batches are encoded on the fly
         run.vae.to("cpu")
     if was_training:
         dit.train()

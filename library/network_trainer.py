@@ -63,6 +63,7 @@ class RunState:
     optimizer_train_fn: Any = None
     optimizer_eval_fn: Any = None
     validation_history: list[tuple[int, float]] = field(default_factory=list)
+    skip_batches: int = 0  # batches of the first epoch already consumed (resume / --skip_until_initial_step)
     optimizer_name: str = ""
     last_validation_loss: float | None = None
     final_path: Path | None = None
@@ -125,6 +126,11 @@ class NetworkTrainer:
     def model_spec_metadata(self, args: argparse.Namespace) -> dict[str, str]:
         return model_spec.modelspec_from_args(args, lora=True)
 
+    def training_resolution(self, run: RunState) -> Any:
+        """The resolution of the first dataset (for modelspec.resolution)."""
+        datasets = getattr(run.train_group, "datasets", [])
+        return datasets[0].params.resolution if datasets else run.args.resolution
+
     def prepare_unet(self, run: RunState) -> None:
         """Device placement (and block swap / compile) of the DiT before the loop."""
         run.unet.to(run.accelerator.device)
@@ -155,6 +161,21 @@ class NetworkTrainer:
             raise UserError("--base_weights_multiplier needs one value per --base_weights file.")
         if args.scale_weight_norms is not None and args.scale_weight_norms <= 0:
             raise UserError("--scale_weight_norms must be positive.")
+        if args.ddp_gradient_as_bucket_view or args.ddp_static_graph:
+            raise UserError("--ddp_gradient_as_bucket_view / --ddp_static_graph do not apply here: the LoRA is not wrapped"
+                            " in DDP (its gradients are averaged directly across processes); remove them.")
+        if args.initial_epoch is not None and args.initial_step is not None:
+            raise UserError("--initial_epoch and --initial_step exclude each other: keep one.")
+        if args.initial_epoch is not None and args.initial_epoch < 1:
+            raise UserError("--initial_epoch counts from 1.")
+        if args.skip_until_initial_step and args.initial_step is None and args.initial_epoch is None:
+            raise UserError("--skip_until_initial_step needs --initial_step or --initial_epoch.")
+        if args.network_module in ("networks.loha", "networks.lokr"):
+            raise UserError(f"--network_module {args.network_module} is not available in this version: use"
+                            " networks.lora_generic.")
+        from library import optimizers
+
+        optimizers.verify_optimizer_arguments(args)
 
     # -------------------------------------------------------------------------------------------- phases
     def _prepare_accelerator(self, args: argparse.Namespace) -> Any:
@@ -195,8 +216,8 @@ class NetworkTrainer:
 
     def _weight_dtypes(self, args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:
         weight = _dtype_of(args.mixed_precision, torch.float32)
-        save = _dtype_of(args.save_precision, weight)
-        return weight, save
+        lora = weight if (args.full_fp16 or args.full_bf16) else torch.float32
+        return weight, _dtype_of(args.save_precision, lora)  # as sd-scripts: the LoRA's own precision by default
 
     def _create_network(self, run: RunState) -> None:
         args = run.args
@@ -312,6 +333,7 @@ class NetworkTrainer:
         self._install_fused_backward_pass(run)
         if args.resume:
             self._load_state(run, Path(args.resume))
+        self._apply_initial_step(run)
         run.metadata = self._build_metadata(run)
         self._loop(run)
         return run
@@ -364,8 +386,6 @@ class NetworkTrainer:
 
     # -------------------------------------------------------------------------------------------- metadata
     def _build_metadata(self, run: RunState) -> dict[str, str]:
-        if run.args.no_metadata:
-            return {}
         from library.datasets.metadata import dataset_metadata
 
         ds = {k: model_spec.json_value(v) for k, v in dataset_metadata(run.train_group).items()}
@@ -379,6 +399,11 @@ class NetworkTrainer:
             num_epochs=run.num_train_epochs,
             optimizer=run.optimizer_name,
         )
+        if run.args.dim_from_weights:  # the ranks and alphas of the loaded file, not the command-line values
+            loras = list(getattr(run.network, "unet_loras", [])) + list(getattr(run.network, "text_encoder_loras", []))
+            if loras:
+                meta["ss_network_dim"] = loras[0].lora_dim
+                meta["ss_network_alpha"] = float(loras[0].alpha)
         self.update_metadata(meta, run.args)
         return model_spec.stringify(meta)
 
@@ -387,20 +412,19 @@ class NetworkTrainer:
         from tqdm.auto import tqdm
 
         args, acc = run.args, run.accelerator
-        if acc.is_main_process and acc.trackers == [] and (args.log_with or args.logging_dir):
-            acc.init_trackers(args.log_tracker_name or "network_train", config=_tracker_config(args) if args.log_config else {})
-        elif args.log_with or args.logging_dir:
-            acc.init_trackers(args.log_tracker_name or "network_train")
+        if args.log_with or args.logging_dir:
+            acc.init_trackers(args.log_tracker_name or "network_train",
+                              config=_tracker_config(args) if args.log_config else {}, init_kwargs=_tracker_kwargs(args))
         logger.info(
-            "training: %d steps, %d epochs, %d batches per epoch, batch size %d, gradient accumulation %d",
-            run.max_train_steps, run.num_train_epochs, len(run.train_dataloader), args.train_batch_size,
-            args.gradient_accumulation_steps,
+            "training: %d steps, %d epochs, %d batches per epoch (per process), batch sizes %s, gradient accumulation %d",
+            run.max_train_steps, run.num_train_epochs, len(run.train_dataloader),
+            sorted({d.params.batch_size for d in run.train_group.datasets}), args.gradient_accumulation_steps,
         )
         progress = tqdm(total=run.max_train_steps, initial=run.global_step, disable=not acc.is_local_main_process,
                         desc="steps", smoothing=0.1)
         if args.sample_at_first and run.global_step == 0:
             self.sample_images(run, None, 0)
-        skip_batches = run.global_step * args.gradient_accumulation_steps - run.epoch * len(run.train_dataloader)
+        skip_batches = run.skip_batches
         start_epoch = run.epoch
         for epoch in range(start_epoch, run.num_train_epochs):
             run.epoch = epoch
@@ -558,9 +582,11 @@ class NetworkTrainer:
         return run.args.output_name or "last"
 
     def _lora_metadata(self, run: RunState, epoch: int) -> dict[str, str]:
+        if run.args.resolution is None:
+            run.args.resolution = self.training_resolution(run)
         spec = self.model_spec_metadata(run.args)
         if run.args.no_metadata:
-            return model_spec.minimal_metadata(spec)
+            return model_spec.minimal_metadata({**run.metadata, **spec})
         meta = model_spec.save_time_metadata(run.metadata, run.global_step, epoch)
         meta.update(spec)
         return meta
@@ -610,10 +636,31 @@ class NetworkTrainer:
         state = train_checkpoints.TrainState.read(folder)
         run.accelerator.load_state(str(folder))
         run.network.load_weights(str(folder / train_checkpoints.NETWORK_STATE_FILE))
-        per_epoch = math.ceil(len(run.train_dataloader) / run.args.gradient_accumulation_steps)
-        run.global_step = state.step
-        run.epoch = state.step // per_epoch if per_epoch else state.epoch
+        self._start_at_step(run, state.step, skip=True)
         logger.info("resumed from %s at step %d (epoch %d)", folder, run.global_step, run.epoch + 1)
+
+    def _start_at_step(self, run: RunState, step: int, skip: bool) -> None:
+        """Continue the counters at `step`; with `skip`, the batches of that epoch already seen are consumed."""
+        per_epoch = math.ceil(len(run.train_dataloader) / run.args.gradient_accumulation_steps)
+        run.global_step = step
+        run.epoch = step // per_epoch if per_epoch else 0
+        done_in_epoch = step * run.args.gradient_accumulation_steps - run.epoch * len(run.train_dataloader)
+        run.skip_batches = max(0, done_in_epoch) if skip else 0
+
+    def _apply_initial_step(self, run: RunState) -> None:
+        """--initial_step / --initial_epoch (sd-scripts): start the counters there; the batches are consumed only
+        with --skip_until_initial_step."""
+        args = run.args
+        if args.initial_step is None and args.initial_epoch is None:
+            return
+        per_epoch = math.ceil(len(run.train_dataloader) / args.gradient_accumulation_steps)
+        step = args.initial_step if args.initial_step is not None else (args.initial_epoch - 1) * per_epoch
+        if step < 0 or step >= run.max_train_steps:
+            raise UserError(f"--initial_step/--initial_epoch give step {step}, outside the run (0 to"
+                            f" {run.max_train_steps - 1}): lower it or raise --max_train_steps/--max_train_epochs.")
+        self._start_at_step(run, step, skip=args.skip_until_initial_step)
+        logger.info("starting at step %d (epoch %d)%s", step, run.epoch + 1,
+                    ", skipping the batches before it" if args.skip_until_initial_step else "")
 
     def _finish(self, run: RunState) -> None:
         args, acc = run.args, run.accelerator
@@ -626,6 +673,23 @@ class NetworkTrainer:
         acc.end_training()
         logger.info("training finished: %d steps", run.global_step)
 
+
+
+def _tracker_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """--log_tracker_config (TOML: one table per tracker), --wandb_run_name, --wandb_api_key."""
+    kwargs: dict[str, Any] = {}
+    if args.log_tracker_config:
+        import toml
+
+        try:
+            kwargs = toml.load(args.log_tracker_config)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--log_tracker_config '{args.log_tracker_config}' cannot be read as TOML ({e}).") from e
+    if args.wandb_run_name:
+        kwargs.setdefault("wandb", {})["name"] = args.wandb_run_name
+    if args.wandb_api_key:
+        os.environ["WANDB_API_KEY"] = args.wandb_api_key
+    return kwargs
 
 
 def _tracker_config(args: argparse.Namespace) -> dict[str, Any]:

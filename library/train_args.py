@@ -64,8 +64,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="maximum text tokens including the chat template (default and maximum 4096)")
     g.add_argument("--disable_mmap_load_safetensors", action="store_true",
                    help="read safetensors with plain reads instead of memory mapping")
-    g.add_argument("--lowram", action="store_true", help="keep the VAE on the GPU while caching TE outputs (saves RAM)")
-    g.add_argument("--highvram", action="store_true", help="keep cached latents on the GPU")
+    g.add_argument("--lowram", action="store_true",
+                   help="load the text encoder and the VAE straight to the GPU (less CPU RAM, more VRAM)")
+    g.add_argument("--highvram", action="store_true", help="keep the VAE on the GPU after caching latents")
     g.add_argument("--attn_mode", type=str, default=None, choices=["torch", "xformers", "flash", "sageattn"],
                    help="attention implementation (default torch); overrides --xformers")
     g.add_argument("--split_attn", action="store_true", help="attention per sample (needed for xformers)")

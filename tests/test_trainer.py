@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 from PIL import Image
 
@@ -41,7 +42,9 @@ def base_args(snapshot: Path, data: Path, out: Path, *extra: str) -> list[str]:
 
 def train(argv: list[str]):
     import moss_image_train_network as m
+    from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # one process, several runs with other precisions
     args = m.setup_parser().parse_args(argv)
     return m.MossImageNetworkTrainer().train(args)
 
@@ -232,3 +235,39 @@ def test_config_file_tensorboard_and_output_config(tiny_snapshot, toy_data, tmp_
     assert m.main([*base_args(tiny_snapshot, toy_data, tmp_path / "o3", "--max_train_steps", "5"),
                    "--output_config", "--config_file", str(written)]) == 0
     assert "max_train_steps = 5" in written.read_text()
+
+
+def test_base_weights_are_merged_before_training(tiny_snapshot, toy_data, tmp_path, caplog):
+    import logging
+
+    first = tmp_path / "first"
+    train(base_args(tiny_snapshot, toy_data, first, "--max_train_steps", "2", "--learning_rate", "1e-2"))
+    caplog.set_level(logging.INFO)
+    run = train(base_args(tiny_snapshot, toy_data, tmp_path / "second", "--max_train_steps", "1",
+                          "--base_weights", str(first / "toy.safetensors"), "--base_weights_multiplier", "0.5"))
+    assert "merged 144 lora_unet LoRA modules" in caplog.text
+    from library.moss_image_utils import load_moss_image_model
+
+    plain = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32)
+    assert not torch.equal(plain.layers[0].proj.q.weight, run.unet.layers[0].proj.q.weight.float())
+
+
+def test_initial_step_and_skip(tiny_snapshot, toy_data, tmp_path):
+    run = train(base_args(tiny_snapshot, toy_data, tmp_path / "a", "--max_train_steps", "6", "--initial_step", "4",
+                          "--skip_until_initial_step"))
+    assert run.global_step == 6 and len(run.loss_history) == 2
+    with pytest.raises(UserError, match="needs --initial_step"):
+        train(base_args(tiny_snapshot, toy_data, tmp_path / "b", "--skip_until_initial_step"))
+    with pytest.raises(UserError, match="do not apply here"):
+        train(base_args(tiny_snapshot, toy_data, tmp_path / "c", "--ddp_static_graph"))
+
+
+def test_lora_saved_in_fp32_by_default_and_no_metadata_keeps_the_basics(tiny_snapshot, toy_data, tmp_path):
+    out = tmp_path / "out"
+    train(base_args(tiny_snapshot, toy_data, out, "--max_train_steps", "1", "--mixed_precision", "bf16",
+                    "--no_metadata"))
+    sd = load_safetensors(out / "toy.safetensors")
+    assert all(v.dtype == torch.float32 for v in sd.values())
+    meta = read_metadata(out / "toy.safetensors")
+    assert meta["ss_network_module"] == "networks.lora_generic" and "ss_datasets" not in meta
+    assert meta["modelspec.resolution"] == "64x64"

@@ -64,7 +64,7 @@ def setup_parser() -> argparse.ArgumentParser:
     g.add_argument("--moss_max_token_length", type=int, default=4096,
                    help="maximum text tokens including the chat template (default and maximum 4096)")
     g.add_argument("--convrot_int8_text_encoder", action="store_true",
-                   help="quantise the text encoder to ConvRot INT8 at load time (not available in this version)")
+                   help="quantise the text encoder to ConvRot INT8 at load time (pre-quantised files need no option)")
     g.add_argument("--disable_mmap_load_safetensors", action="store_true",
                    help="read safetensors with plain reads instead of memory mapping")
     g.add_argument("--cache_text_encoder_outputs", action="store_true",
