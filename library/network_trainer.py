@@ -11,6 +11,7 @@ Nothing here is MOSS-Image specific: `moss_image_train_network.MossImageNetworkT
 
 from __future__ import annotations
 
+import abc
 import argparse
 import importlib
 import json
@@ -73,28 +74,32 @@ def _dtype_of(name: str | None, fallback: torch.dtype) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}.get(name or "", fallback)
 
 
-class NetworkTrainer:
-    """Subclasses override the hooks below; `train(args)` runs the job."""
+class NetworkTrainer(abc.ABC):
+    """Subclasses implement the abstract hooks (and may override the others); `train(args)` runs the job."""
 
     # ------------------------------------------------------------------------------------------------ hooks
     def assert_extra_args(self, args: argparse.Namespace, train_group: Any, val_group: Any) -> None:
         """Model-specific checks; may adjust args (with a log line)."""
 
+    @abc.abstractmethod
     def get_latents_caching_strategy(self, args: argparse.Namespace) -> Any:
-        raise NotImplementedError
+        ...
 
     def get_text_encoder_outputs_caching_strategy(self, args: argparse.Namespace) -> Any:
         return None
 
+    @abc.abstractmethod
     def load_target_model(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any) -> tuple:
         """(model_version, text_encoders, vae, unet or None when loaded lazily)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def load_unet_lazily(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any, text_encoders: list) -> tuple:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def cache_latents(self, run: RunState) -> None:
-        raise NotImplementedError
+        ...
 
     def cache_text_encoder_outputs_if_needed(self, run: RunState) -> None:
         """Encode and cache captions (and sample prompts) before the encoder leaves the GPU."""
@@ -105,17 +110,20 @@ class NetworkTrainer:
     def is_text_encoder_not_needed_for_training(self, args: argparse.Namespace) -> bool:
         return bool(args.cache_text_encoder_outputs) and not self.is_train_text_encoder(args)
 
+    @abc.abstractmethod
     def get_latents(self, run: RunState, batch: dict[str, Any]) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def get_text_conds(self, run: RunState, batch: dict[str, Any], is_train: bool) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def get_noise_pred_and_target(
         self, run: RunState, latents: torch.Tensor, text_conds: Any, batch: dict[str, Any], is_train: bool,
         fixed_sigmas: torch.Tensor | None = None, generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
+        """(prediction, target, timesteps, loss weighting or None)."""
 
     def sample_images(self, run: RunState, epoch: int | None, step: int) -> None:
         """Generate the sample images when this step/epoch calls for it."""
