@@ -300,8 +300,9 @@ class NetworkTrainer(abc.ABC):
         from library.datasets import build_dataset_groups
 
         self.verify_args(args)
-        if args.seed is None:
-            args.seed = random.randint(0, 2**32 - 1)
+        if args.seed is None:  # processes of one run must agree on it (batch plan, noise): fixed when several
+            args.seed = 42 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else random.randint(0, 2**32 - 1)
+            logger.info("no --seed given: using %d", args.seed)
         set_seed(args.seed)
         run = RunState(args)
         run.train_group, run.val_group = build_dataset_groups(args)
