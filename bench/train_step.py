@@ -48,6 +48,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gc_nosync": dict(ckpt="plain", nosync=True),
     "gc_compile": dict(ckpt="plain", compile=True),
     "no_ckpt_compile": dict(ckpt="none", compile=True),
+    "swap20_h2d_compile": dict(ckpt="plain", swap=20, h2d=True, compile=True),
 }
 IMAGE = 1024
 TEXT_TOKENS = 256

@@ -11,7 +11,7 @@ allocated once.
 Schedule (q = position of a block among the streamed ones, M = S + k streamed blocks):
 - armed (before a forward): the ring holds streamed[0..k-1];
 - forward: before block i runs, the compute stream waits on the event of its copy; once streamed[q] is done, its slot
-  receives streamed[q + k] (on a side stream, after an event of the compute stream). A pass without gradients
+  receives streamed[q + k] (on side streams, after an event of the compute stream). A pass without gradients
   wraps around (streamed[(q + k) mod M]) and so ends armed; a pass with gradients ends holding the last k;
 - backward (the block output carries a marker node): when gradients reach block i, each streamed block above i has
   finished its backward; its slot receives the block k positions below it, and block i is waited for. The backward
@@ -192,12 +192,14 @@ def spread_positions(count: int, total: int) -> list[int]:
 
 # ------------------------------------------------------------------------------------------ streams and events
 class _Copier:
-    """A side CUDA stream and events; on the CPU (tests) everything is synchronous and the events are None."""
+    """Two side CUDA streams (device-to-host write-backs and host-to-device loads, so that the two directions of the
+    bus work at once) and events; on the CPU (tests) every copy is synchronous and the events are None."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.load_stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.store_stream = torch.cuda.Stream(device=device) if self.cuda else None
 
     def compute_event(self) -> Any:
         if not self.cuda:
@@ -210,24 +212,31 @@ class _Copier:
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
 
-    def copy(self, after: Any, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """dst.copy_(src) for each pair on the side stream once `after` is reached; returns the completion event."""
+    def _on(self, stream: Any, after: Sequence[Any], dst: torch.Tensor, src: torch.Tensor) -> Any:
         if not self.cuda:
-            for dst, src in copies:
-                dst.copy_(src)
+            dst.copy_(src)
             return None
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
-            for dst, src in copies:
-                dst.copy_(src, non_blocking=True)
+        with torch.cuda.stream(stream):
+            for ev in after:
+                if ev is not None:
+                    stream.wait_event(ev)
+            dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(stream)
         return done
+
+    def store(self, after: Sequence[Any], host: torch.Tensor, slot: torch.Tensor) -> Any:
+        """host <- slot on the write-back stream once the events `after` are reached; returns its event."""
+        return self._on(self.store_stream, after, host, slot)
+
+    def load(self, after: Sequence[Any], slot: torch.Tensor, host: torch.Tensor) -> Any:
+        """slot <- host on the load stream once the events `after` are reached; returns its event."""
+        return self._on(self.load_stream, after, slot, host)
 
     def synchronize(self) -> None:
         if self.cuda:
-            self.stream.synchronize()
+            self.load_stream.synchronize()
+            self.store_stream.synchronize()
 
 
 def _pin(flat: torch.Tensor) -> bool:
@@ -292,7 +301,8 @@ class ModelOffloader:
         self.slot_views = [self.layout.views(s) for s in self.slots]
         self.slot_of: dict[int, int | None] = {b: None for b in self.streamed}
         self.block_in_slot: list[int | None] = [None] * self.ring
-        self._ready: dict[int, Any] = {}
+        self._ready: dict[int, Any] = {}  # block -> event of its load into a slot
+        self._stored: dict[int, Any] = {}  # block -> event of its last write-back to the host
         self._backward_pass = False
         self._checkpointing = False
         self._release_pos = len(self.streamed) - 1
@@ -347,24 +357,26 @@ class ModelOffloader:
 
     def _move(self, block: int, slot: int) -> None:
         """Load `block` into `slot`, evicting (and, unless h2d_only, writing back) the block that held it."""
-        size = self.layout.nbytes
-        copies = []
+        free = self.copier.compute_event()  # the compute work queued so far is the last use of the slot
+        after = [free, self._stored.pop(block, None)]  # the block's host copy must be complete before it is read
         old = self.block_in_slot[slot]
+        loading = self._ready.pop(old, None) if old is not None else None  # a load of `old` nobody waited for
         if old is not None and not self.config.h2d_only:
-            q = self.position[old]
-            copies.append((self.host[q * size : (q + 1) * size], self.slots[slot]))
+            self._stored[old] = self.copier.store([free, loading], self._host_region(old), self.slots[slot])
+            after.append(self._stored[old])
             self.write_backs += 1
-        q = self.position[block]
-        copies.append((self.slots[slot], self.host[q * size : (q + 1) * size]))
-        self._ready[block] = self.copier.copy(self.copier.compute_event(), copies)
+        self._ready[block] = self.copier.load(after, self.slots[slot], self._host_region(block))
         if old is not None:
             self._point(old, self.host_views[old])
             self.slot_of[old] = None
-            self._ready.pop(old, None)
         self._point(block, self.slot_views[slot])
         self.slot_of[block] = slot
         self.block_in_slot[slot] = block
         self.loads += 1
+
+    def _host_region(self, block: int) -> torch.Tensor:
+        q = self.position[block]
+        return self.host[q * self.layout.nbytes : (q + 1) * self.layout.nbytes]
 
     # ------------------------------------------------------------------------------------------- bookkeeping
     def resident_blocks(self) -> list[int]:

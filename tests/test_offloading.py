@@ -260,6 +260,34 @@ def test_cuda_streams_same_results_as_resident_model(h2d_only):
     assert off.is_armed()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_trainer_with_block_swap_validation_and_samples(tiny_snapshot, tmp_path):
+    from library.safetensors_utils import load_safetensors
+    from tests.test_trainer import base_args, make_toy_dataset, train
+
+    data = make_toy_dataset(tmp_path / "data")
+    cfg_file = tmp_path / "dataset.toml"
+    cfg_file.write_text(f'[general]\nresolution = 64\ncaption_extension = ".txt"\n[[datasets]]\n'
+                        f'validation_split = 0.25\n[[datasets.subsets]]\nimage_dir = "{(data / "4_toy").as_posix()}"\n')
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square on a grey background --w 64 --h 64 --s 2 --d 5\n")
+    loras = []
+    for name, extra in (("plain", []), ("swap", ["--blocks_to_swap", "12"]), ("h2d", ["--blocks_to_swap", "20",
+                                                                                      "--block_swap_h2d_only"])):
+        argv = base_args(tiny_snapshot, data, tmp_path / name, "--max_train_steps", "4", "--learning_rate", "1e-3",
+                         "--gradient_checkpointing", "--validate_every_n_steps", "2", "--sample_prompts", str(prompts),
+                         "--sample_every_n_steps", "4", *extra)
+        argv[argv.index("--train_data_dir"): argv.index("--train_data_dir") + 2] = ["--dataset_config", str(cfg_file)]
+        run = train(argv)
+        assert len(run.validation_history) == 2 and list((tmp_path / name / "sample").glob("*.png"))
+        if extra:
+            assert run.unet.block_offloader is not None and run.unet.block_offloader.is_armed()
+        loras.append(load_safetensors(tmp_path / name / "toy.safetensors"))
+    for other in loras[1:]:
+        for key, value in loras[0].items():
+            torch.testing.assert_close(other[key], value, rtol=1e-3, atol=1e-5, msg=key)
+
+
 # -------------------------------------------------------------------------------------------------- argument checks
 def swap_args(**kw) -> argparse.Namespace:
     base = dict(blocks_to_swap=None, block_swap_h2d_only=False, no_pinned_memory_for_block_swap=False,
