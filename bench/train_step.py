@@ -180,6 +180,10 @@ def run_single(name: str, dit: str, steps: int, warmup: int, image: int = IMAGE,
         "losses": losses, "load_s": round(load_s, 1),
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
     }
+    if spec.get("compile"):  # recompilations would show here (e.g. from the swapped weights' changing storage)
+        from torch._dynamo.utils import counters
+
+        result["dynamo_stats"] = {k: int(v) for k, v in counters["stats"].items()}
     if off is not None:
         result.update(loads_per_step=(off.loads - loads0) / steps, host_arena_gib=round(off.host.numel() / gib, 2),
                       pinned=bool(off.host.is_pinned()), block_mib=round(off.layout.nbytes / 2**20, 1),

@@ -271,6 +271,9 @@ def test_cuda_trainer_with_block_swap_validation_and_samples(tiny_snapshot, tmp_
                         f'validation_split = 0.25\n[[datasets.subsets]]\nimage_dir = "{(data / "4_toy").as_posix()}"\n')
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square on a grey background --w 64 --h 64 --s 2 --d 5\n")
+    # the trainer turns TF32 on for the process when the DiT is placed; on from the start, the three runs cache the
+    # same latents and text encoder outputs
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     loras = []
     for name, extra in (("plain", []), ("swap", ["--blocks_to_swap", "12"]), ("h2d", ["--blocks_to_swap", "20",
                                                                                       "--block_swap_h2d_only"])):
@@ -285,7 +288,7 @@ def test_cuda_trainer_with_block_swap_validation_and_samples(tiny_snapshot, tmp_
         loras.append(load_safetensors(tmp_path / name / "toy.safetensors"))
     for other in loras[1:]:
         for key, value in loras[0].items():
-            torch.testing.assert_close(other[key], value, rtol=1e-3, atol=1e-5, msg=key)
+            assert ((other[key] - value).norm() / value.norm().clamp_min(1e-12)).item() < 1e-3, key
 
 
 # -------------------------------------------------------------------------------------------------- argument checks
