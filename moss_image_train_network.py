@@ -45,6 +45,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         self.sample_prompts_te_outputs: dict[str, Any] | None = None
         self.dit_convrot_int8 = False
         self.text_encoder_convrot_int8 = False
+        self.text_encoder_variant: str | None = None  # recorded in the TE caches
         self.te_device: torch.device | None = None  # where the text encoder runs (--te_device / --te_quant)
 
     # ----------------------------------------------------------------------------------------------- checks
@@ -150,6 +151,9 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
         self.te_device = prepare_text_encoder(text_encoder, args.te_quant, accelerator.device, te_on_cpu(args),
                                               frozen=not self.is_train_text_encoder(args)).device
+        from library.strategy_moss_image import text_encoder_variant
+
+        self.text_encoder_variant = text_encoder_variant(text_encoder)
         self.tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
         logger.info("loading the FLUX.2 VAE (fp32)")
         vae = load_flux2_vae(args.vae, dtype=torch.float32, device=home, disable_mmap=args.disable_mmap_load_safetensors)
@@ -227,7 +231,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
             return None
         return MossImageTextEncoderOutputsCachingStrategy(
             args.cache_text_encoder_outputs_to_disk, args.text_encoder_batch_size, args.skip_cache_check,
-            max_token_length=args.moss_max_token_length,
+            max_token_length=args.moss_max_token_length, encoder_variant=self.text_encoder_variant,
         )
 
     def cache_latents(self, run: RunState) -> None:

@@ -208,12 +208,14 @@ class MossImageTextEncoderOutputsCachingStrategy:
         skip_disk_cache_validity_check: bool = False,
         is_partial: bool = False,
         max_token_length: int | None = None,
+        encoder_variant: str | None = None,
     ):
         self.cache_to_disk = cache_to_disk
         self.batch_size = max(1, int(batch_size or 1))
         self.skip_disk_cache_validity_check = skip_disk_cache_validity_check
         self.is_partial = is_partial
         self.max_token_length = max_token_length  # recorded in the files: a different limit re-makes them
+        self.encoder_variant = encoder_variant  # "none" / "convrot_int8" / "bnb_int8" / "bnb_nf4", recorded too
         self.uncond: TextOutputs | None = None  # the empty prompt's outputs, shared by every image
 
     def get_outputs_npz_path(self, absolute_path: str) -> str:
@@ -227,7 +229,8 @@ class MossImageTextEncoderOutputsCachingStrategy:
             return False
         if self.skip_disk_cache_validity_check:
             return True
-        small = {"num_candidates", "template", "max_token_length"} | {f"caption_{k}" for k in range(len(captions))}
+        small = {"num_candidates", "template", "max_token_length", "encoder"}
+        small |= {f"caption_{k}" for k in range(len(captions))}
         names: list[str] = []
 
         def select(found: list[str]) -> list[str]:
@@ -246,6 +249,8 @@ class MossImageTextEncoderOutputsCachingStrategy:
         if self.max_token_length is not None and "max_token_length" in data \
                 and int(data["max_token_length"]) != self.max_token_length:
             return False
+        if self.encoder_variant is not None and "encoder" in data and str(data["encoder"]) != self.encoder_variant:
+            return False  # made by a differently quantised text encoder
         arrays = {"uncond_embeds", "uncond_mask"}
         arrays |= {f"{kind}_{k}" for k in range(len(captions)) for kind in ("prompt_embeds", "attn_mask")}
         if not arrays <= set(names):
@@ -312,6 +317,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
             "num_candidates": np.array(len(cands), dtype=np.int64),
             "template": np.array(PROMPT_TEMPLATE_ID),
             "max_token_length": np.array(self.max_token_length or -1, dtype=np.int64),
+            "encoder": np.array(self.encoder_variant or "unknown"),
             "uncond_embeds": self.uncond[0].numpy(),
             "uncond_mask": self.uncond[1].numpy(),
         }
@@ -462,3 +468,15 @@ def cache_text_encoder_outputs(
             pos += len(caps)
     logger.info("text encoder outputs: %d images encoded by this process", len(todo))
     return len(todo)
+
+
+def text_encoder_variant(model: Any) -> str:
+    """How the text encoder's weights are stored, for the TE cache: none (float), convrot_int8, bnb_int8, bnb_nf4."""
+    names = {type(m).__name__ for m in model.modules()}
+    if "ConvRotInt8Linear" in names:
+        return "convrot_int8"
+    if "Linear8bitLt" in names:
+        return "bnb_int8"
+    if "Linear4bit" in names:
+        return "bnb_nf4"
+    return "none"

@@ -82,8 +82,10 @@ def te_groups(tmp_path: Path, folder: Path, **subset):
     return train
 
 
-def cache_te(group, encoder, skip_check: bool = False, to_disk: bool = True, max_token_length: int | None = None):
-    strategy = sm.MossImageTextEncoderOutputsCachingStrategy(to_disk, 2, skip_check, max_token_length=max_token_length)
+def cache_te(group, encoder, skip_check: bool = False, to_disk: bool = True, max_token_length: int | None = None,
+             variant: str | None = None):
+    strategy = sm.MossImageTextEncoderOutputsCachingStrategy(to_disk, 2, skip_check, max_token_length=max_token_length,
+                                                             encoder_variant=variant)
     return sm.cache_text_encoder_outputs([group, None], encoder, strategy, show_progress=False), strategy
 
 
@@ -235,6 +237,14 @@ def test_te_cache_remade_when_the_token_limit_changes(tmp_path):
     assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), max_token_length=4096)[0] == 2
     assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), max_token_length=4096)[0] == 0
     assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), max_token_length=512)[0] == 2
+
+
+def test_te_cache_remade_for_a_differently_quantised_encoder(tmp_path):
+    folder = image_folder(tmp_path / "a", ["one", "two"])
+    assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), variant="none")[0] == 2
+    assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), variant="none")[0] == 0
+    assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), variant="convrot_int8")[0] == 2
+    assert str(sm.load_npz(folder / "img0_moss_te.npz")["encoder"]) == "convrot_int8"
 
 
 def test_older_single_candidate_files_stay_valid_and_dropout_uses_the_strategy_uncond(tmp_path):

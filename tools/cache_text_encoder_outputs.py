@@ -80,6 +80,9 @@ def setup_parser() -> argparse.ArgumentParser:
                         " device)")
     g.add_argument("--seed", type=int, default=None,
                    help="dataset seed (validation_split; the cache holds every image whatever the split)")
+    from library.te_quant import add_text_encoder_memory_arguments
+
+    add_text_encoder_memory_arguments(parser)
     add_dataset_arguments(parser)
     return parser
 
@@ -96,6 +99,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.text_encoder_batch_size is not None and args.text_encoder_batch_size < 1:
         raise UserError(f"--text_encoder_batch_size {args.text_encoder_batch_size} must be at least 1.")
     args.moss_max_token_length = check_max_token_length(args.moss_max_token_length)
+    from library.te_quant import check_text_encoder_memory_args
+
+    check_text_encoder_memory_args(args)
     from library.moss_image_utils import fill_paths_from_snapshot
 
     fill_paths_from_snapshot(args, te_attr="text_encoder")
@@ -120,22 +126,27 @@ def total_over_processes(acc: Any, value: int) -> int:
     return int(acc.reduce(torch.tensor([value], device=acc.device), reduction="sum").item())
 
 
-def load_encode_fn(args: argparse.Namespace, device: Any) -> Any:
-    """captions -> outputs with the tokenizer and the text encoder of `args` (bf16 on a GPU, fp32 on the CPU)."""
+def load_encode_fn(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
+    """(captions -> outputs, encoder variant) with the tokenizer and the text encoder of `args` (bf16 on a GPU, fp32
+    on the CPU; --te_quant / --te_device / --convrot_int8_text_encoder applied)."""
     import torch
 
     from library.moss_image_utils import load_text_encoder
     from library.qwen35_text_encoder import load_tokenizer
-    from library.strategy_moss_image import make_text_encode_fn
+    from library.strategy_moss_image import make_text_encode_fn, text_encoder_variant
+    from library.te_quant import loading_device, prepare_text_encoder, te_on_cpu
 
     tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    logger.info("loading the Qwen3.5 text encoder (%s) on %s", str(dtype).replace("torch.", ""), device)
-    model = load_text_encoder(args.text_encoder, dtype=dtype, device=device,
+    run_device = torch.device("cpu") if te_on_cpu(args) else device
+    dtype = torch.float32 if run_device.type == "cpu" else torch.bfloat16
+    logger.info("loading the Qwen3.5 text encoder (%s) for %s", str(dtype).replace("torch.", ""), run_device)
+    model = load_text_encoder(args.text_encoder, dtype=dtype,
+                              device=loading_device(args.te_quant, te_on_cpu(args), run_device),
                               disable_mmap=args.disable_mmap_load_safetensors,
-                              convrot_int8=args.convrot_int8_text_encoder, calc_device=device)
+                              convrot_int8=args.convrot_int8_text_encoder, calc_device=run_device)
+    model.to(prepare_text_encoder(model, args.te_quant, run_device, te_on_cpu(args)).device)
     model.eval().requires_grad_(False)
-    return make_text_encode_fn(model, tokenizer, args.moss_max_token_length)
+    return make_text_encode_fn(model, tokenizer, args.moss_max_token_length), text_encoder_variant(model)
 
 
 def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
@@ -155,9 +166,10 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
         raise UserError(f"Text encoder outputs cannot be cached with {', '.join(blockers)}: turn those off in the"
                         " dataset config.")
     acc = make_accelerator(args.device)
-    encode = load_encode_fn(args, acc.device)
+    encode, variant = load_encode_fn(args, acc.device)
     strategy = MossImageTextEncoderOutputsCachingStrategy(True, args.text_encoder_batch_size, args.skip_cache_check,
-                                                          max_token_length=args.moss_max_token_length)
+                                                          max_token_length=args.moss_max_token_length,
+                                                          encoder_variant=variant)
     encoded = cache_text_encoder_outputs(groups, encode, strategy, acc.process_index, acc.num_processes,
                                          acc.is_local_main_process)
     acc.wait_for_everyone()
