@@ -18,11 +18,11 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 if __name__ == "__main__":  # run as a script from anywhere: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from library.cache_tool_common import make_accelerator, tool_main, total_over_processes
 from library.errors import UserError
 
 logger = logging.getLogger("cache_latents")
@@ -90,22 +90,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError("--vae is required: give the FLUX.2 VAE file (flux2-vae.safetensors) or --snapshot.")
 
 
-def make_accelerator(device: str | None) -> Any:
-    """The accelerator of this process (`accelerate launch` sets the process count); `device` cpu forces the CPU."""
-    import torch
-    from accelerate import Accelerator
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was given but no CUDA GPU is available: use --device cpu or run on a GPU.")
-    return Accelerator(cpu=device == "cpu")
-
-
-def total_over_processes(acc: Any, value: int) -> int:
-    import torch
-
-    return int(acc.reduce(torch.tensor([value], device=acc.device), reduction="sum").item())
-
-
 def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
     """Cache the latents of the datasets of `args` and print a summary (None with --debug_dataset, which only
     shows the batches)."""
@@ -145,13 +129,7 @@ def run(argv: list[str] | None = None) -> CacheSummary | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        run(argv)
-    except UserError as e:
-        logger.error("%s", e)
-        return 2
-    return 0
+    return tool_main(run, argv, logger)
 
 
 if __name__ == "__main__":

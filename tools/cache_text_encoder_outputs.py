@@ -25,6 +25,7 @@ from typing import Any
 if __name__ == "__main__":  # run as a script from anywhere: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from library.cache_tool_common import make_accelerator, tool_main, total_over_processes
 from library.errors import UserError
 
 logger = logging.getLogger("cache_text_encoder_outputs")
@@ -110,22 +111,6 @@ def check_args(args: argparse.Namespace) -> None:
                         " (text_encoder/model-00001-of-00004.safetensors) or --snapshot.")
 
 
-def make_accelerator(device: str | None) -> Any:
-    """The accelerator of this process (`accelerate launch` sets the process count); `device` cpu forces the CPU."""
-    import torch
-    from accelerate import Accelerator
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was given but no CUDA GPU is available: use --device cpu or run on a GPU.")
-    return Accelerator(cpu=device == "cpu")
-
-
-def total_over_processes(acc: Any, value: int) -> int:
-    import torch
-
-    return int(acc.reduce(torch.tensor([value], device=acc.device), reduction="sum").item())
-
-
 def load_encode_fn(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
     """(captions -> outputs, encoder variant) with the tokenizer and the text encoder of `args` (bf16 on a GPU, fp32
     on the CPU; --te_quant / --te_device / --convrot_int8_text_encoder applied)."""
@@ -186,13 +171,7 @@ def run(argv: list[str] | None = None) -> CacheSummary | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        run(argv)
-    except UserError as e:
-        logger.error("%s", e)
-        return 2
-    return 0
+    return tool_main(run, argv, logger)
 
 
 if __name__ == "__main__":
