@@ -120,6 +120,8 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
                            acc.num_processes)
     if acc.is_main_process:
         print(summary.line())
+    acc.wait_for_everyone()
+    acc.end_training()  # an orderly end of the process group: no process exits while another still talks to it
     return summary
 
 

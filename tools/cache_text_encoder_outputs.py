@@ -162,6 +162,8 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
     summary = CacheSummary(len(files), total_over_processes(acc, encoded), acc.num_processes)
     if acc.is_main_process:
         print(summary.line())
+    acc.wait_for_everyone()
+    acc.end_training()  # an orderly end of the process group: no process exits while another still talks to it
     return summary
 
 
