@@ -68,9 +68,8 @@ class Attention:
         return self._fn
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """`key_mask` None means every key is valid (the caller drops an all-true mask once per forward)."""
         fn = self._backend()
-        if key_mask is not None and bool(key_mask.all()):
-            key_mask = None
         if not self.split_attn:
             return fn(q, k, v, key_mask)
         if key_mask is None and self.mode != "torch":

@@ -383,13 +383,18 @@ class MossImage(nn.Module):
         pos = self._positions(attn_mask.sum(dim=1), t_pad, h, w)
         cos, sin = rope_cos_sin(pos, cfg.rope_axes_dims, cfg.rope_theta)
 
+        # Decided once per forward (one host sync), not in every block: without padding no mask reaches attention,
+        # so the fast kernels run and compiled blocks keep one graph.
+        padded = not bool(attn_mask.all())
         txt = self.text_embedder.proj(self.text_embedder.norm(prompt_embeds.to(x.device, dtype)))
         txt_cos, txt_sin = cos[:, :t_pad], sin[:, :t_pad]
         for block in self.text_embedder.blocks:
-            txt = self._run_block(block, txt, txt_cos, txt_sin, attn_mask)
+            txt = self._run_block(block, txt, txt_cos, txt_sin, attn_mask if padded else None)
 
         seq = torch.cat([txt, img], dim=1)
-        key_mask = torch.cat([attn_mask, torch.ones(b, h * w, dtype=torch.bool, device=x.device)], dim=1)
+        key_mask = None
+        if padded:
+            key_mask = torch.cat([attn_mask, torch.ones(b, h * w, dtype=torch.bool, device=x.device)], dim=1)
         skip = set(skip_layers or ())
         swap = self._block_offloader
         if swap is not None:
