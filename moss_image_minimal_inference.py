@@ -164,13 +164,12 @@ def _lora_plan(args: argparse.Namespace, prefix: str) -> Any:
     return None if plan.is_empty else plan
 
 
-def encode_prompts(args: argparse.Namespace, texts: list[str], device: Any, dtype: Any) -> dict[str, Any]:
-    """Load the text encoder (LoRA merged), encode every text once, free the encoder."""
+def load_text_encoder_for(args: argparse.Namespace, device: Any, dtype: Any) -> tuple[Any, Any]:
+    """The text encoder (LoRA merged, --te_quant / ConvRot applied, on its run device) and the tokenizer."""
     import torch
 
     from library.moss_image_utils import load_text_encoder
-    from library.qwen35_text_encoder import encode_prompts as encode, load_tokenizer
-
+    from library.qwen35_text_encoder import load_tokenizer
     from library.te_quant import loading_device, prepare_text_encoder, te_on_cpu
 
     te_device = torch.device("cpu") if te_on_cpu(args) else device
@@ -183,10 +182,24 @@ def encode_prompts(args: argparse.Namespace, texts: list[str], device: Any, dtyp
     te.to(prepare_text_encoder(te, args.te_quant, te_device, te_on_cpu(args)).device)  # --te_quant: quantised here
     if plan:
         plan.finish()
-    tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
+    return te, load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
+
+
+def encode_texts(args: argparse.Namespace, te: Any, tokenizer: Any, texts: list[str]) -> dict[str, Any]:
+    """Each text encoded once (one at a time, no padding), kept on the CPU."""
+    import torch
+
+    from library.qwen35_text_encoder import encode_prompts as encode
+
     with torch.no_grad():
         outputs = encode(te, tokenizer, texts, args.moss_max_token_length)
-    result = {t: (e.cpu(), m.cpu()) for t, (e, m) in zip(texts, outputs)}
+    return {t: (e.cpu(), m.cpu()) for t, (e, m) in zip(texts, outputs)}
+
+
+def encode_prompts(args: argparse.Namespace, texts: list[str], device: Any, dtype: Any) -> dict[str, Any]:
+    """Load the text encoder, encode every text once, free the encoder (before the DiT is read)."""
+    te, tokenizer = load_text_encoder_for(args, device, dtype)
+    result = encode_texts(args, te, tokenizer, texts)
     del te
     _free(device)
     return result
@@ -242,62 +255,87 @@ def load_latents(path: str) -> tuple[Any, Any]:
     return sd["latents"], settings
 
 
-def decode_and_save(args: argparse.Namespace, items: list[tuple[Any, Any, str]], device: Any) -> list[Path]:
+def load_vae_for(args: argparse.Namespace, device: Any) -> Any:
     from library.flux2_vae import load_flux2_vae
+
+    return load_flux2_vae(args.vae, device=device, disable_mmap=args.disable_mmap_load_safetensors)
+
+
+def decode_and_save(args: argparse.Namespace, items: list[tuple[Any, Any, str]], vae: Any) -> list[Path]:
     from library.moss_image_generation import decode_to_pil, save_png
 
-    vae = load_flux2_vae(args.vae, device=device, disable_mmap=args.disable_mmap_load_safetensors)
     paths = []
     for latents, settings, stem in items:
         image = decode_to_pil(vae, latents)[0]
         paths.append(save_png(image, Path(args.save_path) / f"{stem}.png", settings))
         logger.info("saved %s", paths[-1])
-    del vae
-    _free(device)
     return paths
+
+
+def save_latent_files(args: argparse.Namespace, items: list[tuple[Any, Any, str]]) -> list[Path]:
+    paths = []
+    for latents, s, stem in items:
+        paths.append(save_latents(latents, s, Path(args.save_path) / f"{stem}{LATENT_SUFFIX}"))
+        logger.info("saved latents %s", paths[-1])
+    return paths
+
+
+def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], device: Any,
+                first_index: int = 0) -> list[tuple[Any, Any, str]]:
+    from library.moss_image_generation import denoise
+
+    results = []
+    for i, s in enumerate(all_settings, start=first_index):
+        t0 = time.perf_counter()
+        latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None, device)
+        logger.info("prompt %d denoised in %.1f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
+        results.append((latents.cpu(), s, _stem(s, i)))
+    return results
 
 
 # ------------------------------------------------------------------------------------------------- main
 def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
-    from library.moss_image_generation import denoise
-
+    """Seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything, move the DiT
+    off the GPU, then decode (untiled)."""
     texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
     outputs = encode_prompts(args, texts, device, dtype)
-    dit = load_dit(args, device, dtype)
-    dit.eval()
-    results = []
-    for i, s in enumerate(all_settings):
-        t0 = time.perf_counter()
-        latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None, device)
-        logger.info("prompt %d/%d denoised in %.1f s (seed %s)", i + 1, len(all_settings), time.perf_counter() - t0,
-                    s.seed)
-        results.append((latents.cpu(), s, _stem(s, i)))
+    dit = load_dit(args, device, dtype).eval()
+    results = denoise_all(dit, all_settings, outputs, device)
     dit.to("cpu")  # the decode needs the room (seed 002: split decode)
     del dit
     _free(device)
-    paths: list[Path] = []
-    if args.output_type in ("latent", "both"):
-        for latents, s, stem in results:
-            paths.append(save_latents(latents, s, Path(args.save_path) / f"{stem}{LATENT_SUFFIX}"))
-            logger.info("saved latents %s", paths[-1])
+    paths = save_latent_files(args, results) if args.output_type in ("latent", "both") else []
     if args.output_type in ("images", "both"):
-        paths += decode_and_save(args, results, device)
+        vae = load_vae_for(args, device)
+        paths += decode_and_save(args, results, vae)
+        del vae
+        _free(device)
     return paths
 
 
 def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]:
+    """Prompts from the console. The models are loaded once, at the first prompt, and stay loaded (text encoder,
+    DiT and VAE together: use --text_encoder_cpu, --te_quant or ConvRot INT8 when they do not fit)."""
     from library.moss_image_sampling import parse_prompt_line, parse_uncond_skip_layers
 
     paths: list[Path] = []
     skip = parse_uncond_skip_layers(args.uncond_skip_layers)
+    te = tokenizer = dit = vae = None
     print("Enter a prompt (with --w --h --s --l --fs --n --d options), an empty line or Ctrl-D to quit.", flush=True)
-    index = 0
-    for line in sys.stdin:
+    for index, line in enumerate(sys.stdin):
         if not line.strip():
             break
         settings = _settings(args, parse_prompt_line(line.strip(), cli_defaults(args)), skip, index)
-        paths += generate(args, [settings], device, dtype)
-        index += 1
+        if te is None:
+            te, tokenizer = load_text_encoder_for(args, device, dtype)
+            dit = load_dit(args, device, dtype).eval()
+        outputs = encode_texts(args, te, tokenizer, list(dict.fromkeys([settings.prompt, settings.negative_prompt])))
+        results = denoise_all(dit, [settings], outputs, device, first_index=index)
+        if args.output_type in ("latent", "both"):
+            paths += save_latent_files(args, results)
+        if args.output_type in ("images", "both"):
+            vae = vae or load_vae_for(args, device)
+            paths += decode_and_save(args, results, vae)
     return paths
 
 
@@ -313,7 +351,7 @@ def run(args: argparse.Namespace) -> list[Path]:
         for p in args.latent_path:
             latents, settings = load_latents(p)
             items.append((latents, settings, Path(p).stem))
-        return decode_and_save(args, items, device)
+        return decode_and_save(args, items, load_vae_for(args, device))
     if args.interactive:
         return interactive(args, device, dtype)
     return generate(args, prompt_settings(args), device, dtype)

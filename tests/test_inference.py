@@ -99,6 +99,10 @@ def test_interactive_reads_prompts_until_an_empty_line(tiny_snapshot, tmp_path, 
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO("first prompt --w 48 --h 32\nsecond --s 2\n\nnever read\n"))
-    paths = _run(tiny_snapshot, tmp_path, "--interactive", "--output_type", "latent")
-    assert [p.suffix for p in paths] == [".safetensors", ".safetensors"]
+    loads = []
+    real_load = inf.load_dit
+    monkeypatch.setattr(inf, "load_dit", lambda *a: loads.append(1) or real_load(*a))
+    paths = _run(tiny_snapshot, tmp_path, "--interactive", "--output_type", "both")
+    assert sorted(p.suffix for p in paths) == [".png", ".png", ".safetensors", ".safetensors"]
     assert _latents(paths)[0].shape == (1, 128, 2, 3)
+    assert len(loads) == 1  # the models stay loaded between prompts
