@@ -408,6 +408,10 @@ class NetworkTrainer(abc.ABC):
             num_epochs=run.num_train_epochs,
             optimizer=run.optimizer_name,
         )
+        datasets = getattr(run.train_group, "datasets", [])
+        if datasets:  # the dataset config's values (the command line's are only fallbacks)
+            meta["ss_validation_split"] = datasets[0].params.validation_split
+            meta["ss_validation_seed"] = datasets[0].params.validation_seed
         if run.args.dim_from_weights:  # the ranks and alphas of the loaded file, not the command-line values
             loras = list(getattr(run.network, "unet_loras", [])) + list(getattr(run.network, "text_encoder_loras", []))
             if loras:

@@ -82,7 +82,7 @@ def test_training_learns_saves_metadata_and_samples(tiny_snapshot, tmp_path):
                 "ss_network_module", "ss_network_dim", "ss_steps", "sshs_model_hash", "sshs_legacy_hash"):
         assert key in meta, key
     assert meta["ss_timestep_sampling"] == "sigma" and meta["ss_logit_mean"] == "-1.09" and meta["ss_steps"] == "24"
-    assert meta["ss_convrot_int8"] == "False"
+    assert meta["ss_convrot_int8"] == "False" and meta["ss_validation_split"] == "0.25"
     assert meta["modelspec.architecture"].startswith("moss-image-base")
     from library.model_spec import file_model_hash
 
