@@ -100,7 +100,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
             logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
             args.gradient_checkpointing = True
-        self._check_unavailable(args)
+        self._check_swap_and_int8_args(args)
         from library.te_quant import check_text_encoder_memory_args
 
         check_text_encoder_memory_args(args, self.is_train_text_encoder(args))
@@ -109,14 +109,12 @@ class MossImageNetworkTrainer(NetworkTrainer):
                 group.verify_bucket_reso_steps(16)  # FLUX.2 VAE 8x and 2x2 patchify
 
     @staticmethod
-    def _check_unavailable(args: argparse.Namespace) -> None:
-        """Options of the guide whose machinery is not in this version: refused with a reason, never ignored."""
+    def _check_swap_and_int8_args(args: argparse.Namespace) -> None:
+        """Block swap conflicts (seed 000's messages) and what --convrot_int8_bwd int8 needs."""
         from library.offloading import check_block_swap_args
 
         check_block_swap_args(args, training=True)
         if args.convrot_int8_bwd == "int8":
-            import torch
-
             from library.convrot_int8_kernels import HAS_TRITON
 
             if not (HAS_TRITON and torch.cuda.is_available()):
