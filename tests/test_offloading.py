@@ -338,10 +338,10 @@ def test_trainer_and_inference_use_the_checks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = trainer.setup_parser().parse_args(["--blocks_to_swap", "20", "--gradient_checkpointing"])
     with pytest.raises(UserError, match="needs a CUDA device"):
-        trainer.MossImageNetworkTrainer._check_unavailable(args)
+        trainer.MossImageNetworkTrainer._check_swap_and_int8_args(args)
     args = trainer.setup_parser().parse_args(["--blocks_to_swap", "20", "--unsloth_offload_checkpointing"])
     with pytest.raises(UserError, match="not supported with --unsloth_offload_checkpointing"):
-        trainer.MossImageNetworkTrainer._check_unavailable(args)
+        trainer.MossImageNetworkTrainer._check_swap_and_int8_args(args)
     args = inference.setup_parser().parse_args(["--prompt", "a", "--blocks_to_swap", "20", "--device", "cpu"])
     with pytest.raises(UserError, match="needs a CUDA device"):
         inference._check_args(args)
