@@ -692,10 +692,10 @@ def _tracker_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """--log_tracker_config (TOML: one table per tracker), --wandb_run_name, --wandb_api_key."""
     kwargs: dict[str, Any] = {}
     if args.log_tracker_config:
-        import toml
+        import tomllib
 
         try:
-            kwargs = toml.load(args.log_tracker_config)
+            kwargs = tomllib.loads(Path(args.log_tracker_config).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise UserError(f"--log_tracker_config '{args.log_tracker_config}' cannot be read as TOML ({e}).") from e
     if args.wandb_run_name:

@@ -244,13 +244,13 @@ def _flatten(table: dict[str, Any]) -> dict[str, Any]:
 
 def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """Arguments from a `--config_file` TOML (sections are flattened); unknown keys are an error naming them."""
-    import toml
+    import tomllib  # reading needs only the standard library (the `toml` package is for --output_config)
 
     p = Path(path)
     if not p.exists() and p.with_suffix(".toml").exists():
         p = p.with_suffix(".toml")
     try:
-        table = toml.loads(p.read_text(encoding="utf-8"))
+        table = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise UserError(f"--config_file '{path}' does not exist: check the path.") from e
     except (OSError, ValueError) as e:
@@ -276,7 +276,10 @@ def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | No
 
 def write_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser, path: str) -> None:
     """`--output_config`: the non-default arguments as TOML."""
-    import toml
+    try:
+        import toml
+    except ImportError as e:
+        raise UserError("--output_config needs the 'toml' package: pip install toml (it is in requirements.txt).") from e
 
     from library.safetensors_utils import write_text_atomic
 
