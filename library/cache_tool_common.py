@@ -35,3 +35,17 @@ def tool_main(run: Callable[[list[str] | None], Any], argv: list[str] | None, lo
         logger.error("%s", e)
         return 2
     return 0
+
+
+def add_shared_tool_arguments(group: Any, runs: str) -> None:
+    """The options both cache tools take (`runs`: what runs on --device, e.g. "the VAE")."""
+    group.add_argument("--moss_image", action="store_true",
+                       help="required: cache for MOSS-Image (the only model this tool supports)")
+    group.add_argument("--disable_mmap_load_safetensors", action="store_true",
+                       help="read safetensors with plain reads instead of memory mapping")
+    group.add_argument("--skip_cache_check", action="store_true",
+                       help="trust every existing cache file without checking it")
+    group.add_argument("--device", type=str, default=None, choices=["cpu", "cuda"],
+                       help=f"where {runs} runs (default: the GPU when there is one; under accelerate, its device)")
+    group.add_argument("--seed", type=int, default=None,
+                       help="dataset seed (validation_split; the cache holds every image whatever the split)")

@@ -104,27 +104,11 @@ def quantize_blocks(model: MossImage) -> None:
 
 
 def tiny_qwen35() -> nn.Module:
+    """The tiny snapshot's Qwen3.5 text config, cut to two layers (one linear-attention, one full-attention)."""
     from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
 
-    config = Qwen3_5TextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-    )
-    return Qwen3_5TextModel(config).eval()
+    from library.tiny_snapshot import TINY_TEXT_CONFIG
+
+    fields = {k: v for k, v in TINY_TEXT_CONFIG.items() if k != "model_type"}
+    fields.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    return Qwen3_5TextModel(Qwen3_5TextConfig(**fields)).eval()

@@ -22,7 +22,12 @@ from dataclasses import dataclass
 if __name__ == "__main__":  # run as a script from anywhere: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.cache_tool_common import make_accelerator, tool_main, total_over_processes
+from library.cache_tool_common import (
+    add_shared_tool_arguments,
+    make_accelerator,
+    tool_main,
+    total_over_processes,
+)
 from library.errors import UserError
 
 logger = logging.getLogger("cache_latents")
@@ -51,25 +56,16 @@ def setup_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = parser.add_argument_group("model and caching")
-    g.add_argument("--moss_image", action="store_true",
-                   help="required: cache for MOSS-Image (the only model this tool supports)")
+    add_shared_tool_arguments(g, "the VAE")
     g.add_argument("--vae", type=str, default=None,
                    help="FLUX.2 VAE: flux2-vae.safetensors (BFL/ComfyUI) or the diffusers vae/ folder")
     g.add_argument("--snapshot", type=str, default=None,
                    help="a MOSS-Image snapshot folder: its vae/ is used when --vae is not given")
-    g.add_argument("--disable_mmap_load_safetensors", action="store_true",
-                   help="read safetensors with plain reads instead of memory mapping")
     g.add_argument("--cache_latents", action="store_true",
                    help="accepted for command lines copied from training; the tool always caches")
     g.add_argument("--cache_latents_to_disk", action="store_true",
                    help="required: write the latents to *_moss.npz files beside the images")
     g.add_argument("--vae_batch_size", type=int, default=1, help="images per VAE call")
-    g.add_argument("--skip_cache_check", action="store_true",
-                   help="trust every existing cache file without checking its contents")
-    g.add_argument("--device", type=str, default=None, choices=["cpu", "cuda"],
-                   help="where the VAE runs (default: the GPU when there is one; under accelerate, its device)")
-    g.add_argument("--seed", type=int, default=None,
-                   help="dataset seed (validation_split; the cache holds every image whatever the split)")
     add_dataset_arguments(parser)
     return parser
 

@@ -25,7 +25,12 @@ from typing import Any
 if __name__ == "__main__":  # run as a script from anywhere: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.cache_tool_common import make_accelerator, tool_main, total_over_processes
+from library.cache_tool_common import (
+    add_shared_tool_arguments,
+    make_accelerator,
+    tool_main,
+    total_over_processes,
+)
 from library.errors import UserError
 
 logger = logging.getLogger("cache_text_encoder_outputs")
@@ -53,8 +58,7 @@ def setup_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = parser.add_argument_group("model and caching")
-    g.add_argument("--moss_image", action="store_true",
-                   help="required: cache for MOSS-Image (the only model this tool supports)")
+    add_shared_tool_arguments(g, "the text encoder")
     g.add_argument("--text_encoder", type=str, default=None,
                    help="Qwen3.5-9B text encoder: first shard of the official files (text_encoder/model-00001-of-0000N)"
                         " or a single file")
@@ -66,21 +70,12 @@ def setup_parser() -> argparse.ArgumentParser:
                    help="maximum text tokens including the chat template (default and maximum 4096)")
     g.add_argument("--convrot_int8_text_encoder", action="store_true",
                    help="quantise the text encoder to ConvRot INT8 at load time (pre-quantised files need no option)")
-    g.add_argument("--disable_mmap_load_safetensors", action="store_true",
-                   help="read safetensors with plain reads instead of memory mapping")
     g.add_argument("--cache_text_encoder_outputs", action="store_true",
                    help="accepted for command lines copied from training; the tool always caches")
     g.add_argument("--cache_text_encoder_outputs_to_disk", action="store_true",
                    help="required: write the outputs to *_moss_te.npz files beside the images")
     g.add_argument("--text_encoder_batch_size", type=int, default=None,
                    help="captions per caching step (the encoder itself runs one caption at a time)")
-    g.add_argument("--skip_cache_check", action="store_true",
-                   help="trust every existing cache file without checking its captions")
-    g.add_argument("--device", type=str, default=None, choices=["cpu", "cuda"],
-                   help="where the text encoder runs (default: the GPU when there is one; under accelerate, its"
-                        " device)")
-    g.add_argument("--seed", type=int, default=None,
-                   help="dataset seed (validation_split; the cache holds every image whatever the split)")
     from library.te_quant import add_text_encoder_memory_arguments
 
     add_text_encoder_memory_arguments(parser)
