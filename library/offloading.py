@@ -87,13 +87,15 @@ def check_blocks_to_swap(num_blocks: int, num_layers: int = MOSS_IMAGE_NUM_LAYER
 
 
 def check_block_swap_device(device: str | torch.device, num_processes: int = 1) -> None:
-    """Block swap moves blocks between host memory and one CUDA device, in one process."""
+    """Block swap moves blocks between host memory and one CUDA device (per process under DDP)."""
     if torch.device(device).type != "cuda":
         raise UserError("--blocks_to_swap needs a CUDA device: on the CPU every block is already in host memory, so"
                         " drop --blocks_to_swap.")
     if num_processes > 1:
-        raise UserError(f"--blocks_to_swap is not supported with several processes ({num_processes}, DDP) yet: train"
-                        " with one process, or drop --blocks_to_swap.")
+        # each process swaps the blocks of its own GPU and keeps its own host copy of the swapped blocks (the LoRA
+        # gradients are averaged outside the model, so the frozen weights moving never meet a DDP reducer)
+        logger.info("block swap in each of the %d processes: every process holds its own host copy of the swapped"
+                    " blocks (host RAM scales with the number of processes)", num_processes)
 
 
 def check_block_swap_args(args: argparse.Namespace, training: bool = True, device: str | None = None) -> None:
