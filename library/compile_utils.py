@@ -1,8 +1,14 @@
 """`--compile`: per-block torch.compile of the DiT blocks, and the CUDA speed switches.
 
 Each of the main blocks is compiled on its own (same code, so the compiled graph is shared and compile time stays
-small). Buckets of different sizes change the sequence length: with `--compile_dynamic auto` the blocks are compiled
-with dynamic shapes when the run has several buckets, and the dynamo recompile limit is raised to cover them.
+small). Buckets (training) or image sizes (inference) of different sizes change the sequence length: with
+`--compile_dynamic auto` the blocks are compiled with dynamic shapes when the run has several of them, and the dynamo
+recompile limit is raised to cover them. ConvRot INT8 layers run outside the compiled graphs (their forward is
+`torch.compiler.disable`d), so they need no special handling here. Skipped blocks (the unconditional CFG pass) and
+block swap live in the model's block loop, outside the compiled blocks.
+
+The options are shared by the trainer and the inference script (`add_compile_arguments`). torch is imported inside
+the functions so that building a parser stays light.
 """
 
 from __future__ import annotations
@@ -11,13 +17,60 @@ import argparse
 import logging
 from typing import Any
 
-import torch
-
 logger = logging.getLogger(__name__)
+
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+def add_compile_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, shapes: str = "buckets") -> None:
+    """`--compile` and its `--compile_*` options; `shapes` names what changes the sequence length in the help."""
+    parser.add_argument("--compile", action="store_true", help="per-block torch.compile of the DiT blocks")
+    parser.add_argument("--compile_backend", type=str, default="inductor", help="torch.compile backend")
+    parser.add_argument("--compile_mode", type=str, default="default", choices=COMPILE_MODES,
+                        help="torch.compile mode")
+    parser.add_argument("--compile_dynamic", type=str, default="auto", choices=["auto", "true", "false"],
+                        help=f"dynamic shapes for --compile (auto: dynamic when {shapes} differ)")
+    parser.add_argument("--compile_fullgraph", action="store_true", help="fullgraph=True for --compile")
+    parser.add_argument("--compile_cache_size_limit", type=int, default=None,
+                        help=f"dynamo recompile limit (raised automatically for several {shapes})")
+
+
+def check_compile_args(args: argparse.Namespace, convrot_int8: bool = False) -> None:
+    """`--compile_fullgraph` needs each block to be one graph: refused with --split_attn and with ConvRot INT8
+    layers (`convrot_int8`: the model has them, or will have them), which run outside the graph."""
+    from library.errors import UserError
+
+    if not (args.compile and args.compile_fullgraph):
+        return
+    if getattr(args, "split_attn", False):
+        raise UserError("--compile_fullgraph cannot be used with --split_attn (split attention uses dynamic control"
+                        " flow).")
+    if convrot_int8:
+        raise UserError("--compile_fullgraph cannot be used with a ConvRot INT8 DiT: its int8 layers run outside the"
+                        " compiled graph; drop --compile_fullgraph.")
+
+
+def check_cpu_compiler(args: argparse.Namespace, device: Any) -> None:
+    """inductor on the CPU builds C++ code: say so clearly when no C++ compiler is found."""
+    from library.errors import UserError
+
+    if not args.compile or args.compile_backend != "inductor" or str(device).split(":")[0] != "cpu":
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another torch layout: inductor reports a missing compiler itself
+        return
+    try:
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - inductor raises various error types for a missing compiler
+        raise UserError(f"--compile on the CPU with the inductor backend needs a C++ compiler, and none was found"
+                        f" ({e}): install one (g++ or clang++, or set CXX), or use --compile_backend aot_eager.") from e
 
 
 def apply_cuda_optimizations(args: argparse.Namespace) -> None:
     """TF32 matmuls and cuDNN autotuning: applied whenever CUDA is used, with or without --compile."""
+    import torch
+
     if not torch.cuda.is_available():
         return
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -27,6 +80,8 @@ def apply_cuda_optimizations(args: argparse.Namespace) -> None:
 
 def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> None:
     """Replace each block of `dit.layers` by its torch.compile'd version (in place)."""
+    import torch
+
     dynamic = {"true": True, "false": False}.get(args.compile_dynamic, None)
     if dynamic is None:
         dynamic = True if num_shapes > 1 else None

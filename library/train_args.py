@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from library.compile_utils import add_compile_arguments
 from library.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -127,16 +128,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp_static_graph", action="store_true", help="DDP static_graph")
     g.add_argument("--torch_compile", action="store_true", help="accelerate's dynamo compile of the DiT")
     g.add_argument("--dynamo_backend", type=str, default="inductor", help="backend of --torch_compile")
-    g.add_argument("--compile", action="store_true", help="per-block torch.compile of the DiT blocks")
-    g.add_argument("--compile_backend", type=str, default="inductor", help="torch.compile backend")
-    g.add_argument("--compile_mode", type=str, default="default",
-                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                   help="torch.compile mode")
-    g.add_argument("--compile_dynamic", type=str, default="auto", choices=["auto", "true", "false"],
-                   help="dynamic shapes for --compile (auto: dynamic when buckets differ)")
-    g.add_argument("--compile_fullgraph", action="store_true", help="fullgraph=True for --compile")
-    g.add_argument("--compile_cache_size_limit", type=int, default=None,
-                   help="dynamo recompile limit (raised automatically for several buckets)")
+    add_compile_arguments(g)
     g.add_argument("--blocks_to_swap", type=int, default=None, help="DiT blocks swapped between CPU and GPU (max 40)")
     g.add_argument("--block_swap_h2d_only", action="store_true",
                    help="LoRA training: stream frozen blocks host-to-device only (needs --gradient_checkpointing)")
