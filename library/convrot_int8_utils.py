@@ -572,10 +572,13 @@ def prepare_model_for_comfy_int8(
     specs: Mapping[str, ComfyInt8LayerSpec],
     bwd: str = "bf16",
     what: str = "the model file",
+    compute_dtype: torch.dtype | None = None,
 ) -> int:
     """Swap every layer named in `specs` (an nn.Linear or nn.Embedding of `model`) for an empty int8 module of the
     same shape and device; a following ``model.load_state_dict(file_tensors)`` then fills weight, weight_scale
-    (any accepted shape), bias and accepts the markers. Returns the number of swapped layers."""
+    (any accepted shape), bias and accepts the markers. `compute_dtype`: the dtype the model runs in (the bias and
+    the embedding's output; default: the replaced layer's dtype, which is float32 for a model built on meta without
+    a dtype). Returns the number of swapped layers."""
     _check_bwd(bwd)
     count = 0
     for name, spec in specs.items():
@@ -589,13 +592,14 @@ def prepare_model_for_comfy_int8(
             continue
         dev = module.weight.device
         if type(module) is nn.Linear:
+            bias_dtype = module.bias.dtype if module.bias is not None else module.weight.dtype
             new: nn.Module = ConvRotInt8Linear(
                 module.in_features, module.out_features, module.bias is not None, spec.group_size, bwd, dev,
-                module.bias.dtype if module.bias is not None else module.weight.dtype, spec.full_precision,
+                compute_dtype or bias_dtype, spec.full_precision,
             )
         elif type(module) is nn.Embedding:
             new = ConvRotInt8Embedding(module.num_embeddings, module.embedding_dim, spec.group_size,
-                                       module.padding_idx, module.weight.dtype, dev)
+                                       module.padding_idx, compute_dtype or module.weight.dtype, dev)
         else:
             raise UserError(f"{what} quantizes '{name}', which is a {type(module).__name__} (only Linear and Embedding"
                             " layers can be int8): the file does not match the model.")

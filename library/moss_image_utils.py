@@ -314,7 +314,7 @@ def _load_prequantized_dit(
     config = infer_dit_config(_DictShapes(sd), _read_config_json(checkpoint))
     with torch.device("meta"):
         model = MossImage(config, attn_mode=attn_mode, split_attn=split_attn)
-    cr.prepare_model_for_comfy_int8(model, specs, bwd, what)
+    cr.prepare_model_for_comfy_int8(model, specs, bwd, what, compute_dtype=dtype)
     _cast_floats(sd, dtype, loading_device)
     expected = set(model.state_dict().keys())
     found = set(sd)
@@ -346,10 +346,29 @@ def load_text_encoder(
     `calc_device` when given); a ComfyUI pre-quantised file is detected and loaded as it is."""
     from library.qwen35_text_encoder import load_qwen35_text_model
 
+    return load_qwen35_text_model(_text_encoder_path(path), dtype=dtype, device=device, disable_mmap=disable_mmap,
+                                  tensor_hook=tensor_hook, convrot_int8=convrot_int8,
+                                  convrot_int8_bwd=convrot_int8_bwd, calc_device=calc_device)
+
+
+def _text_encoder_path(path: str | os.PathLike) -> Path:
+    """A text encoder file or folder as given, or the text_encoder/ folder of a snapshot root."""
     p = Path(path)
     if p.is_dir() and (p / "text_encoder").is_dir():
         p = p / "text_encoder"
     if not p.is_dir():
         check_safetensors_path(p, "text encoder checkpoint")
-    return load_qwen35_text_model(p, dtype=dtype, device=device, disable_mmap=disable_mmap, tensor_hook=tensor_hook,
-                                  convrot_int8=convrot_int8, convrot_int8_bwd=convrot_int8_bwd, calc_device=calc_device)
+    return p
+
+
+def text_encoder_file_is_prequantised(path: str | os.PathLike) -> bool:
+    """True when the text encoder checkpoint is a ComfyUI ConvRot INT8 file (`.comfy_quant` markers or the file's
+    quantisation metadata), as `load_text_encoder` detects it; only the safetensors headers are read."""
+    from library import convrot_int8_utils as cr
+    from library.qwen35_text_encoder import open_text_encoder_source
+
+    source, _ = open_text_encoder_source(_text_encoder_path(path))
+    try:
+        return cr.is_comfy_quantized_state_dict(source.keys(), source.metadata)
+    finally:
+        source.close()

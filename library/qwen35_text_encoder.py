@@ -150,7 +150,7 @@ def load_qwen35_text_model(
                 " the bf16 checkpoint with --convrot_int8_text_encoder instead (the LoRA is merged first, then quantised)."
             )
         specs = cr.comfy_int8_layer_specs(source, source.metadata, what)
-        cr.prepare_model_for_comfy_int8(model, specs, convrot_int8_bwd, what)
+        cr.prepare_model_for_comfy_int8(model, specs, convrot_int8_bwd, what, compute_dtype=dtype)
     expected_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith(cr.COMFY_QUANT_SUFFIX)}
     expected = set(expected_shapes)
     found = {k for k in source.keys() if not k.endswith(cr.COMFY_QUANT_SUFFIX) and cr.comfy_key_filter(k)}

@@ -126,3 +126,18 @@ def test_inference_merges_lora_before_quantising(tiny_snapshot, tmp_path):
             "--image_size", "32", "32", "--infer_steps", "1", "--save_path", str(tmp_path / "c"),
             "--lora_weight", str(lora)]
     assert inf.main(argv) == 2  # merging into the pre-quantised file: refused with the seed's sentence
+
+
+def test_prequantised_text_encoder_runs_in_bf16_like_quantise_at_load(tiny_snapshot):
+    # regression: the ComfyUI file built its int8 layers in the meta model's float32, so the embedding fed float32
+    # into the bf16 layers left in float (in_proj_a/b) and a bf16 run failed
+    comfy = load_text_encoder(tiny_snapshot / INT8_TE, dtype=torch.bfloat16)
+    dynamic = load_text_encoder(tiny_snapshot / "text_encoder", dtype=torch.bfloat16, convrot_int8=True)
+    assert comfy.embed_tokens.compute_dtype == torch.bfloat16
+    ids = torch.tensor([[1, 5, 6, 7, 8, 2, 201]])
+    with torch.no_grad():
+        h1, h2 = (m(input_ids=ids).last_hidden_state for m in (comfy, dynamic))
+    assert h1.dtype == torch.bfloat16 and torch.equal(h1, h2)
+    comfy.train()  # the text encoder LoRA path: train mode, gradients enabled
+    with torch.enable_grad():
+        assert comfy(input_ids=ids).last_hidden_state.dtype == torch.bfloat16
