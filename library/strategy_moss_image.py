@@ -15,7 +15,9 @@ entries they need (an npz member is read lazily), and a damaged file is re-made 
 
 Drivers (`cache_latents`, `cache_text_encoder_outputs`, used by the trainer and by tools/cache_*.py): with several
 processes, the run's cache files (all of them, valid or not) are sorted and dealt out with `my_share`, so every
-process agrees on who writes what whatever the others have written already, and no file has two writers.
+process agrees on who writes what whatever the others have written already, and no file has two writers. The TE
+driver checks its share before it encodes anything: with every file valid it never calls the encode function, so a
+`LazyEncoder` never reads the text encoder (dropout reads the unconditional embedding from the files).
 """
 
 from __future__ import annotations
@@ -354,6 +356,26 @@ def make_text_encode_fn(
     return encode
 
 
+class LazyEncoder:
+    """An encode function (captions -> outputs) made by `factory` on its first call, so that the text encoder is read
+    (or placed on the GPU) only when something is encoded. `loads_model`: the factory reads the encoder from disk
+    (False when it is in memory already); it only changes what the caching driver logs."""
+
+    def __init__(self, factory: Callable[[], Callable[[Sequence[str]], list[TextOutputs]]], loads_model: bool = True):
+        self._factory = factory
+        self._encode: Callable[[Sequence[str]], list[TextOutputs]] | None = None
+        self.loads_model = loads_model
+
+    @property
+    def loaded(self) -> bool:
+        return self._encode is not None
+
+    def __call__(self, captions: Sequence[str]) -> list[TextOutputs]:
+        if self._encode is None:
+            self._encode = self._factory()
+        return self._encode(captions)
+
+
 def _progress(items: Sequence[Any], desc: str, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
@@ -445,10 +467,11 @@ def cache_text_encoder_outputs(
     num_processes: int = 1,
     show_progress: bool = True,
 ) -> int:
-    """Attach `strategy` to the groups, encode the empty prompt, then every caption candidate whose cache is
-    missing or stale (all candidates of an image in one file; with several processes each caches its share of the
-    files). Returns the number of images (files, or entries when caching in memory) this process encoded."""
-    strategy.set_uncond(encode([""])[0])
+    """Attach `strategy` to the groups, find every caption candidate whose cache is missing or stale (all
+    candidates of an image in one file; with several processes each checks and caches its share of the files), then
+    encode the empty prompt and those candidates. `encode` is called only when something is to be encoded (a
+    `LazyEncoder` then reads the text encoder only in that case). Returns the number of images (files, or entries
+    when caching in memory) this process encoded."""
     groups = [g for g in groups if g is not None]
     for group in groups:
         group.attach_text_encoder_outputs_cache(strategy, cache_supports_dropout=True,
@@ -458,7 +481,12 @@ def cache_text_encoder_outputs(
         mine = _files_of_this_process(files, process_index, num_processes)
         todo = [files[p] for p in sorted(mine) if not strategy.is_disk_cached_outputs_expected(p, files[p][1])]
     else:
+        files, mine = {}, set()
         todo = [(i, g.captions_for_text_encoder_cache(i)) for g in groups for i in _unique(g.image_infos())]
+    if todo or _files_without_uncond(files):
+        strategy.set_uncond(encode([""])[0])  # stored in every file; dropout reads it from there
+    elif strategy.cache_to_disk:
+        _log_all_valid(encode, len(mine), num_processes)
     for chunk in _progress(batched(todo, strategy.batch_size), "caching text encoder outputs", show_progress):
         flat = [c for _, caps in chunk for c in caps]
         outputs = encode(flat)
@@ -468,6 +496,27 @@ def cache_text_encoder_outputs(
             pos += len(caps)
     logger.info("text encoder outputs: %d images encoded by this process", len(todo))
     return len(todo)
+
+
+def _files_without_uncond(files: Any) -> int:
+    """How many existing cache files of the run (every process's share: any process may read any file) have no
+    unconditional embedding (the older format): caption dropout then takes the strategy's own, so it is encoded."""
+    missing = 0
+    for path in files:
+        names = npz_names(path) if os.path.exists(path) else None
+        missing += names is not None and "uncond_embeds" not in names
+    if missing:
+        logger.info("%d text-encoder cache files of the older format have no unconditional embedding: the empty"
+                    " prompt is encoded for caption dropout", missing)
+    return missing
+
+
+def _log_all_valid(encode: Any, count: int, num_processes: int) -> None:
+    where = " of this process" if num_processes > 1 else ""
+    if isinstance(encode, LazyEncoder) and encode.loads_model and not encode.loaded:
+        logger.info("all %d text-encoder cache files%s are valid: the text encoder is not loaded", count, where)
+    else:
+        logger.info("all %d text-encoder cache files%s are valid: nothing to encode", count, where)
 
 
 def text_encoder_variant(model: Any) -> str:
