@@ -2,7 +2,8 @@
 """LoRA training for MOSS-Image (sd-scripts style): `accelerate launch moss_image_train_network.py ...` or plain python.
 
 `MossImageNetworkTrainer` fills in the hooks of `library.network_trainer.NetworkTrainer`: the Qwen3.5 text encoder
-and the FLUX.2 VAE load first, the DiT lazily after caching; latents are patchified and BatchNorm-normalised at
+and the FLUX.2 VAE load first, the DiT lazily after caching (with the TE outputs cached to disk and no sample prompts,
+the text encoder is read only if some cache file must be made); latents are patchified and BatchNorm-normalised at
 training time; the target is the flow velocity noise - x0 with timesteps sigma * 1000.
 """
 
@@ -46,6 +47,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         self.dit_convrot_int8 = False
         self.text_encoder_convrot_int8 = False
         self.text_encoder_variant: str | None = None  # recorded in the TE caches
+        self.deferred_te_variant: str | None = None  # predicted variant while the text encoder load is deferred
         self.te_device: torch.device | None = None  # where the text encoder runs (--te_device / --te_quant)
 
     # ----------------------------------------------------------------------------------------------- checks
@@ -126,38 +128,66 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     # --------------------------------------------------------------------------------------------- models
     def load_target_model(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any) -> tuple:
-        from library.convrot_int8_utils import is_convrot_int8_model
         from library.flux2_vae import load_flux2_vae
-        from library.moss_image_utils import load_text_encoder
         from library.qwen35_text_encoder import load_tokenizer
 
-        logger.info("loading the Qwen3.5 text encoder (bf16)")
-        te_dtype = torch.bfloat16 if accelerator.device.type != "cpu" or args.mixed_precision == "bf16" else torch.float32
-        plan = self._base_weights_plan(args, "lora_te")
+        self.tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
+        self.deferred_te_variant = self._deferrable_te_variant(args, accelerator)
+        if self.deferred_te_variant is None:
+            text_encoder = self._load_text_encoder(args, accelerator)
+        else:  # read only if some cache file must be made (cache_text_encoder_outputs_if_needed)
+            text_encoder = None
+            self.text_encoder_variant = self.deferred_te_variant
+            self.text_encoder_convrot_int8 = self.deferred_te_variant == "convrot_int8"
+            logger.info("the text encoder (%s) is read only if some text-encoder cache file must be made",
+                        self.deferred_te_variant)
         # --lowram: straight to the GPU (little CPU RAM); otherwise kept on the CPU until it is needed
         home = accelerator.device if args.lowram else "cpu"
-        text_encoder = load_text_encoder(
-            args.text_encoder, dtype=te_dtype, device=home, disable_mmap=args.disable_mmap_load_safetensors,
-            convrot_int8=args.convrot_int8_text_encoder, convrot_int8_bwd=args.convrot_int8_bwd,
-            calc_device=accelerator.device,  # quantised on the GPU
-            tensor_hook=plan.merge if plan else None,
-        )
-        if plan:
-            plan.finish()
-        self.text_encoder_convrot_int8 = is_convrot_int8_model(text_encoder)
-        from library.te_quant import prepare_text_encoder, te_on_cpu
-
-        self.te_device = prepare_text_encoder(text_encoder, args.te_quant, accelerator.device, te_on_cpu(args),
-                                              frozen=not self.is_train_text_encoder(args)).device
-        from library.strategy_moss_image import text_encoder_variant
-
-        self.text_encoder_variant = text_encoder_variant(text_encoder)
-        self.tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
         logger.info("loading the FLUX.2 VAE (fp32)")
         vae = load_flux2_vae(args.vae, dtype=torch.float32, device=home, disable_mmap=args.disable_mmap_load_safetensors)
         self.bn_running_mean = vae.bn.running_mean.detach().clone().float()
         self.bn_running_var = vae.bn.running_var.detach().clone().float()
         return "moss_image", [text_encoder], vae, None
+
+    def _deferrable_te_variant(self, args: argparse.Namespace, accelerator: Any) -> str | None:
+        """The predicted text-encoder variant when loading the encoder can wait for the TE cache check (its outputs
+        are cached to disk, it is not trained, no sample prompt is to be encoded at startup), else None."""
+        if not (args.cache_text_encoder_outputs_to_disk and self.is_text_encoder_not_needed_for_training(args)):
+            return None
+        if args.sample_prompts:
+            return None
+        from library.te_variant import predict_text_encoder_variant
+
+        return predict_text_encoder_variant(args, accelerator.device)
+
+    def _load_text_encoder(self, args: argparse.Namespace, accelerator: Any) -> Any:
+        """Read the text encoder (LoRA --base_weights merged, ConvRot INT8 / --te_quant applied) and note its device
+        and variant; kept on the CPU (the GPU with --lowram) until it is used."""
+        from library.convrot_int8_utils import is_convrot_int8_model
+        from library.moss_image_utils import load_text_encoder
+        from library.strategy_moss_image import text_encoder_variant
+        from library.te_quant import prepare_text_encoder, te_on_cpu
+
+        logger.info("loading the Qwen3.5 text encoder (bf16)")
+        te_dtype = torch.bfloat16 if accelerator.device.type != "cpu" or args.mixed_precision == "bf16" else torch.float32
+        plan = self._base_weights_plan(args, "lora_te")
+        home = accelerator.device if args.lowram else "cpu"
+        # building the model draws random numbers: the run's RNG must not depend on whether the encoder was read
+        cuda = [accelerator.device] if accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+            text_encoder = load_text_encoder(
+                args.text_encoder, dtype=te_dtype, device=home, disable_mmap=args.disable_mmap_load_safetensors,
+                convrot_int8=args.convrot_int8_text_encoder, convrot_int8_bwd=args.convrot_int8_bwd,
+                calc_device=accelerator.device,  # quantised on the GPU
+                tensor_hook=plan.merge if plan else None,
+            )
+            if plan:
+                plan.finish()
+            self.te_device = prepare_text_encoder(text_encoder, args.te_quant, accelerator.device, te_on_cpu(args),
+                                                  frozen=not self.is_train_text_encoder(args)).device
+        self.text_encoder_convrot_int8 = is_convrot_int8_model(text_encoder)
+        self.text_encoder_variant = text_encoder_variant(text_encoder)
+        return text_encoder
 
     @staticmethod
     def _base_weights_plan(args: argparse.Namespace, prefix: str) -> Any:
@@ -249,14 +279,20 @@ class MossImageNetworkTrainer(NetworkTrainer):
         return make_text_encode_fn(text_encoder, self.tokenizer, max_length)
 
     def cache_text_encoder_outputs_if_needed(self, run: RunState) -> None:
-        from library.strategy_moss_image import cache_text_encoder_outputs
+        from library.strategy_moss_image import LazyEncoder, cache_text_encoder_outputs
 
         args, acc = run.args, run.accelerator
-        te = run.text_encoders[0]
         if not args.cache_text_encoder_outputs:
             return
-        te.to(self.te_device or acc.device)
-        encode = self._encode_fn(te, args.moss_max_token_length)
+
+        def make_encode() -> Any:  # called only when something is encoded: a deferred encoder is read here
+            if run.text_encoders[0] is None:
+                run.text_encoders[0] = self._load_deferred_text_encoder(args, acc)
+            te = run.text_encoders[0]
+            te.to(self.te_device or acc.device)
+            return self._encode_fn(te, args.moss_max_token_length)
+
+        encode = LazyEncoder(make_encode, loads_model=run.text_encoders[0] is None)
         cache_text_encoder_outputs([run.train_group, run.val_group], encode,
                                    self.get_text_encoder_outputs_caching_strategy(args),
                                    acc.process_index, acc.num_processes, acc.is_local_main_process)
@@ -265,9 +301,18 @@ class MossImageNetworkTrainer(NetworkTrainer):
         acc.wait_for_everyone()
         if self.is_text_encoder_not_needed_for_training(args):
             run.text_encoders[0] = None  # freed before the DiT is read: the two are never in RAM together
-            del te, encode
-        else:
-            te.to("cpu")
+            del encode
+        elif run.text_encoders[0] is not None:
+            run.text_encoders[0].to("cpu")
+
+    def _load_deferred_text_encoder(self, args: argparse.Namespace, accelerator: Any) -> Any:
+        """The text encoder whose loading was deferred, checked against the variant the caches were checked with."""
+        from library.te_variant import check_predicted_variant
+
+        text_encoder = self._load_text_encoder(args, accelerator)
+        if self.deferred_te_variant is not None:
+            check_predicted_variant(self.deferred_te_variant, self.text_encoder_variant)
+        return text_encoder
 
     def _encode_sample_prompts(self, args: argparse.Namespace, encode: Any) -> dict[str, Any]:
         from library.moss_image_sampling import load_prompts

@@ -10,7 +10,9 @@ options) and the files are written by the trainer's caching driver, so `moss_ima
 --cache_text_encoder_outputs_to_disk` finds them valid and encodes nothing. Files: `<stem>_moss_te.npz` beside each
 image with every caption candidate (after caption_prefix / caption_suffix) and the unconditional (empty-prompt)
 embedding. A file is re-made when its candidate count or texts differ from the current captions, unless
---skip_cache_check. The text encoder runs in bf16 on a GPU and in fp32 on the CPU, one caption at a time.
+--skip_cache_check. When every file is valid the text encoder is not read at all (except with --te_quant auto on a
+GPU, where its variant depends on the free VRAM). The text encoder runs in bf16 on a GPU and in fp32 on the CPU, one
+caption at a time.
 """
 
 from __future__ import annotations
@@ -129,6 +131,25 @@ def load_encode_fn(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
     return make_text_encode_fn(model, tokenizer, args.moss_max_token_length), text_encoder_variant(model)
 
 
+def encoder_for(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
+    """(captions -> outputs, encoder variant). When the variant can be known without the model (see
+    `library.te_variant`), the encoder is read on the first call only, so a run that finds every file valid never
+    reads it; with --te_quant auto on a GPU it is read now (the variant depends on the free VRAM)."""
+    from library.strategy_moss_image import LazyEncoder
+    from library.te_variant import check_predicted_variant, predict_text_encoder_variant
+
+    predicted = predict_text_encoder_variant(args, device)
+    if predicted is None:
+        return load_encode_fn(args, device)
+
+    def load() -> Any:
+        encode, variant = load_encode_fn(args, device)
+        check_predicted_variant(predicted, variant)
+        return encode
+
+    return LazyEncoder(load), predicted
+
+
 def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
     """Cache the text-encoder outputs of the datasets of `args` and print a summary (None with --debug_dataset,
     which only shows the batches)."""
@@ -146,7 +167,7 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
         raise UserError(f"Text encoder outputs cannot be cached with {', '.join(blockers)}: turn those off in the"
                         " dataset config.")
     acc = make_accelerator(args.device)
-    encode, variant = load_encode_fn(args, acc.device)
+    encode, variant = encoder_for(args, acc.device)
     strategy = MossImageTextEncoderOutputsCachingStrategy(True, args.text_encoder_batch_size, args.skip_cache_check,
                                                           max_token_length=args.moss_max_token_length,
                                                           encoder_variant=variant)
