@@ -7,6 +7,16 @@
 
 Memory order (seed 002): the text encoder encodes every prompt first and is freed before the DiT is read; all
 prompts are denoised, the DiT leaves the GPU, then the VAE decodes (untiled: tiled decoding shifts colours).
+
+`--compile` compiles each of the DiT's main blocks with torch.compile (the trainer's `--compile_*` options, from
+`library.compile_utils`); the compilation happens during the first prompt's denoising.
+
+Timings: a prompt or prompt-file run (`generate()`) logs one line with the seconds of each phase and leaves them in
+`LAST_RUN_TIMINGS` (cleared by every `run()`; other modes leave it empty), so a benchmark can call `run(args)`
+in-process and read them. Keys (`TIMING_KEYS`): text_encoder_load, encode, dit_load (LoRA merge, ConvRot
+quantisation, block swap set-up and compile wrapping included), denoise (all prompts; the torch.compile time falls in
+the first one), vae_load and decode (decoding and PNG writing; both 0.0 with --output_type latent), and total =
+encode + denoise + decode (the work after loading). CUDA is synchronised before each reading.
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 logger = logging.getLogger("moss_image_minimal_inference")
 
 LATENT_SUFFIX = ".safetensors"
+TIMING_KEYS = ("text_encoder_load", "encode", "dit_load", "denoise", "vae_load", "decode", "total")
+LAST_RUN_TIMINGS: dict[str, float] = {}
 
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -52,6 +64,9 @@ def setup_parser() -> argparse.ArgumentParser:
                    help="DiT / text encoder dtype (default bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--cuda_expandable_segments", action="store_true",
                    help="set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts (less fragmentation)")
+    from library.compile_utils import add_compile_arguments
+
+    add_compile_arguments(g, shapes="image sizes")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", type=str, default=None, help="the prompt (\\n becomes a line break)")
     g.add_argument("--negative_prompt", type=str, default="", help="negative prompt (default empty, as official)")
@@ -90,6 +105,7 @@ def _resolve_paths(args: argparse.Namespace) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    from library.compile_utils import check_compile_args
     from library.errors import UserError
     from library.moss_image_sampling import check_image_size, parse_uncond_skip_layers
     from library.qwen35_text_encoder import check_max_token_length
@@ -99,6 +115,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
     check_block_swap_args(args, training=False, device=args.device)
     check_text_encoder_memory_args(args)
+    check_compile_args(args, convrot_int8=args.convrot_int8)
     if args.attn_mode == "xformers" and not args.split_attn:
         raise UserError("--attn_mode xformers requires --split_attn.")
     h, w = args.image_size
@@ -196,15 +213,6 @@ def encode_texts(args: argparse.Namespace, te: Any, tokenizer: Any, texts: list[
     return {t: (e.cpu(), m.cpu()) for t, (e, m) in zip(texts, outputs)}
 
 
-def encode_prompts(args: argparse.Namespace, texts: list[str], device: Any, dtype: Any) -> dict[str, Any]:
-    """Load the text encoder, encode every text once, free the encoder (before the DiT is read)."""
-    te, tokenizer = load_text_encoder_for(args, device, dtype)
-    result = encode_texts(args, te, tokenizer, texts)
-    del te
-    _free(device)
-    return result
-
-
 def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
     from library.moss_image_utils import load_moss_image_model
 
@@ -221,6 +229,19 @@ def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
     place_model(dit, device, args.blocks_to_swap, supports_backward=False)  # --blocks_to_swap: the rest streams
     if plan:
         plan.finish()
+    return dit
+
+
+def load_dit_for_sampling(args: argparse.Namespace, device: Any, dtype: Any, num_shapes: int = 1) -> Any:
+    """The DiT in eval mode, its main blocks wrapped by torch.compile with --compile (`num_shapes`: how many image
+    sizes the run has, for the dynamic-shape choice)."""
+    from library.compile_utils import check_compile_args, compile_blocks
+    from library.convrot_int8_utils import is_convrot_int8_model
+
+    dit = load_dit(args, device, dtype).eval()
+    if args.compile:
+        check_compile_args(args, convrot_int8=is_convrot_int8_model(dit))  # pre-quantised files are known only now
+        compile_blocks(args, dit, num_shapes=num_shapes)
     return dit
 
 
@@ -288,29 +309,52 @@ def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], devi
     for i, s in enumerate(all_settings, start=first_index):
         t0 = time.perf_counter()
         latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None, device)
+        latents = latents.cpu()  # waits for the device: the time below is the real one
         logger.info("prompt %d denoised in %.1f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
-        results.append((latents.cpu(), s, _stem(s, i)))
+        results.append((latents, s, _stem(s, i)))
     return results
 
 
 # ------------------------------------------------------------------------------------------------- main
 def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
     """Seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything, move the DiT
-    off the GPU, then decode (untiled)."""
+    off the GPU, then decode (untiled). The phase timings go to the log and to LAST_RUN_TIMINGS."""
+    from library.phase_timer import PhaseTimer
+
+    timer = PhaseTimer(device)
     texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
-    outputs = encode_prompts(args, texts, device, dtype)
-    dit = load_dit(args, device, dtype).eval()
-    results = denoise_all(dit, all_settings, outputs, device)
+    with timer.phase("text_encoder_load"):
+        te, tokenizer = load_text_encoder_for(args, device, dtype)
+    with timer.phase("encode"):
+        outputs = encode_texts(args, te, tokenizer, texts)
+    del te  # freed before the DiT is read
+    _free(device)
+    with timer.phase("dit_load"):
+        dit = load_dit_for_sampling(args, device, dtype, num_shapes=len({(s.height, s.width) for s in all_settings}))
+    with timer.phase("denoise"):
+        results = denoise_all(dit, all_settings, outputs, device)
     dit.to("cpu")  # the decode needs the room (seed 002: split decode)
     del dit
     _free(device)
     paths = save_latent_files(args, results) if args.output_type in ("latent", "both") else []
     if args.output_type in ("images", "both"):
-        vae = load_vae_for(args, device)
-        paths += decode_and_save(args, results, vae)
+        with timer.phase("vae_load"):
+            vae = load_vae_for(args, device)
+        with timer.phase("decode"):
+            paths += decode_and_save(args, results, vae)
         del vae
         _free(device)
+    _record_timings(timer.seconds)
     return paths
+
+
+def _record_timings(seconds: dict[str, float]) -> None:
+    """Fill LAST_RUN_TIMINGS (phases not run: 0.0) and log them on one line."""
+    timings = {k: seconds.get(k, 0.0) for k in TIMING_KEYS}
+    timings["total"] = timings["encode"] + timings["denoise"] + timings["decode"]
+    LAST_RUN_TIMINGS.update(timings)
+    logger.info("timings (s): text encoder load %.2f, encode %.2f, DiT load %.2f, denoise %.2f, VAE load %.2f,"
+                " decode %.2f; total after loading %.2f", *timings.values())
 
 
 def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]:
@@ -328,7 +372,7 @@ def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]
         settings = _settings(args, parse_prompt_line(line.strip(), cli_defaults(args)), skip, index)
         if te is None:
             te, tokenizer = load_text_encoder_for(args, device, dtype)
-            dit = load_dit(args, device, dtype).eval()
+            dit = load_dit_for_sampling(args, device, dtype)
         outputs = encode_texts(args, te, tokenizer, list(dict.fromkeys([settings.prompt, settings.negative_prompt])))
         results = denoise_all(dit, [settings], outputs, device, first_index=index)
         if args.output_type in ("latent", "both"):
@@ -342,9 +386,15 @@ def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]
 def run(args: argparse.Namespace) -> list[Path]:
     if args.cuda_expandable_segments:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from library.compile_utils import apply_cuda_optimizations, check_cpu_compiler
+
+    LAST_RUN_TIMINGS.clear()
     _resolve_paths(args)
     _check_args(args)
     device, dtype = _device_and_dtype(args)
+    check_cpu_compiler(args, device)
+    if device.type == "cuda":
+        apply_cuda_optimizations(args)  # TF32 and cuDNN autotuning, as in training
     Path(args.save_path).mkdir(parents=True, exist_ok=True)
     if args.latent_path:
         items = []

@@ -1,0 +1,179 @@
+"""moss_image_minimal_inference.py --compile (per-block torch.compile) and the phase timings, on the tiny snapshot.
+
+The compiled runs use a counting backend that runs the captured graphs eagerly, so the results must match the
+uncompiled run exactly, and the counts show that the blocks really ran compiled (and that block 22 is skipped in the
+unconditional pass)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+import torch
+from torch._dynamo import register_backend
+
+import moss_image_minimal_inference as inf
+from library.errors import UserError
+from tests.test_inference import _latents, _run, random_lora  # noqa: F401 - random_lora is a fixture
+
+STATS = {"graphs": 0, "calls": 0}
+TINY_LAYERS = 24
+INT8_DIT = "moss_image_base_int8_convrot.safetensors"
+
+
+@register_backend
+def moss_counting_eager(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """Counts the graphs dynamo captures and their calls; runs them as they are (exactly eager numerics)."""
+    STATS["graphs"] += 1
+
+    def run(*args: object) -> object:
+        STATS["calls"] += 1
+        return gm.forward(*args)
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()  # no compiled code or recompile budget carried over between tests
+    STATS.update(graphs=0, calls=0)
+    yield
+    torch._dynamo.reset()
+
+
+COUNTING = ["--compile", "--compile_backend", "moss_counting_eager"]
+
+
+def _pair(tiny_snapshot, tmp_path, *extra):
+    """Latents without and with --compile (counting backend)."""
+    plain = _latents(_run(tiny_snapshot, tmp_path / "plain", "--output_type", "latent", *extra))
+    compiled = _latents(_run(tiny_snapshot, tmp_path / "compiled", "--output_type", "latent", *COUNTING, *extra))
+    return plain, compiled
+
+
+def _assert_same(plain, compiled):
+    assert len(plain) == len(compiled)
+    for a, b in zip(plain, compiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+def test_compile_same_latents_and_block_22_skipped_in_uncond(tiny_snapshot, tmp_path):
+    plain, compiled = _pair(tiny_snapshot, tmp_path, "--prompt", "a cat", "--image_size", "64", "64",
+                            "--infer_steps", "3")
+    _assert_same(plain, compiled)
+    assert STATS["calls"] == 3 * (TINY_LAYERS + TINY_LAYERS - 1)  # cond: every block; uncond: all but block 22
+    assert 1 <= STATS["graphs"] <= 3  # one graph shared by all blocks (+ one recompile for the other text length)
+
+
+@pytest.mark.parametrize("skip", ["", "1,22"])
+def test_compile_with_lora_and_other_skip_layers(tiny_snapshot, tmp_path, random_lora, skip):
+    plain, compiled = _pair(tiny_snapshot, tmp_path, "--prompt", "a cat", "--image_size", "64", "64",
+                            "--infer_steps", "2", "--lora_weight", str(random_lora), "--uncond_skip_layers", skip)
+    _assert_same(plain, compiled)
+    skipped = len([s for s in skip.split(",") if s])
+    assert STATS["calls"] == 2 * (2 * TINY_LAYERS - skipped)
+
+
+def test_compile_several_sizes_from_a_prompt_file(tiny_snapshot, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="library.compile_utils")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("first --w 64 --h 64 --d 1\nsecond --w 48 --h 32 --d 2\nthird --w 64 --h 64 --l 1.0 --d 3\n")
+    plain, compiled = _pair(tiny_snapshot, tmp_path, "--from_file", str(prompts), "--infer_steps", "2")
+    _assert_same(plain, compiled)
+    assert [c.shape[-2:] for c in compiled] == [(4, 4), (2, 3), (4, 4)]
+    assert "dynamic=True" in caplog.text  # two distinct sizes: compiled with dynamic shapes from the start
+    assert STATS["graphs"] <= 2
+
+
+def test_compile_aot_eager_matches(tiny_snapshot, tmp_path):
+    args = ("--prompt", "a cat", "--image_size", "64", "64", "--infer_steps", "2")
+    plain = _latents(_run(tiny_snapshot, tmp_path / "a", "--output_type", "latent", *args))
+    compiled = _latents(_run(tiny_snapshot, tmp_path / "b", "--output_type", "latent", "--compile",
+                             "--compile_backend", "aot_eager", *args))
+    torch.testing.assert_close(compiled[0], plain[0], rtol=1e-5, atol=1e-5)
+
+
+def test_compile_with_convrot_int8_runs_the_int8_layers_outside_the_graphs(tiny_snapshot, tmp_path):
+    args = ("--prompt", "a cat", "--image_size", "32", "32", "--infer_steps", "2", "--convrot_int8")
+    plain, compiled = _pair(tiny_snapshot, tmp_path, *args)
+    _assert_same(plain, compiled)
+    # every int8 Linear splits its block's graph: 6 int8 projections -> several graphs, each block still compiled
+    assert STATS["graphs"] > 3 and STATS["calls"] > 2 * (2 * TINY_LAYERS - 1)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--split_attn"], "cannot be used with --split_attn"),
+    (["--convrot_int8"], "cannot be used with a ConvRot INT8 DiT"),
+])
+def test_fullgraph_conflicts_are_refused_before_loading(tiny_snapshot, tmp_path, extra, message):
+    with pytest.raises(UserError, match=message):
+        _run(tiny_snapshot, tmp_path, "--prompt", "x", "--compile", "--compile_fullgraph", *extra)
+
+
+def test_fullgraph_with_a_pre_quantised_file_is_refused(tiny_snapshot, tmp_path):
+    with pytest.raises(UserError, match="ConvRot INT8 DiT"):
+        _run(tiny_snapshot, tmp_path, "--prompt", "x", "--dit", str(tiny_snapshot / INT8_DIT), "--compile",
+             "--compile_fullgraph")
+
+
+def test_inductor_on_cpu_without_a_cpp_compiler_is_a_clear_error(tiny_snapshot, tmp_path, monkeypatch):
+    import torch._inductor.cpp_builder as cpp_builder
+
+    def missing() -> str:
+        raise RuntimeError("no g++")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    with pytest.raises(UserError, match="needs a C\\+\\+ compiler"):
+        _run(tiny_snapshot, tmp_path, "--prompt", "x", "--compile", "--device", "cpu")
+    _run(tiny_snapshot, tmp_path, "--prompt", "x", "--output_type", "latent", "--compile", "--compile_backend",
+         "eager", "--device", "cpu")  # other backends need no compiler
+
+
+def test_compile_options_in_help_with_the_trainer_defaults():
+    import moss_image_train_network as trainer
+
+    help_text = inf.setup_parser().format_help()
+    names = ["compile", "compile_backend", "compile_mode", "compile_dynamic", "compile_fullgraph",
+             "compile_cache_size_limit"]
+    for name in names:
+        assert f"--{name} " in help_text
+    ours = vars(inf.setup_parser().parse_args([]))
+    theirs = vars(trainer.setup_parser().parse_args([]))
+    assert {n: ours[n] for n in names} == {n: theirs[n] for n in names}
+
+
+def test_timings_after_a_run(tiny_snapshot, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=inf.logger.name)
+    _run(tiny_snapshot, tmp_path / "img", "--prompt", "a cat", "--output_type", "both")
+    t = dict(inf.LAST_RUN_TIMINGS)
+    assert tuple(t) == inf.TIMING_KEYS
+    assert all(v > 0 for v in t.values()), t
+    assert t["total"] == pytest.approx(t["encode"] + t["denoise"] + t["decode"])
+    assert "timings (s): text encoder load" in caplog.text and "total after loading" in caplog.text
+    _run(tiny_snapshot, tmp_path / "lat", "--prompt", "a cat", "--output_type", "latent")
+    assert inf.LAST_RUN_TIMINGS["vae_load"] == inf.LAST_RUN_TIMINGS["decode"] == 0.0
+    assert inf.LAST_RUN_TIMINGS["denoise"] > 0
+
+
+def test_compiled_blocks_with_block_swap_match(tiny_snapshot):
+    """The inference order (block swap set up at load, then the blocks compiled) on the CPU test ring."""
+    from library.compile_utils import compile_blocks
+    from library.moss_image_sampling import sample
+    from library.moss_image_utils import load_moss_image_model
+    from library.offloading import BlockSwapConfig
+
+    torch.manual_seed(0)
+    noise, cond, uncond = torch.randn(1, 128, 4, 4), torch.randn(1, 5, 64), torch.randn(1, 2, 64)
+    dit = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32).eval()
+    ref = sample(dit, noise, cond, None, uncond, None, steps=2)
+    dit.requires_grad_(False)
+    dit.enable_block_swap(8, BlockSwapConfig(torch.device("cpu"), supports_backward=False, allow_cpu_for_tests=True))
+    dit.prepare_block_swap_before_forward()
+    opts = argparse.Namespace(compile_backend="moss_counting_eager", compile_mode="default", compile_dynamic="auto",
+                              compile_fullgraph=False, compile_cache_size_limit=None)
+    compile_blocks(opts, dit, num_shapes=1)
+    loads = dit.block_offloader.loads
+    out = sample(dit, noise, cond, None, uncond, None, steps=2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    assert dit.block_offloader.loads > loads and STATS["calls"] == 2 * (2 * TINY_LAYERS - 1)
