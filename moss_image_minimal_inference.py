@@ -108,9 +108,8 @@ def _check_args(args: argparse.Namespace) -> None:
     from library.compile_utils import check_compile_args
     from library.errors import UserError
     from library.moss_image_sampling import check_image_size, parse_uncond_skip_layers
-    from library.qwen35_text_encoder import check_max_token_length
-
     from library.offloading import check_block_swap_args
+    from library.qwen35_text_encoder import check_max_token_length
     from library.te_quant import check_text_encoder_memory_args
 
     check_block_swap_args(args, training=False, device=args.device)

@@ -62,7 +62,7 @@ def check_cpu_compiler(args: argparse.Namespace, device: Any) -> None:
         return
     try:
         get_cpp_compiler()
-    except Exception as e:  # noqa: BLE001 - inductor raises various error types for a missing compiler
+    except Exception as e:  # inductor raises various error types for a missing compiler
         raise UserError(f"--compile on the CPU with the inductor backend needs a C++ compiler, and none was found"
                         f" ({e}): install one (g++ or clang++, or set CXX), or use --compile_backend aot_eager.") from e
 

@@ -15,7 +15,7 @@ from torch._dynamo import register_backend
 
 import moss_image_minimal_inference as inf
 from library.errors import UserError
-from tests.test_inference import _latents, _run, random_lora  # noqa: F401 - random_lora is a fixture
+from tests.test_inference import _latents, _run
 
 STATS = {"graphs": 0, "calls": 0}
 TINY_LAYERS = 24
@@ -32,6 +32,23 @@ def moss_counting_eager(gm: torch.fx.GraphModule, example_inputs: list) -> objec
         return gm.forward(*args)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def lora_file(tiny_snapshot, tmp_path_factory):
+    """A LoRA with non-zero weights on every DiT block Linear."""
+    from library.moss_image_utils import load_moss_image_model
+    from networks import lora_generic
+
+    net = lora_generic.create_network(1.0, 4, 2.0, None, [], load_moss_image_model("cpu", tiny_snapshot,
+                                                                                    dtype=torch.float32))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp("lora") / "lora.safetensors"
+    net.save_weights(str(path), torch.float32, None)
+    return path
 
 
 @pytest.fixture(autouse=True)
@@ -67,9 +84,9 @@ def test_compile_same_latents_and_block_22_skipped_in_uncond(tiny_snapshot, tmp_
 
 
 @pytest.mark.parametrize("skip", ["", "1,22"])
-def test_compile_with_lora_and_other_skip_layers(tiny_snapshot, tmp_path, random_lora, skip):
+def test_compile_with_lora_and_other_skip_layers(tiny_snapshot, tmp_path, lora_file, skip):
     plain, compiled = _pair(tiny_snapshot, tmp_path, "--prompt", "a cat", "--image_size", "64", "64",
-                            "--infer_steps", "2", "--lora_weight", str(random_lora), "--uncond_skip_layers", skip)
+                            "--infer_steps", "2", "--lora_weight", str(lora_file), "--uncond_skip_layers", skip)
     _assert_same(plain, compiled)
     skipped = len([s for s in skip.split(",") if s])
     assert STATS["calls"] == 2 * (2 * TINY_LAYERS - skipped)
@@ -118,7 +135,7 @@ def test_fullgraph_with_a_pre_quantised_file_is_refused(tiny_snapshot, tmp_path)
 
 
 def test_inductor_on_cpu_without_a_cpp_compiler_is_a_clear_error(tiny_snapshot, tmp_path, monkeypatch):
-    import torch._inductor.cpp_builder as cpp_builder
+    from torch._inductor import cpp_builder
 
     def missing() -> str:
         raise RuntimeError("no g++")
