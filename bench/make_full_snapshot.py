@@ -96,7 +96,7 @@ COMFY_INT8 = Path("moss_image_base_int8_convrot.safetensors")
 TE_INT8 = Path("text_encoder_int8") / "qwen3.5_9b_int8_convrot.safetensors"
 BFL_VAE = Path("flux2-vae.safetensors")
 TEXT_PREFIX = "model.language_model."
-WHAT = ("dit", "te", "vae", "comfy")
+WHAT = ("dit", "te", "vae", "comfy", "comfy_int8")  # comfy_int8: the two INT8 files without the bf16 one
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -413,13 +413,13 @@ def vae_step(cfg: Flux2VAEConfig, rng: RandomSource) -> Step:
                 {VAE_DIR / "config.json": cfg.to_diffusers_config()})
 
 
-def comfy_step(scale: Scale, root: Path, device: torch.device) -> Step:
-    """The three ComfyUI single files, read back from the shards under `root`."""
+def comfy_step(scale: Scale, root: Path, device: torch.device, with_bf16: bool = True) -> Step:
+    """The three ComfyUI single files (the two INT8 ones without `with_bf16`), read back from the shards."""
     dit, te = dit_specs(scale.dit), te_specs(scale.te)
     dit_reader = ShardReader(root, _first_shard(DIT_DIR, DIT_STEM, DIT_SHARDS), dit, "dit")
     te_reader = ShardReader(root, _first_shard(TE_DIR, TE_STEM, TE_SHARDS), te, "te")
-    jobs = [comfy_bf16_job(dit, dit_reader), comfy_int8_dit_job(dit, dit_reader, device),
-            comfy_int8_te_job(te, te_reader, device)]
+    jobs = [comfy_bf16_job(dit, dit_reader)] if with_bf16 else []
+    jobs += [comfy_int8_dit_job(dit, dit_reader, device), comfy_int8_te_job(te, te_reader, device)]
     return Step("comfy", jobs, {TE_INT8.parent / "config.json": scale.te}, readers=[dit_reader, te_reader])
 
 
@@ -430,7 +430,10 @@ def plan(scale: Scale, what: list[str], rng: RandomSource, root: Path, device: t
         "te": lambda: te_step(scale.te, rng),
         "vae": lambda: vae_step(scale.vae, rng),
         "comfy": lambda: comfy_step(scale, root, device),
+        "comfy_int8": lambda: comfy_step(scale, root, device, with_bf16=False),
     }
+    if "comfy" in what and "comfy_int8" in what:
+        what = [w for w in what if w != "comfy_int8"]  # comfy already writes the INT8 files
     return [makers[name]() for name in WHAT if name in what]
 
 
@@ -485,7 +488,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("out", type=Path, help="output folder (the snapshot root)")
     p.add_argument("--scale", choices=sorted(SCALES), default="full")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--what", default=",".join(WHAT), help=f"comma-separated subset of {','.join(WHAT)} (default all)")
+    p.add_argument("--what", default="dit,te,vae,comfy", help=f"comma-separated subset of {','.join(WHAT)} (default: dit,te,vae,comfy)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where values are drawn and quantised (auto: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads drawing values (default: cores, max 16)")
