@@ -55,7 +55,7 @@ class GpuPoller:
     """The driver's used memory of this process's GPU (CUDA context included, as nvidia-smi shows it), sampled in a
     background thread; the peak is kept per phase."""
 
-    def __init__(self, index: int, period_s: float = 0.05):
+    def __init__(self, index: int, period_s: float = 0.1):
         self.index, self.period_s = index, period_s
         self.peaks: dict[str, float] = {}
         self.phase = "startup"
