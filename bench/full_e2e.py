@@ -26,8 +26,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,8 +105,8 @@ class Paths:
 # --------------------------------------------------------------------------------------------------- running
 def run_measured(out: Path, label: str, entry: str, argv: list[str], *, phase: str | None = None,
                  time_specs: tuple[str, ...] = (), skip: int = 0, profile_call: int = 0, nproc: int = 1,
-                 extra_measure: tuple[str, ...] = (), timeout: int = 900, env: dict[str, str] | None = None
-                 ) -> dict[str, Any]:
+                 extra_measure: tuple[str, ...] = (), timeout: int = 900, env: dict[str, str] | None = None,
+                 gpu: int | None = None) -> dict[str, Any]:
     """One product command in its own process(es) under measure.py; returns rank 0's figures (all ranks' under
     'ranks')."""
     runs = out / "runs"
@@ -130,6 +130,8 @@ def run_measured(out: Path, label: str, entry: str, argv: list[str], *, phase: s
     cmd += ["--", entry, *argv]
     t0 = time.perf_counter()
     proc_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    if gpu is not None:  # one GPU of several: the run sees it as cuda:0, the driver poller reads its real index
+        proc_env.update(CUDA_VISIBLE_DEVICES=str(gpu), MEASURE_GPU_INDEX=str(gpu))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=proc_env)
     wall = round(time.perf_counter() - t0, 2)
     log = runs / f"{label}.log"
@@ -155,11 +157,15 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+_WRITE_LOCK = threading.Lock()
+
+
 def write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    with _WRITE_LOCK:  # runs on several GPUs report from their own threads
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------------------ phases
@@ -218,21 +224,26 @@ def phase_cache(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict[st
     out = Path(args.out)
     res: dict[str, Any] = {"images": scale.images, "resolution": scale.resolution}
     dev = ["--device", scale.device]
-    res["latents"] = run_measured(
-        out, "cache_latents", "tools.cache_latents:main",
-        ["--moss_image", "--vae", str(paths.vae), *_dataset_args(scale, paths.data("bf16")), "--cache_latents_to_disk",
-         "--skip_cache_check", *dev],
-        time_specs=("library.strategy_moss_image:cache_latents",))
-    for f in (paths.data("bf16") / "1_e2e").glob("*_moss.npz"):  # the same images: share the latent caches
-        shutil.copy2(f, paths.data("int8") / "1_e2e" / f.name)
-    te_runs = {"te_bf16": (paths.te, []), "te_int8_prequantised": (paths.te_int8, [])}
-    for name, (te_path, extra) in te_runs.items():
-        data = paths.data("bf16" if name == "te_bf16" else "int8")
+    te_src = {"te_bf16": (paths.te, "bf16"), "te_int8_prequantised": (paths.te_int8, "int8")}
+
+    def one(name: str, gpu: int | None) -> None:
+        if name == "latents":
+            res[name] = run_measured(
+                out, "cache_latents", "tools.cache_latents:main",
+                ["--moss_image", "--vae", str(paths.vae), *_dataset_args(scale, paths.data("bf16")),
+                 "--cache_latents_to_disk", "--skip_cache_check", *dev],
+                time_specs=("library.strategy_moss_image:cache_latents",), gpu=gpu)
+            return
+        te_path, data = te_src[name]
         res[name] = run_measured(
             out, f"cache_{name}", "tools.cache_text_encoder_outputs:main",
             ["--moss_image", "--text_encoder", str(te_path), "--tokenizer_cache_dir", str(paths.tokenizer),
-             *_dataset_args(scale, data), "--cache_text_encoder_outputs_to_disk", *extra, *dev],
-            time_specs=("library.strategy_moss_image:cache_text_encoder_outputs",))
+             *_dataset_args(scale, paths.data(data)), "--cache_text_encoder_outputs_to_disk", *dev],
+            time_specs=("library.strategy_moss_image:cache_text_encoder_outputs",), gpu=gpu)
+
+    on_gpus(["latents", *te_src], one, args.gpus)
+    for f in (paths.data("bf16") / "1_e2e").glob("*_moss.npz"):  # the same images: share the latent caches
+        shutil.copy2(f, paths.data("int8") / "1_e2e" / f.name)
     for k, v in res.items():
         if isinstance(v, dict) and v.get("calls"):
             loop = next(iter(v["calls"].values()))["total_s"]
@@ -309,17 +320,43 @@ def _step_summary(r: dict[str, Any]) -> dict[str, Any]:
 def phase_train(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict[str, Any]:
     out = Path(args.out)
     names = args.configs.split(",") if args.configs else list(TRAIN_CONFIGS)
-    res = {}
     for name in names:
         if name not in TRAIN_CONFIGS:
             raise SystemExit(f"unknown training configuration {name!r}: choose from {', '.join(TRAIN_CONFIGS)}")
+    res: dict[str, Any] = {}
+
+    def one(name: str, gpu: int | None) -> None:
         r = run_measured(out, f"train_{name}", "moss_image_train_network:main",
                          train_argv(scale, paths, name, paths.root / "out" / name, args.steps),
-                         phase=TRAIN_STEP, skip=args.skip,
+                         phase=TRAIN_STEP, skip=args.skip, gpu=gpu,
                          profile_call=args.profile_call if name in (args.profile or "").split(",") else 0)
-        res[name] = _step_summary(r)
+        res[name] = _step_summary(r) | {"gpu": gpu}
         write_json(out / "e2e_train_partial.json", res)
-    return res
+
+    on_gpus(names, one, args.gpus)
+    return {n: res[n] for n in names}
+
+
+def on_gpus(names: list[str], fn: Any, gpus: str) -> None:
+    """Run `fn(name, gpu)` for every name, one run per GPU at a time (`--gpus 0,1`: two at once), in order."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    ids = [int(g) for g in gpus.split(",")] if gpus else [None]
+    free: queue.Queue = queue.Queue()
+    for g in ids:
+        free.put(g)
+
+    def task(name: str) -> None:
+        g = free.get()
+        try:
+            fn(name, g)
+        finally:
+            free.put(g)
+
+    with ThreadPoolExecutor(max_workers=len(ids)) as pool:
+        for f in [pool.submit(task, n) for n in names]:
+            f.result()
 
 
 INFER_RUNS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (DiT, options)
@@ -359,14 +396,15 @@ def infer_argv(scale: Scale, paths: Paths, name: str, save: Path) -> list[str]:
 def phase_infer(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict[str, Any]:
     out = Path(args.out)
     names = args.runs.split(",") if args.runs else list(INFER_RUNS)
-    res = {}
-    for name in names:
+    res: dict[str, Any] = {}
+
+    def one(name: str, gpu: int | None) -> None:
         save = paths.root / "infer" / name
         if save.exists():
             shutil.rmtree(save)
         r = run_measured(out, f"infer_{name}", "moss_image_minimal_inference:main",
                          infer_argv(scale, paths, name, save), extra_measure=("--record", INFER_TIMINGS),
-                         time_specs=(DENOISE,))
+                         time_specs=(DENOISE,), gpu=gpu)
         timings = r.get("recorded", {}).get(INFER_TIMINGS, {})
         per_image = r.get("durations_s", {}).get(DENOISE, [])
         n = max(len(per_image), 1)
@@ -377,7 +415,9 @@ def phase_infer(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict[st
                      **{k: r.get(k) for k in ("wall_s", "host_peak_rss_gib", "torch_gpu", "driver_gpu_used_peak_gib",
                                               "returncode", "error_tail") if r.get(k) is not None}}
         write_json(out / "e2e_infer_partial.json", res)
-    return res
+
+    on_gpus(names, one, args.gpus)
+    return {n: res[n] for n in names}
 
 
 def _one(folder: Path, pattern: str) -> Path | None:
@@ -545,6 +585,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=None, help="steps left out of the medians")
     p.add_argument("--profile", default="", help="training configurations whose --profile_call step is profiled")
     p.add_argument("--profile_call", type=int, default=0)
+    p.add_argument("--gpus", default="", help="GPU indices for single-GPU runs side by side (e.g. 0,1; default: as is)")
     args = p.parse_args(argv)
     scale = SCALES[args.scale]
     args.steps = args.steps or scale.steps

@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase:
         rec.wrap(args.phase, phase=True)
     if torch.cuda.is_available():
-        rec.poller = GpuPoller(int(os.environ.get("LOCAL_RANK", "0"))).start()
+        rec.poller = GpuPoller(int(os.environ.get("MEASURE_GPU_INDEX", os.environ.get("LOCAL_RANK", "0")))).start()
     mod_name, _, fn_name = entry.partition(":")
     t0 = time.perf_counter()
     error = None
