@@ -279,9 +279,12 @@ def test_a_wrong_prediction_is_an_internal_error(tiny_snapshot, tmp_path, monkey
 # ------------------------------------------------------------------------------------------------------- tool
 def test_cache_tool_exits_without_reading_the_encoder_when_all_files_are_valid(tiny_snapshot, tmp_path,
                                                                                 monkeypatch, caplog):
+    from accelerate.state import AcceleratorState
+
     from tests.test_cache_tools import dataset, tool_args
     from tools import cache_text_encoder_outputs as te_tool
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # --device cpu after a trainer run on a GPU
     cfg = dataset(tmp_path)
     spy = LoadSpy(monkeypatch)
     argv = tool_args(tiny_snapshot, cfg, "--cache_text_encoder_outputs_to_disk")
