@@ -269,6 +269,7 @@ TRAIN_CONFIGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "bf16_swap20_compile": ("bf16", "bf16", ("--gradient_checkpointing", "--blocks_to_swap", "20",
                                              "--block_swap_h2d_only", "--compile")),
 }
+INT8_DIT_SOURCE = {"file": False}  # --int8_dit file: INT8 rows read the pre-quantised file instead of quantising
 GPU_ONLY = ("--blocks_to_swap", "--block_swap_h2d_only", "--unsloth_offload_checkpointing", "--compile")
 
 
@@ -300,7 +301,9 @@ def train_argv(scale: Scale, paths: Paths, name: str, out_dir: Path, steps: int,
         "--timestep_sampling", "sigma", "--weighting_scheme", "logit_normal", "--logit_mean", "-1.09",
         "--logit_std", "0.95", "--save_model_as", "safetensors", *opts, *extra,
     ]
-    if dit == "int8":
+    if dit == "int8" and INT8_DIT_SOURCE["file"]:  # the pre-quantised ComfyUI file (detected by the loader)
+        argv[argv.index("--pretrained_model_name_or_path") + 1] = str(paths.dit_int8)
+    elif dit == "int8":
         argv.append("--convrot_int8")
     if not te_lora:
         argv += ["--network_train_unet_only", "--cache_text_encoder_outputs", "--cache_text_encoder_outputs_to_disk"]
@@ -327,7 +330,8 @@ def phase_train(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict[st
 
     def one(name: str, gpu: int | None) -> None:
         r = run_measured(out, f"train_{name}", "moss_image_train_network:main",
-                         train_argv(scale, paths, name, paths.root / "out" / name, args.steps),
+                         train_argv(scale, paths, name, paths.root / "out" / name, args.steps,
+                                    tuple(args.train_extra.split())),
                          phase=TRAIN_STEP, skip=args.skip, gpu=gpu,
                          profile_call=args.profile_call if name in (args.profile or "").split(",") else 0)
         res[name] = _step_summary(r) | {"gpu": gpu}
@@ -585,6 +589,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=None, help="steps left out of the medians")
     p.add_argument("--profile", default="", help="training configurations whose --profile_call step is profiled")
     p.add_argument("--profile_call", type=int, default=0)
+    p.add_argument("--train_extra", default="", help="options added to every training row (e.g. --cuda_expandable_segments)")
+    p.add_argument("--int8_dit", choices=("quantise", "file"), default="quantise",
+                   help="INT8 training rows: --convrot_int8 on the bf16 shards, or the pre-quantised ComfyUI file")
     p.add_argument("--gpus", default="", help="GPU indices for single-GPU runs side by side (e.g. 0,1; default: as is)")
     args = p.parse_args(argv)
     scale = SCALES[args.scale]
@@ -597,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args = parse_args(argv)
     scale, paths = SCALES[args.scale], Paths(Path(args.root))
+    INT8_DIT_SOURCE["file"] = args.int8_dit == "file"
     failed = False
     for name in args.phases.split(","):
         if name not in PHASES:

@@ -134,6 +134,9 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                    help="LoRA training: stream frozen blocks host-to-device only (needs --gradient_checkpointing)")
     g.add_argument("--no_pinned_memory_for_block_swap", action="store_true",
                    help="do not pin the host copies of swapped blocks")
+    g.add_argument("--cuda_expandable_segments", action="store_true",
+                   help="set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts (less memory held"
+                        " by the allocator beyond what is in use)")
     g.add_argument("--output_config", action="store_true", help="write the arguments to a TOML file and exit")
     g.add_argument("--config_file", type=str, default=None, help="TOML file of arguments (command line wins)")
 
