@@ -188,8 +188,10 @@ def lora(out: Path) -> dict[str, torch.Tensor]:
 
 
 def te_disk_args(snapshot: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return base_args(snapshot, data, out, "--cache_text_encoder_outputs_to_disk", "--max_train_steps", "2",
-                     "--learning_rate", "1e-2", *extra)
+    # latents on disk too: compared runs then read the same inputs also on a GPU, where the first run of a process
+    # caches before TF32 is switched on and later runs after
+    return base_args(snapshot, data, out, "--cache_text_encoder_outputs_to_disk", "--cache_latents_to_disk",
+                     "--max_train_steps", "2", "--learning_rate", "1e-2", *extra)
 
 
 def test_trainer_reads_the_text_encoder_only_for_missing_or_stale_files(tiny_snapshot, tmp_path, monkeypatch,
