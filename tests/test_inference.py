@@ -48,13 +48,13 @@ def test_generate_png_with_metadata(tiny_snapshot, tmp_path):
 
 
 def test_lora_merge_changes_output_and_multiplier_zero_is_exact(tiny_snapshot, tmp_path, random_lora):
-    base = _latents(_run(tiny_snapshot, tmp_path / "a", "--prompt", "cat", "--output_type", "latent"))[0]
-    zero = _latents(_run(tiny_snapshot, tmp_path / "b", "--prompt", "cat", "--output_type", "latent",
-                         "--lora_weight", str(random_lora), "--lora_multiplier", "0"))[0]
-    merged = _latents(_run(tiny_snapshot, tmp_path / "c", "--prompt", "cat", "--output_type", "latent",
-                           "--lora_weight", str(random_lora)))[0]
-    twice = _latents(_run(tiny_snapshot, tmp_path / "d", "--prompt", "cat", "--output_type", "latent",
-                          "--lora_weight", str(random_lora), str(random_lora), "--lora_multiplier", "0.5", "0.5"))[0]
+    cpu = ("--prompt", "cat", "--output_type", "latent", "--device", "cpu")  # fp32: the merge arithmetic, not bf16 rounding
+    base = _latents(_run(tiny_snapshot, tmp_path / "a", *cpu))[0]
+    zero = _latents(_run(tiny_snapshot, tmp_path / "b", *cpu, "--lora_weight", str(random_lora),
+                         "--lora_multiplier", "0"))[0]
+    merged = _latents(_run(tiny_snapshot, tmp_path / "c", *cpu, "--lora_weight", str(random_lora)))[0]
+    twice = _latents(_run(tiny_snapshot, tmp_path / "d", *cpu, "--lora_weight", str(random_lora), str(random_lora),
+                          "--lora_multiplier", "0.5", "0.5"))[0]
     assert torch.equal(base, zero)
     assert (merged - base).abs().max() > 1e-3
     torch.testing.assert_close(twice, merged, atol=1e-4, rtol=1e-4)  # two halves = one full LoRA
