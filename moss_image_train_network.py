@@ -48,6 +48,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         self.text_encoder_convrot_int8 = False
         self.text_encoder_variant: str | None = None  # recorded in the TE caches
         self.deferred_te_variant: str | None = None  # predicted variant while the text encoder load is deferred
+        self.te_base_weights: str | None = None  # identity of the --base_weights text-encoder part (TE caches)
         self.te_device: torch.device | None = None  # where the text encoder runs (--te_device / --te_quant)
 
     # ----------------------------------------------------------------------------------------------- checks
@@ -90,9 +91,10 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if args.compile and args.torch_compile:
             raise UserError("--compile (per-block torch.compile) and --torch_compile (accelerate dynamo) cannot be"
                             " used together: keep one.")
-        if args.compile and args.compile_fullgraph and args.split_attn:
-            raise UserError("--compile_fullgraph cannot be used with --split_attn (split attention uses dynamic control"
-                            " flow).")
+        from library.compile_utils import check_compile_args, check_cpu_compiler
+
+        check_compile_args(args, convrot_int8=bool(args.convrot_int8))  # a pre-quantised file: checked after loading
+        check_cpu_compiler(args, "cuda" if torch.cuda.is_available() else "cpu")
         if args.unsloth_offload_checkpointing:
             if args.cpu_offload_checkpointing:
                 raise UserError("Cannot use both --unsloth_offload_checkpointing and --cpu_offload_checkpointing.")
@@ -218,6 +220,9 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if plan:
             plan.finish()
         self.dit_convrot_int8 = is_convrot_int8_model(model)
+        from library.compile_utils import check_compile_args
+
+        check_compile_args(args, convrot_int8=self.dit_convrot_int8)
         if self.dit_convrot_int8:
             logger.info("the DiT base is ConvRot INT8 (%s)", "quantised at load" if args.convrot_int8 else "pre-quantised file")
         if args.blocks_to_swap:
@@ -260,7 +265,17 @@ class MossImageNetworkTrainer(NetworkTrainer):
         return MossImageTextEncoderOutputsCachingStrategy(
             args.cache_text_encoder_outputs_to_disk, args.text_encoder_batch_size, args.skip_cache_check,
             max_token_length=args.moss_max_token_length, encoder_variant=self.text_encoder_variant,
+            te_base_weights=self._te_base_weights(args),
         )
+
+    def _te_base_weights(self, args: argparse.Namespace) -> str:
+        """The identity of what --base_weights merge into the text encoder ("" for nothing), from the options and the
+        files (never the encoder), so the caches can be checked before the encoder is read; computed once."""
+        from library.te_base_weights import text_encoder_base_weights_identity
+
+        if self.te_base_weights is None:
+            self.te_base_weights = text_encoder_base_weights_identity(args.base_weights, args.base_weights_multiplier)
+        return self.te_base_weights
 
     def cache_latents(self, run: RunState) -> None:
         from library.strategy_moss_image import cache_latents

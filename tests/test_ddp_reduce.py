@@ -50,15 +50,3 @@ def test_bucketed_all_reduce_averages_every_tensor_in_few_calls():
             torch.testing.assert_close(got.float(), want.to(orig.dtype).float(), rtol=1e-2 if orig.dtype == torch.bfloat16 else 1e-6, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
 
-
-def test_expandable_segments_option_sets_the_allocator_config(monkeypatch):
-    from library.network_trainer import enable_expandable_segments
-    from moss_image_train_network import setup_parser
-
-    assert "--cuda_expandable_segments" in setup_parser().format_help()
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    enable_expandable_segments()
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    enable_expandable_segments()  # the user's own setting wins
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
