@@ -7,9 +7,11 @@ the image was cached at, under keys suffixed `_<h>x<w>` (latent size): `latents`
 
 Text-encoder cache `<stem>_moss_te.npz`: `num_candidates`, and for each caption candidate k `prompt_embeds_{k}`,
 `attn_mask_{k}`, `caption_{k}` (the text after prefix/suffix), plus the unconditional (empty-prompt) `uncond_embeds`,
-`uncond_mask`, and the prompt template id. A file is re-made when its candidate count, caption texts or template
-differ from the current ones (unless --skip_cache_check). Files of the older single-candidate format
-(`prompt_embeds`, `attn_mask`) stay valid for images with one candidate.
+`uncond_mask`, the prompt template id, the token limit, the encoder variant and `te_base_weights` (the identity of
+what --base_weights merge into the text encoder, `library.te_base_weights`; "" for none). A file is re-made when its
+candidate count, caption texts, template, token limit, variant or base-weights identity differ from the current ones
+(unless --skip_cache_check); a file without `te_base_weights` (older versions) counts as made without base weights.
+Files of the older single-candidate format (`prompt_embeds`, `attn_mask`) stay valid for images with one candidate.
 Every cache file is written to a temp file and renamed: never half-written. Checks and per-step reads open only the
 entries they need (an npz member is read lazily), and a damaged file is re-made by the caching drivers.
 
@@ -211,6 +213,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
         is_partial: bool = False,
         max_token_length: int | None = None,
         encoder_variant: str | None = None,
+        te_base_weights: str = "",
     ):
         self.cache_to_disk = cache_to_disk
         self.batch_size = max(1, int(batch_size or 1))
@@ -218,6 +221,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
         self.is_partial = is_partial
         self.max_token_length = max_token_length  # recorded in the files: a different limit re-makes them
         self.encoder_variant = encoder_variant  # "none" / "convrot_int8" / "bnb_int8" / "bnb_nf4", recorded too
+        self.te_base_weights = te_base_weights  # identity of the --base_weights text-encoder part, recorded too
         self.uncond: TextOutputs | None = None  # the empty prompt's outputs, shared by every image
 
     def get_outputs_npz_path(self, absolute_path: str) -> str:
@@ -231,7 +235,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
             return False
         if self.skip_disk_cache_validity_check:
             return True
-        small = {"num_candidates", "template", "max_token_length", "encoder"}
+        small = {"num_candidates", "template", "max_token_length", "encoder", "te_base_weights"}
         small |= {f"caption_{k}" for k in range(len(captions))}
         names: list[str] = []
 
@@ -244,6 +248,8 @@ class MossImageTextEncoderOutputsCachingStrategy:
         except UserError:
             logger.warning("unreadable text-encoder cache %s: it will be re-created", npz_path)
             return False
+        if str(data.get("te_base_weights", "")) != self.te_base_weights:
+            return False  # made with other --base_weights text-encoder LoRAs (no key: made without any)
         if "num_candidates" not in data:  # older single-candidate format
             return len(captions) == 1 and "prompt_embeds" in names and "attn_mask" in names
         if str(data.get("template", "")) != PROMPT_TEMPLATE_ID or int(data["num_candidates"]) != len(captions):
@@ -320,6 +326,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
             "template": np.array(PROMPT_TEMPLATE_ID),
             "max_token_length": np.array(self.max_token_length or -1, dtype=np.int64),
             "encoder": np.array(self.encoder_variant or "unknown"),
+            "te_base_weights": np.array(self.te_base_weights),
             "uncond_embeds": self.uncond[0].numpy(),
             "uncond_mask": self.uncond[1].numpy(),
         }
