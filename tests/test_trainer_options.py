@@ -34,6 +34,9 @@ def test_fullgraph_compile_with_convrot_int8_is_refused(tiny_snapshot, tmp_path,
     assert m.main([*common, "--convrot_int8"]) == 2  # refused before anything is loaded
     assert "--compile_fullgraph cannot be used with a ConvRot INT8 DiT" in caplog.text
     caplog.clear()
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # this run gets as far as the accelerator
     int8_file = tiny_snapshot / "moss_image_base_int8_convrot.safetensors"  # detected at load, refused there
     assert m.main([*common, "--pretrained_model_name_or_path", str(int8_file), "--max_train_steps", "1"]) == 2
     assert "--compile_fullgraph cannot be used with a ConvRot INT8 DiT" in caplog.text
