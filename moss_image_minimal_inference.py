@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -383,9 +382,10 @@ def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]
 
 
 def run(args: argparse.Namespace) -> list[Path]:
+    from library.compile_utils import apply_cuda_optimizations, check_cpu_compiler, enable_expandable_segments
+
     if args.cuda_expandable_segments:
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    from library.compile_utils import apply_cuda_optimizations, check_cpu_compiler
+        enable_expandable_segments()
 
     LAST_RUN_TIMINGS.clear()
     _resolve_paths(args)
@@ -393,7 +393,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     device, dtype = _device_and_dtype(args)
     check_cpu_compiler(args, device)
     if device.type == "cuda":
-        apply_cuda_optimizations(args)  # TF32 and cuDNN autotuning, as in training
+        apply_cuda_optimizations(args)  # TF32, as in training
     Path(args.save_path).mkdir(parents=True, exist_ok=True)
     if args.latent_path:
         items = []

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +198,7 @@ def phase_data(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict[str
 
     rng = np.random.default_rng(0)
     r = scale.resolution
-    first = paths.data("bf16") / f"1_e2e"
+    first = paths.data("bf16") / "1_e2e"
     first.mkdir(parents=True, exist_ok=True)
     yy, xx = np.mgrid[0:r, 0:r]
     for i in range(scale.images):
@@ -437,7 +437,6 @@ def psnr(a: Any, b: Any) -> float:
 
 
 def rel_err(a: Any, b: Any) -> float:
-    import torch
 
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))

@@ -96,3 +96,17 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
     for i, block in enumerate(dit.layers):
         dit.layers[i] = torch.compile(block, backend=args.compile_backend, mode=args.compile_mode, dynamic=dynamic,
                                       fullgraph=args.compile_fullgraph)
+
+
+def enable_expandable_segments() -> None:
+    """--cuda_expandable_segments (trainer and inference): the allocator's expandable segments, set before CUDA
+    starts (a setting the user made in PYTORCH_CUDA_ALLOC_CONF wins)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        logger.warning("--cuda_expandable_segments: CUDA is already initialised in this process, so the setting has"
+                       " no effect; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting instead")
+        return
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

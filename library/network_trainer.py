@@ -301,6 +301,8 @@ class NetworkTrainer(abc.ABC):
 
         self.verify_args(args)
         if getattr(args, "cuda_expandable_segments", False):
+            from library.compile_utils import enable_expandable_segments
+
             enable_expandable_segments()
         if args.seed is None:  # processes of one run must agree on it (batch plan, noise): fixed when several
             args.seed = 42 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else random.randint(0, 2**32 - 1)
@@ -686,16 +688,6 @@ class NetworkTrainer(abc.ABC):
         acc.end_training()
         logger.info("training finished: %d steps", run.global_step)
 
-
-
-def enable_expandable_segments() -> None:
-    """--cuda_expandable_segments: the allocator's expandable segments, set before CUDA starts (a setting the user
-    made in PYTORCH_CUDA_ALLOC_CONF wins)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        logger.warning("--cuda_expandable_segments: CUDA is already initialised in this process, so the setting has"
-                       " no effect; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting instead")
-        return
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 GRAD_BUCKET_BYTES = 64 * 1024 * 1024
