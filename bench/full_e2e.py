@@ -437,7 +437,6 @@ def psnr(a: Any, b: Any) -> float:
 
 
 def rel_err(a: Any, b: Any) -> float:
-
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -612,8 +611,19 @@ def main(argv: list[str] | None = None) -> int:
         result = PHASES[name](args, scale, paths)
         logger.info("phase %s done in %.1f s", name, time.perf_counter() - t0)
         write_json(Path(args.out) / f"e2e_{name}.json", result)
-        failed |= "returncode\": 1" in json.dumps(result) or '"returncode": 2' in json.dumps(result)
+        failed |= any_failed(result)
     return 1 if failed else 0
+
+
+def any_failed(result: Any) -> bool:
+    """True when a run anywhere in a phase's result ended with a non-zero exit status."""
+    if isinstance(result, dict):
+        if result.get("returncode") not in (None, 0):
+            return True
+        return any(any_failed(v) for v in result.values())
+    if isinstance(result, list):
+        return any(any_failed(v) for v in result)
+    return False
 
 
 if __name__ == "__main__":

@@ -71,3 +71,8 @@ def test_measure_profiles_categories():
     assert measure.categorise("_int8_gemm_kernel") == "int8_gemm_and_quantiser"
     assert measure.categorise("triton_poi_fused_add_mul_rms_norm_0") == "norm_rope_modulation_elementwise"
     assert measure.categorise("void at::native::multi_tensor_apply_kernel<adam>") == "optimizer"
+
+
+def test_a_failed_run_anywhere_fails_the_phase():
+    assert full_e2e.any_failed({"a": {"returncode": 0}, "b": [{"returncode": 2}]})
+    assert not full_e2e.any_failed({"a": {"returncode": 0}, "speedup": 2.0})
