@@ -689,7 +689,6 @@ class NetworkTrainer(abc.ABC):
         logger.info("training finished: %d steps", run.global_step)
 
 
-
 GRAD_BUCKET_BYTES = 64 * 1024 * 1024
 
 
