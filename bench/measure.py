@@ -103,11 +103,11 @@ class GpuPoller:
 
 
 class Recorder:
-    def __init__(self, profile_call: int, profile_spec: str | None):
+    def __init__(self, profile_call: int):
         self.calls: dict[str, list[dict[str, float]]] = {}
         self.phase_started_at: float | None = None
         self.torch_startup: dict[str, float] = {}
-        self.profile_call, self.profile_spec = profile_call, profile_spec
+        self.profile_call = profile_call
         self.profile: dict[str, Any] | None = None
         self.poller: GpuPoller | None = None
 
@@ -199,7 +199,7 @@ def _summary(calls: list[dict[str, float]], skip: int) -> dict[str, Any]:
     out: dict[str, Any] = {"n": len(d), "total_s": round(sum(d), 3)}
     if d:
         out.update(first_s=round(d[0], 4), median_s=round(statistics.median(tail), 4), min_s=round(min(tail), 4),
-                   median_skipped=min(skip, len(d) - len(tail)))
+                   median_skipped=len(d) - len(tail))
     if gaps:
         out["median_gap_s"] = round(statistics.median(gaps[skip:] or gaps), 4)  # host time between calls
     return out
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args, entry, entry_argv = parse_args(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rec = Recorder(args.profile_call, args.phase)
+    rec = Recorder(args.profile_call)
     for spec in args.setup:
         _resolve(spec)[2]()
     for spec in args.time:

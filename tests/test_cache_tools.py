@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from library.strategy_moss_image import load_npz
 from tests.test_trainer import base_args, make_toy_dataset, train
@@ -23,13 +22,6 @@ from tools import cache_text_encoder_outputs as te_tool
 REPO = Path(__file__).resolve().parent.parent
 
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # several times faster for tiny models on a busy machine
-    yield
-    torch.set_num_threads(old)
 
 
 def dataset(root: Path, **subset: object) -> Path:

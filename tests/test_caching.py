@@ -25,13 +25,6 @@ SMALL = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 class FakeVAE:
     """Raw latents [B, 32, H/8, W/8] computed from the pixels (so flips and crops show), counting images."""

@@ -76,3 +76,10 @@ def test_measure_profiles_categories():
 def test_a_failed_run_anywhere_fails_the_phase():
     assert full_e2e.any_failed({"a": {"returncode": 0}, "b": [{"returncode": 2}]})
     assert not full_e2e.any_failed({"a": {"returncode": 0}, "speedup": 2.0})
+
+
+def test_te_int8_depth_check_runs_and_the_error_grows_with_depth():
+    import te_int8_depth
+
+    shallow, deep = (te_int8_depth.int8_error(n, 128, 16) for n in (4, 8))
+    assert 0 < shallow < deep < 1

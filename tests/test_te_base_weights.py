@@ -22,13 +22,6 @@ from tests.test_te_lazy_load import LoadSpy, te_disk_args
 from tests.test_trainer import make_toy_dataset, train
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 def lora_file(path: Path, te: bool = True, dit: bool = True, seed: int = 0, prefix: str = "sd") -> Path:
     """A LoRA for the tiny snapshot: `layers.0.mlp.up_proj` of the text encoder and `text_embedder.proj` of the DiT."""

@@ -22,13 +22,6 @@ from tests.test_caching import FakeTextEncoder, all_batches, image_folder, te_gr
 from tests.test_trainer import base_args, make_toy_dataset, train
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 class LoadSpy:
     """Counts the reads of the text encoder (`library.moss_image_utils.load_text_encoder`) and passes them on."""
