@@ -3,7 +3,7 @@
 Options of sd-scripts that cannot apply to MOSS-Image (Stable Diffusion face crops, ControlNet conditioning folders,
 custom dataset classes) are still declared, so that a pasted command does not fail with a bare "unrecognized
 arguments", but `check_unsupported_dataset_args` rejects them with a sentence when they are set.
-`--weighted_captions` is declared and rejected with the other Stable Diffusion options in `library.train_args`.
+`--weighted_captions` is declared and rejected with the other Stable Diffusion options in `library.training.args`.
 """
 
 from __future__ import annotations

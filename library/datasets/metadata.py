@@ -1,7 +1,7 @@
 """The dataset part of the `ss_*` metadata of a saved LoRA, in sd-scripts' shapes.
 
 `dataset_metadata(group)` returns {"datasets": [...], "tag_frequency": {...}, "dataset_dirs": {...}}, ready for
-`library.model_spec.training_metadata(args, dataset_metadata=...)` (which writes them as `ss_datasets`,
+`library.files.model_spec.training_metadata(args, dataset_metadata=...)` (which writes them as `ss_datasets`,
 `ss_tag_frequency`, `ss_dataset_dirs`). Folder names are base names only, so no absolute path is stored.
 """
 

@@ -184,7 +184,7 @@ def _load_metadata_cache(image_dir: str) -> dict[str, Any]:
 
 
 def _save_metadata_cache(image_dir: str, entries: dict[str, Any]) -> None:
-    from library.safetensors_utils import write_text_atomic
+    from library.files.safetensors_io import write_text_atomic
 
     write_text_atomic(json.dumps(entries, ensure_ascii=False, indent=1), os.path.join(image_dir, METADATA_CACHE_NAME))
 

@@ -144,7 +144,7 @@ def new_session_id() -> int:
 
 def repository_commit() -> str:
     """The git commit of this checkout ("unknown" outside a git checkout)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         result = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5, check=False
@@ -365,7 +365,7 @@ def file_model_hash(path: str | os.PathLike, block: int = 1 << 20) -> str:
 
 def file_legacy_hash(path: str | os.PathLike) -> str:
     """sshs_legacy_hash of a LoRA file: re-serialised with its own ss_* metadata, as at save time."""
-    from library.safetensors_utils import load_safetensors, read_metadata
+    from library.files.safetensors_io import load_safetensors, read_metadata
 
     return precalculate_safetensors_hashes(load_safetensors(path), read_metadata(path))[1]
 

@@ -3,7 +3,7 @@ options that cannot apply to a flow-matching DiT.
 
 Groups: model files, network, training loop, saving, caching, logging, sampling, validation, memory/speed. The
 dataset, optimizer/scheduler and flow-matching groups live beside their code (`library.datasets.args`,
-`library.optimizers`, `library.flow_matching`) and are added by `setup_parser`.
+`library.training.optimizers`, `library.training.flow_matching`) and are added by `setup_parser`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from library.compile_utils import add_compile_arguments
+from library.runtime.compile import add_compile_arguments
 from library.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ def write_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
     except ImportError as e:
         raise UserError("--output_config needs the 'toml' package: pip install toml (it is in requirements.txt).") from e
 
-    from library.safetensors_utils import write_text_atomic
+    from library.files.safetensors_io import write_text_atomic
 
     defaults = {a.dest: a.default for a in parser._actions}
     skip = {"output_config", "config_file", "help"}

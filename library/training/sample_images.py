@@ -61,7 +61,7 @@ def _text_outputs(trainer: Any, run: Any, texts: list[str]) -> dict[str, Any]:
             f"The sample prompt file '{run.args.sample_prompts}' changed during training ({len(missing)} new texts) and"
             " the text encoder is no longer loaded (--cache_text_encoder_outputs): restore the file, or restart the run."
         )
-    from library.strategy_moss_image import make_text_encode_fn
+    from library.caching.strategies import make_text_encode_fn
 
     te_was = next(te.parameters()).device
     te.to(run.accelerator.device)
@@ -72,8 +72,8 @@ def _text_outputs(trainer: Any, run: Any, texts: list[str]) -> dict[str, Any]:
 
 
 def _generate_all(trainer: Any, run: Any, epoch: int | None, step: int) -> list[Path]:
-    from library.moss_image_generation import GenerationSettings, decode_to_pil, denoise, save_png
-    from library.moss_image_sampling import load_prompts, parse_uncond_skip_layers
+    from library.sampling.generation import GenerationSettings, decode_to_pil, denoise, save_png
+    from library.sampling.sampler import load_prompts, parse_uncond_skip_layers
 
     args, acc = run.args, run.accelerator
     prompts = load_prompts(args.sample_prompts)

@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 
-from library import flow_matching, model_spec, train_checkpoints
+from library.training import flow_matching
+from library.files import model_spec
+from library.training import checkpoints as train_checkpoints
 from library.errors import UserError
-from library.train_args import reject_sd_only_options
+from library.training.args import reject_sd_only_options
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +183,7 @@ class NetworkTrainer(abc.ABC):
         if args.network_module in ("networks.loha", "networks.lokr"):
             raise UserError(f"--network_module {args.network_module} is not available in this version: use"
                             " networks.lora_generic.")
-        from library import optimizers
+        from library.training import optimizers
 
         optimizers.verify_optimizer_arguments(args)
 
@@ -259,7 +261,7 @@ class NetworkTrainer(abc.ABC):
         run.network = network
 
     def _optimizer_and_scheduler(self, run: RunState) -> None:
-        from library import optimizers
+        from library.training import optimizers
 
         args = run.args
         te_lr = args.text_encoder_lr[0] if args.text_encoder_lr else None
@@ -301,7 +303,7 @@ class NetworkTrainer(abc.ABC):
 
         self.verify_args(args)
         if getattr(args, "cuda_expandable_segments", False):
-            from library.compile_utils import enable_expandable_segments
+            from library.runtime.compile import enable_expandable_segments
 
             enable_expandable_segments()
         if args.seed is None:  # processes of one run must agree on it (batch plan, noise): fixed when several
@@ -334,7 +336,7 @@ class NetworkTrainer(abc.ABC):
         self._optimizer_and_scheduler(run)
         self._dataloaders(run)
         self._steps_and_epochs(run)
-        from library import optimizers
+        from library.training import optimizers
 
         run.lr_scheduler = optimizers.get_scheduler(args, run.optimizer, run.accelerator.num_processes, run.max_train_steps)
         self._place_models(run)
@@ -352,7 +354,7 @@ class NetworkTrainer(abc.ABC):
         return run
 
     def _install_fused_backward_pass(self, run: RunState) -> None:
-        from library import optimizers
+        from library.training import optimizers
 
         args = run.args
         optimizers.check_fused_backward_pass(args, run.optimizer)

@@ -655,7 +655,7 @@ def _check_keys(
         names = [_bfl_key_to_diffusers(k, levels) for k in keys] if layout == "diffusers" else keys
         return [prefix + k for k in names]
 
-    from library.safetensors_utils import describe_key_mismatch
+    from library.files.safetensors_io import describe_key_mismatch
 
     message = describe_key_mismatch(f"FLUX.2 VAE file ({layout} layout)", file, shown(missing), shown(unexpected))
     if "bn.running_mean" in missing and model.config.z_channels == 16:
@@ -686,7 +686,7 @@ def load_flux2_vae(
 
     Floating weights are cast to `dtype` and placed on `device`; the BatchNorm statistics stay float32.
     """
-    from library.safetensors_utils import load_safetensors
+    from library.files.safetensors_io import load_safetensors
 
     file, config_file = _resolve_files(path)
     try:
@@ -760,14 +760,14 @@ def _cpu_state(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def save_flux2_vae_bfl(model: AutoEncoder, path: str | os.PathLike) -> None:
     """Write the model as a BFL / ComfyUI single safetensors file (atomic)."""
-    from library.safetensors_utils import save_file_atomic
+    from library.files.safetensors_io import save_file_atomic
 
     save_file_atomic(_cpu_state(model.state_dict()), str(path), metadata={"format": "pt"})
 
 
 def save_flux2_vae_diffusers(model: AutoEncoder, folder: str | os.PathLike) -> None:
     """Write a diffusers vae/ folder: diffusion_pytorch_model.safetensors + config.json for AutoencoderKLFlux2."""
-    from library.safetensors_utils import save_file_atomic, write_text_atomic
+    from library.files.safetensors_io import save_file_atomic, write_text_atomic
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

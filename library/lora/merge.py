@@ -216,7 +216,7 @@ def load_lora_files(
     paths: Sequence[str | os.PathLike], multipliers: Sequence[float] | None = None
 ) -> list[tuple[dict[str, torch.Tensor], float]]:
     """Read `--lora_weight` files with their `--lora_multiplier` (none given: 1.0 each; else one per file)."""
-    from library.safetensors_utils import check_safetensors_path, load_safetensors
+    from library.files.safetensors_io import check_safetensors_path, load_safetensors
 
     multipliers = list(multipliers or [])
     if multipliers and len(multipliers) != len(paths):

@@ -8,7 +8,7 @@ the image was cached at, under keys suffixed `_<h>x<w>` (latent size): `latents`
 Text-encoder cache `<stem>_moss_te.npz`: `num_candidates`, and for each caption candidate k `prompt_embeds_{k}`,
 `attn_mask_{k}`, `caption_{k}` (the text after prefix/suffix), plus the unconditional (empty-prompt) `uncond_embeds`,
 `uncond_mask`, the prompt template id, the token limit, the encoder variant and `te_base_weights` (the identity of
-what --base_weights merge into the text encoder, `library.te_base_weights`; "" for none). A file is re-made when its
+what --base_weights merge into the text encoder, `library.text_encoder.base_weights`; "" for none). A file is re-made when its
 candidate count, caption texts, template, token limit, variant or base-weights identity differ from the current ones
 (unless --skip_cache_check); a file without `te_base_weights` (older versions) counts as made without base weights.
 Files of the older single-candidate format (`prompt_embeds`, `attn_mask`) stay valid for images with one candidate.
@@ -37,8 +37,8 @@ import torch
 
 from library.datasets.image_info import ImageInfo
 from library.errors import UserError
-from library.qwen35_text_encoder import PROMPT_TEMPLATE_ID
-from library.safetensors_utils import write_atomic
+from library.text_encoder.qwen35 import PROMPT_TEMPLATE_ID
+from library.files.safetensors_io import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ def make_text_encode_fn(
     text_model: Any, tokenizer: Any, max_length: int
 ) -> Callable[[Sequence[str]], list[TextOutputs]]:
     """captions -> outputs, one caption at a time without padding (as the official pipeline)."""
-    from library.qwen35_text_encoder import encode_prompts
+    from library.text_encoder.qwen35 import encode_prompts
 
     def encode(captions: Sequence[str]) -> list[TextOutputs]:
         with torch.no_grad():

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from library.errors import UserError
-from library.safetensors_utils import TensorSource, describe_key_mismatch, discover_shards
+from library.files.safetensors_io import TensorSource, describe_key_mismatch, discover_shards
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_CONFIG_DIR = REPO_ROOT / "configs" / "moss_image_qwen35_9b"
 TOKENIZER_REPO = "OpenMOSS-Team/MOSS-Image-Base"
 TOKENIZER_SUBFOLDER = "tokenizer"
@@ -135,7 +135,7 @@ def load_qwen35_text_model(
     from accelerate import init_empty_weights
     from transformers import Qwen3_5TextModel
 
-    from library import convrot_int8_utils as cr
+    from library.quant import convrot as cr
 
     source, checkpoint = open_text_encoder_source(path, disable_mmap)
     config = load_text_config(checkpoint)
@@ -178,7 +178,7 @@ def load_qwen35_text_model(
     model.load_state_dict(state, strict=True, assign=True)
     del state
     if convrot_int8 and not cr.is_convrot_int8_model(model):
-        from library.moss_image_utils import convrot_group_size
+        from library.moss_image.loaders import convrot_group_size
 
         g = convrot_group_size(model, cr.text_encoder_convrot_filter)
         cr.convert_model_to_convrot_int8(model, cr.text_encoder_convrot_filter, calc_device, g, convrot_int8_bwd)

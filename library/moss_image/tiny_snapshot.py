@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from library.moss_image_models import MossImage, MossImageConfig
-from library.safetensors_utils import save_file_atomic, write_text_atomic
+from library.moss_image.dit import MossImage, MossImageConfig
+from library.files.safetensors_io import save_file_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +159,8 @@ TINY_CONVROT_GROUP_SIZE = 64  # the tiny widths (64, 128) take 64; the full mode
 
 def _int8_layer(prefix: str, weight: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """`prefix.weight` int8 + `.weight_scale` fp32 [N, 1] + `.comfy_quant` marker, as ComfyUI writes them."""
-    from library import convrot_int8_kernels as kernels
-    from library import convrot_int8_utils as cr
+    from library.quant import convrot_kernels as kernels
+    from library.quant import convrot as cr
 
     q, scale = kernels.quantize_convrot_weight(weight, TINY_CONVROT_GROUP_SIZE)
     out[f"{prefix}.weight"] = q
@@ -171,7 +171,7 @@ def _int8_layer(prefix: str, weight: torch.Tensor, out: dict[str, torch.Tensor])
 def write_comfy_int8_dit(out: Path, sd: dict[str, torch.Tensor]) -> None:
     """`moss_image_base_int8_convrot.safetensors`: the block Linears as ConvRot INT8 (q/k/v fused into `proj.qkv`,
     rows and per-row scales concatenated), everything else bf16, as the ComfyUI files are made."""
-    from library.convrot_int8_utils import dit_convrot_filter
+    from library.quant.convrot import dit_convrot_filter
 
     result: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
@@ -188,7 +188,7 @@ def write_comfy_int8_dit(out: Path, sd: dict[str, torch.Tensor]) -> None:
 
 def write_comfy_int8_text_encoder(out: Path, text: dict[str, torch.Tensor]) -> None:
     """`qwen3.5_9b_int8_convrot.safetensors`: the ComfyUI scope (projections + embed_tokens) as ConvRot INT8."""
-    from library.convrot_int8_utils import text_encoder_convrot_filter
+    from library.quant.convrot import text_encoder_convrot_filter
 
     result: dict[str, torch.Tensor] = {}
     for k, v in text.items():
@@ -279,7 +279,7 @@ def write_tokenizer(out: Path) -> None:
 
 
 def write_vae(out: Path, seed: int) -> None:
-    from library.flux2_vae import make_tiny_vae, save_flux2_vae_bfl, save_flux2_vae_diffusers
+    from library.moss_image.vae import make_tiny_vae, save_flux2_vae_bfl, save_flux2_vae_diffusers
 
     vae = make_tiny_vae(seed)
     save_flux2_vae_diffusers(vae, out / "vae")

@@ -1,6 +1,6 @@
 """The identity of the text-encoder part of `--base_weights`, recorded in the text-encoder output caches.
 
-`--base_weights` merges LoRA files into the base weights while they are read (`library.lora_merge`). The text-encoder
+`--base_weights` merges LoRA files into the base weights while they are read (`library.lora.merge`). The text-encoder
 modules of those files (`lora_te_*` keys, `text_encoder.*` in the PEFT naming) change the encoder's outputs, so a
 `*_moss_te.npz` made with other ones, other multipliers or none is stale. The identity is computed from the options
 and the files alone, before the text encoder is read (the caches are checked first; the encoder may never be read).
@@ -36,7 +36,7 @@ _CHUNK = 1 << 24
 
 
 def _text_encoder_keys(path: str | os.PathLike) -> list[str]:
-    from library.safetensors_utils import check_safetensors_path, read_safetensors_header
+    from library.files.safetensors_io import check_safetensors_path, read_safetensors_header
 
     infos, _, _ = read_safetensors_header(check_safetensors_path(path, "--base_weights file"))
     return sorted(k for k in infos if k.startswith(TE_KEY_PREFIXES))
@@ -44,7 +44,7 @@ def _text_encoder_keys(path: str | os.PathLike) -> list[str]:
 
 def _text_encoder_digest(path: str | os.PathLike, keys: Sequence[str]) -> str:
     """SHA-256 of the named tensors of a safetensors file: name, dtype, shape and bytes of each, in the given order."""
-    from library.safetensors_utils import read_safetensors_header
+    from library.files.safetensors_io import read_safetensors_header
 
     infos, _, data_start = read_safetensors_header(path)
     h = hashlib.sha256()

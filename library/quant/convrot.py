@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from library import convrot_int8_kernels as kernels
+from library.quant import convrot_kernels as kernels
 from library.errors import UserError
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from library.errors import UserError
-from library.safetensors_utils import write_text_atomic
+from library.files.safetensors_io import write_text_atomic
 
 logger = logging.getLogger(__name__)
 

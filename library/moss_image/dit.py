@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from library.attention import Attention
+from library.runtime.attention import Attention
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ class MossImage(nn.Module):
         self.final_layer = FinalLayer(cfg)
         self.gradient_checkpointing = False
         self.checkpoint_mode = "none"  # none | plain | cpu_offload | unsloth
-        self._block_offloader: Any = None  # library.offloading.ModelOffloader when block swap is on
+        self._block_offloader: Any = None  # library.memory.block_swap.ModelOffloader when block swap is on
 
     # ----------------------------------------------------------------------------------------------- properties
     @property
@@ -319,9 +319,9 @@ class MossImage(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ block swap
     def enable_block_swap(self, num_blocks: int, config: Any) -> None:
-        """Swap `num_blocks` of the main blocks between host memory and the GPU (`library.offloading`); `config` is
+        """Swap `num_blocks` of the main blocks between host memory and the GPU (`library.memory.block_swap`); `config` is
         a `BlockSwapConfig`. The base weights must be frozen first."""
-        from library.offloading import ModelOffloader
+        from library.memory.block_swap import ModelOffloader
 
         self._block_offloader = ModelOffloader(list(self.layers), num_blocks, config, name="DiT")
 

@@ -10,7 +10,7 @@ The architecture is inferred from tensor shapes, so the full model, the tiny tes
 checkpoint all load through the same code. The model is built on the meta device and filled tensor by tensor: one
 copy of the weights in memory, never two.
 
-Text encoder (`load_text_encoder`): see `library.qwen35_text_encoder`. VAE: `library.flux2_vae.load_flux2_vae`.
+Text encoder (`load_text_encoder`): see `library.text_encoder.qwen35`. VAE: `library.moss_image.vae.load_flux2_vae`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from library.errors import UserError
-from library.moss_image_models import MossImage, MossImageConfig, default_rope_axes
-from library.safetensors_utils import (
+from library.moss_image.dit import MossImage, MossImageConfig, default_rope_axes
+from library.files.safetensors_io import (
     SplitSpec,
     SplitTensorAdapter,
     TensorSource,
@@ -196,7 +196,7 @@ def load_moss_image_model(
     after the merge), layer by layer on `calc_device` when given. A ComfyUI pre-quantised file (`.comfy_quant`
     markers) is detected and loaded as it is, whatever `convrot_int8` says.
     """
-    from library import convrot_int8_utils as cr
+    from library.quant import convrot as cr
 
     checkpoint = _dit_checkpoint(dit_path)
     loading_device = torch.device(loading_device or device)
@@ -258,7 +258,7 @@ def convrot_group_size(model: torch.nn.Module, name_filter: Callable[[str], bool
 
 def quantize_dit(model: MossImage, bwd: str = "bf16", calc_device: str | torch.device | None = None) -> int:
     """ConvRot INT8 for the block Linears of a loaded DiT (in place, one layer at a time)."""
-    from library import convrot_int8_utils as cr
+    from library.quant import convrot as cr
 
     g = convrot_group_size(model, cr.dit_convrot_filter)
     return cr.convert_model_to_convrot_int8(model, cr.dit_convrot_filter, calc_device, g, bwd)
@@ -300,7 +300,7 @@ def _load_prequantized_dit(
     attn_mode: str, split_attn: bool, bwd: str, tensor_hook: TensorHook | None,
 ) -> MossImage:
     """A ComfyUI ConvRot INT8 single file as it is: int8 codes + per-row scales, fused qkv split with its scales."""
-    from library import convrot_int8_utils as cr
+    from library.quant import convrot as cr
 
     if tensor_hook is not None:
         reject_lora_merge_into_quantized(checkpoint, "--convrot_int8")
@@ -344,7 +344,7 @@ def load_text_encoder(
 
     `convrot_int8` quantises the attention / GatedDeltaNet / MLP projections and `embed_tokens` after loading (on
     `calc_device` when given); a ComfyUI pre-quantised file is detected and loaded as it is."""
-    from library.qwen35_text_encoder import load_qwen35_text_model
+    from library.text_encoder.qwen35 import load_qwen35_text_model
 
     return load_qwen35_text_model(_text_encoder_path(path), dtype=dtype, device=device, disable_mmap=disable_mmap,
                                   tensor_hook=tensor_hook, convrot_int8=convrot_int8,
@@ -364,8 +364,8 @@ def _text_encoder_path(path: str | os.PathLike) -> Path:
 def text_encoder_file_is_prequantised(path: str | os.PathLike) -> bool:
     """True when the text encoder checkpoint is a ComfyUI ConvRot INT8 file (`.comfy_quant` markers or the file's
     quantisation metadata), as `load_text_encoder` detects it; only the safetensors headers are read."""
-    from library import convrot_int8_utils as cr
-    from library.qwen35_text_encoder import open_text_encoder_source
+    from library.quant import convrot as cr
+    from library.text_encoder.qwen35 import open_text_encoder_source
 
     source, _ = open_text_encoder_source(_text_encoder_path(path))
     try:

@@ -34,8 +34,8 @@ def run_device(device: str | torch.device) -> torch.device:
 def predict_text_encoder_variant(args: argparse.Namespace, device: str | torch.device) -> str | None:
     """The `text_encoder_variant` of the frozen encoder that `args` will load for `device`, or None when it is
     decided at load time (--te_quant auto on a CUDA device for a float encoder). Reads no weights."""
-    from library.moss_image_utils import text_encoder_file_is_prequantised
-    from library.te_quant import bitsandbytes_available, choose_plan, te_on_cpu
+    from library.moss_image.loaders import text_encoder_file_is_prequantised
+    from library.text_encoder.quant import bitsandbytes_available, choose_plan, te_on_cpu
 
     device = run_device(device)
     mode = getattr(args, "te_quant", None) or "none"

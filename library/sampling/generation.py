@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from library.flux2_vae import denormalize_latents, unpatchify_latents
-from library.moss_image_sampling import initial_noise, sample
+from library.moss_image.vae import denormalize_latents, unpatchify_latents
+from library.sampling.sampler import initial_noise, sample
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,6 @@ def png_metadata(settings: GenerationSettings, extra: dict[str, Any] | None = No
 
 def save_png(image: Any, path: str | os.PathLike, settings: GenerationSettings, extra: dict[str, Any] | None = None) -> Path:
     """Save atomically (temp file + rename) with the prompt, seed and settings in the PNG text chunks."""
-    from library.safetensors_utils import write_atomic
+    from library.files.safetensors_io import write_atomic
 
     return write_atomic(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=png_metadata(settings, extra)))

@@ -1,0 +1,1 @@
+"""Safetensors reading and atomic writing, and the metadata and hashes of saved files."""

@@ -1,0 +1,1 @@
+"""LoRA conventions and merging LoRA files into model weights."""

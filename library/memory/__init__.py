@@ -1,0 +1,1 @@
+"""Block swap: moving DiT blocks between host and GPU memory."""

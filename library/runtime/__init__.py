@@ -1,0 +1,1 @@
+"""Attention backends, torch.compile set-up and phase timing."""

@@ -1,0 +1,1 @@
+"""The official sampler, prompt files and the image-generation glue shared by training and inference."""

@@ -1,0 +1,1 @@
+"""The Qwen3.5 text encoder: loading, tokenising, encoding, quantisation, cache variants and base weights."""
