@@ -9,7 +9,7 @@ Memory order (seed 002): the text encoder encodes every prompt first and is free
 prompts are denoised, the DiT leaves the GPU, then the VAE decodes (untiled: tiled decoding shifts colours).
 
 `--compile` compiles each of the DiT's main blocks with torch.compile (the trainer's `--compile_*` options, from
-`library.compile_utils`); the compilation happens during the first prompt's denoising.
+`library.runtime.compile`); the compilation happens during the first prompt's denoising.
 
 Timings: a prompt or prompt-file run (`generate()`) logs one line with the seconds of each phase and leaves them in
 `LAST_RUN_TIMINGS` (cleared by every `run()`; other modes leave it empty), so a benchmark can call `run(args)`
@@ -63,7 +63,7 @@ def setup_parser() -> argparse.ArgumentParser:
                    help="DiT / text encoder dtype (default bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--cuda_expandable_segments", action="store_true",
                    help="set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts (less fragmentation)")
-    from library.compile_utils import add_compile_arguments
+    from library.runtime.compile import add_compile_arguments
 
     add_compile_arguments(g, shapes="image sizes")
     g = p.add_argument_group("generation")
@@ -84,7 +84,7 @@ def setup_parser() -> argparse.ArgumentParser:
     g.add_argument("--output_type", type=str, default="images", choices=["images", "latent", "both"],
                    help="save images, latents (decode later with --latent_path) or both")
     g.add_argument("--latent_path", type=str, nargs="*", default=None, help="saved latents to decode (no sampling)")
-    from library.te_quant import add_text_encoder_memory_arguments
+    from library.text_encoder.quant import add_text_encoder_memory_arguments
 
     add_text_encoder_memory_arguments(p, text_encoder_cpu=False)
     return p
@@ -94,7 +94,7 @@ def setup_parser() -> argparse.ArgumentParser:
 def _resolve_paths(args: argparse.Namespace) -> None:
     from library.errors import UserError
 
-    from library.moss_image_utils import fill_paths_from_snapshot
+    from library.moss_image.loaders import fill_paths_from_snapshot
 
     fill_paths_from_snapshot(args, "dit", "text_encoder", "vae")
     needed = ["vae"] if args.latent_path else ["dit", "text_encoder", "vae"]
@@ -104,12 +104,12 @@ def _resolve_paths(args: argparse.Namespace) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    from library.compile_utils import check_compile_args
+    from library.runtime.compile import check_compile_args
     from library.errors import UserError
-    from library.moss_image_sampling import check_image_size, parse_uncond_skip_layers
-    from library.offloading import check_block_swap_args
-    from library.qwen35_text_encoder import check_max_token_length
-    from library.te_quant import check_text_encoder_memory_args
+    from library.sampling.sampler import check_image_size, parse_uncond_skip_layers
+    from library.memory.block_swap import check_block_swap_args
+    from library.text_encoder.qwen35 import check_max_token_length
+    from library.text_encoder.quant import check_text_encoder_memory_args
 
     check_block_swap_args(args, training=False, device=args.device)
     check_text_encoder_memory_args(args)
@@ -145,7 +145,7 @@ def _free(device: Any) -> None:
 # ------------------------------------------------------------------------------------------------- prompts
 def prompt_settings(args: argparse.Namespace) -> list[Any]:
     """GenerationSettings for --prompt or --from_file, with the command-line values as defaults."""
-    from library.moss_image_sampling import load_prompts, parse_uncond_skip_layers
+    from library.sampling.sampler import load_prompts, parse_uncond_skip_layers
 
     skip = parse_uncond_skip_layers(args.uncond_skip_layers)
     if args.from_file:
@@ -163,7 +163,7 @@ def cli_defaults(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _settings(args: argparse.Namespace, entry: dict[str, Any], skip: tuple[int, ...], index: int) -> Any:
-    from library.moss_image_generation import GenerationSettings
+    from library.sampling.generation import GenerationSettings
 
     seed = args.seed + index if args.seed is not None else None
     return GenerationSettings.from_prompt_dict(entry, skip, seed)
@@ -171,7 +171,7 @@ def _settings(args: argparse.Namespace, entry: dict[str, Any], skip: tuple[int, 
 
 # ------------------------------------------------------------------------------------------------- models
 def _lora_plan(args: argparse.Namespace, prefix: str) -> Any:
-    from library.lora_merge import LoraMergePlan, load_lora_files
+    from library.lora.merge import LoraMergePlan, load_lora_files
 
     if not args.lora_weight:
         return None
@@ -183,9 +183,9 @@ def load_text_encoder_for(args: argparse.Namespace, device: Any, dtype: Any) -> 
     """The text encoder (LoRA merged, --te_quant / ConvRot applied, on its run device) and the tokenizer."""
     import torch
 
-    from library.moss_image_utils import load_text_encoder
-    from library.qwen35_text_encoder import load_tokenizer
-    from library.te_quant import loading_device, prepare_text_encoder, te_on_cpu
+    from library.moss_image.loaders import load_text_encoder
+    from library.text_encoder.qwen35 import load_tokenizer
+    from library.text_encoder.quant import loading_device, prepare_text_encoder, te_on_cpu
 
     te_device = torch.device("cpu") if te_on_cpu(args) else device
     te_dtype = torch.float32 if te_device.type == "cpu" else dtype
@@ -204,7 +204,7 @@ def encode_texts(args: argparse.Namespace, te: Any, tokenizer: Any, texts: list[
     """Each text encoded once (one at a time, no padding), kept on the CPU."""
     import torch
 
-    from library.qwen35_text_encoder import encode_prompts as encode
+    from library.text_encoder.qwen35 import encode_prompts as encode
 
     with torch.no_grad():
         outputs = encode(te, tokenizer, texts, args.moss_max_token_length)
@@ -212,7 +212,7 @@ def encode_texts(args: argparse.Namespace, te: Any, tokenizer: Any, texts: list[
 
 
 def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
-    from library.moss_image_utils import load_moss_image_model
+    from library.moss_image.loaders import load_moss_image_model
 
     plan = _lora_plan(args, "lora_unet")
     # LoRA merged while reading, then (with --convrot_int8) quantised layer by layer on the device
@@ -222,7 +222,7 @@ def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
                                 disable_mmap=args.disable_mmap_load_safetensors,
                                 tensor_hook=plan.merge if plan else None, convrot_int8=args.convrot_int8,
                                 calc_device=device)
-    from library.offloading import place_model
+    from library.memory.block_swap import place_model
 
     place_model(dit, device, args.blocks_to_swap, supports_backward=False)  # --blocks_to_swap: the rest streams
     if plan:
@@ -233,8 +233,8 @@ def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
 def load_dit_for_sampling(args: argparse.Namespace, device: Any, dtype: Any, num_shapes: int = 1) -> Any:
     """The DiT in eval mode, its main blocks wrapped by torch.compile with --compile (`num_shapes`: how many image
     sizes the run has, for the dynamic-shape choice)."""
-    from library.compile_utils import check_compile_args, compile_blocks
-    from library.convrot_int8_utils import is_convrot_int8_model
+    from library.runtime.compile import check_compile_args, compile_blocks
+    from library.quant.convrot import is_convrot_int8_model
 
     dit = load_dit(args, device, dtype).eval()
     if args.compile:
@@ -252,7 +252,7 @@ def save_latents(latents: Any, settings: Any, path: Path) -> Path:
     import json
     from dataclasses import asdict
 
-    from library.safetensors_utils import save_file_atomic
+    from library.files.safetensors_io import save_file_atomic
 
     save_file_atomic({"latents": latents.float().cpu()}, path, {"moss_image_settings": json.dumps(asdict(settings))})
     return path
@@ -262,8 +262,8 @@ def load_latents(path: str) -> tuple[Any, Any]:
     import json
 
     from library.errors import UserError
-    from library.moss_image_generation import GenerationSettings
-    from library.safetensors_utils import load_safetensors, read_metadata
+    from library.sampling.generation import GenerationSettings
+    from library.files.safetensors_io import load_safetensors, read_metadata
 
     sd = load_safetensors(path)
     if "latents" not in sd:
@@ -275,13 +275,13 @@ def load_latents(path: str) -> tuple[Any, Any]:
 
 
 def load_vae_for(args: argparse.Namespace, device: Any) -> Any:
-    from library.flux2_vae import load_flux2_vae
+    from library.moss_image.vae import load_flux2_vae
 
     return load_flux2_vae(args.vae, device=device, disable_mmap=args.disable_mmap_load_safetensors)
 
 
 def decode_and_save(args: argparse.Namespace, items: list[tuple[Any, Any, str]], vae: Any) -> list[Path]:
-    from library.moss_image_generation import decode_to_pil, save_png
+    from library.sampling.generation import decode_to_pil, save_png
 
     paths = []
     for latents, settings, stem in items:
@@ -301,7 +301,7 @@ def save_latent_files(args: argparse.Namespace, items: list[tuple[Any, Any, str]
 
 def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], device: Any,
                 first_index: int = 0) -> list[tuple[Any, Any, str]]:
-    from library.moss_image_generation import denoise
+    from library.sampling.generation import denoise
 
     results = []
     for i, s in enumerate(all_settings, start=first_index):
@@ -317,7 +317,7 @@ def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], devi
 def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
     """Seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything, move the DiT
     off the GPU, then decode (untiled). The phase timings go to the log and to LAST_RUN_TIMINGS."""
-    from library.phase_timer import PhaseTimer
+    from library.runtime.phase_timer import PhaseTimer
 
     timer = PhaseTimer(device)
     texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
@@ -358,7 +358,7 @@ def _record_timings(seconds: dict[str, float]) -> None:
 def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]:
     """Prompts from the console. The models are loaded once, at the first prompt, and stay loaded (text encoder,
     DiT and VAE together: use --text_encoder_cpu, --te_quant or ConvRot INT8 when they do not fit)."""
-    from library.moss_image_sampling import parse_prompt_line, parse_uncond_skip_layers
+    from library.sampling.sampler import parse_prompt_line, parse_uncond_skip_layers
 
     paths: list[Path] = []
     skip = parse_uncond_skip_layers(args.uncond_skip_layers)
@@ -382,7 +382,7 @@ def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]
 
 
 def run(args: argparse.Namespace) -> list[Path]:
-    from library.compile_utils import apply_cuda_optimizations, check_cpu_compiler, enable_expandable_segments
+    from library.runtime.compile import apply_cuda_optimizations, check_cpu_compiler, enable_expandable_segments
 
     if args.cuda_expandable_segments:
         enable_expandable_segments()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """LoRA training for MOSS-Image (sd-scripts style): `accelerate launch moss_image_train_network.py ...` or plain python.
 
-`MossImageNetworkTrainer` fills in the hooks of `library.network_trainer.NetworkTrainer`: the Qwen3.5 text encoder
+`MossImageNetworkTrainer` fills in the hooks of `library.training.network_trainer.NetworkTrainer`: the Qwen3.5 text encoder
 and the FLUX.2 VAE load first, the DiT lazily after caching (with the TE outputs cached to disk and no sample prompts,
 the text encoder is read only if some cache file must be made); latents are patchified and BatchNorm-normalised at
 training time; the target is the flow velocity noise - x0 with timesteps sigma * 1000.
@@ -19,17 +19,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from library import flow_matching, model_spec  # noqa: E402
+from library.files import model_spec  # noqa: E402
+from library.training import flow_matching  # noqa: E402
 from library.errors import UserError  # noqa: E402
-from library.network_trainer import NetworkTrainer, RunState  # noqa: E402
-from library.train_args import FP8_OPTIONS  # noqa: E402
+from library.training.network_trainer import NetworkTrainer, RunState  # noqa: E402
+from library.training.args import FP8_OPTIONS  # noqa: E402
 
 logger = logging.getLogger("moss_image_train_network")
 
 
 def resolve_model_paths(args: argparse.Namespace) -> None:
     """--snapshot fills the model paths (and the tokenizer) that are not given; then all three are required."""
-    from library.moss_image_utils import fill_paths_from_snapshot
+    from library.moss_image.loaders import fill_paths_from_snapshot
 
     fill_paths_from_snapshot(args, "pretrained_model_name_or_path", "text_encoder", "vae")
     for opt, what in (("pretrained_model_name_or_path", "the MOSS-Image DiT (first shard or ComfyUI file)"),
@@ -53,7 +54,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     # ----------------------------------------------------------------------------------------------- checks
     def assert_extra_args(self, args: argparse.Namespace, train_group: Any, val_group: Any) -> None:
-        from library.qwen35_text_encoder import check_max_token_length
+        from library.text_encoder.qwen35 import check_max_token_length
 
         resolve_model_paths(args)
         args.moss_max_token_length = check_max_token_length(args.moss_max_token_length)
@@ -91,7 +92,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if args.compile and args.torch_compile:
             raise UserError("--compile (per-block torch.compile) and --torch_compile (accelerate dynamo) cannot be"
                             " used together: keep one.")
-        from library.compile_utils import check_compile_args, check_cpu_compiler
+        from library.runtime.compile import check_compile_args, check_cpu_compiler
 
         check_compile_args(args, convrot_int8=bool(args.convrot_int8))  # a pre-quantised file: checked after loading
         check_cpu_compiler(args, "cuda" if torch.cuda.is_available() else "cpu")
@@ -105,7 +106,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
             logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
             args.gradient_checkpointing = True
         self._check_swap_and_int8_args(args)
-        from library.te_quant import check_text_encoder_memory_args
+        from library.text_encoder.quant import check_text_encoder_memory_args
 
         check_text_encoder_memory_args(args, self.is_train_text_encoder(args))
         for group in (train_group, val_group):
@@ -115,11 +116,11 @@ class MossImageNetworkTrainer(NetworkTrainer):
     @staticmethod
     def _check_swap_and_int8_args(args: argparse.Namespace) -> None:
         """Block swap conflicts (seed 000's messages) and what --convrot_int8_bwd int8 needs."""
-        from library.offloading import check_block_swap_args
+        from library.memory.block_swap import check_block_swap_args
 
         check_block_swap_args(args, training=True)
         if args.convrot_int8_bwd == "int8":
-            from library.convrot_int8_kernels import HAS_TRITON
+            from library.quant.convrot_kernels import HAS_TRITON
 
             if not (HAS_TRITON and torch.cuda.is_available()):
                 raise UserError("--convrot_int8_bwd int8 needs triton and a CUDA GPU (triton-windows on Windows): use"
@@ -130,8 +131,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     # --------------------------------------------------------------------------------------------- models
     def load_target_model(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any) -> tuple:
-        from library.flux2_vae import load_flux2_vae
-        from library.qwen35_text_encoder import load_tokenizer
+        from library.moss_image.vae import load_flux2_vae
+        from library.text_encoder.qwen35 import load_tokenizer
 
         self.tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
         self.deferred_te_variant = self._deferrable_te_variant(args, accelerator)
@@ -158,17 +159,17 @@ class MossImageNetworkTrainer(NetworkTrainer):
             return None
         if args.sample_prompts:
             return None
-        from library.te_variant import predict_text_encoder_variant
+        from library.text_encoder.variant import predict_text_encoder_variant
 
         return predict_text_encoder_variant(args, accelerator.device)
 
     def _load_text_encoder(self, args: argparse.Namespace, accelerator: Any) -> Any:
         """Read the text encoder (LoRA --base_weights merged, ConvRot INT8 / --te_quant applied) and note its device
         and variant; kept on the CPU (the GPU with --lowram) until it is used."""
-        from library.convrot_int8_utils import is_convrot_int8_model
-        from library.moss_image_utils import load_text_encoder
-        from library.strategy_moss_image import text_encoder_variant
-        from library.te_quant import prepare_text_encoder, te_on_cpu
+        from library.quant.convrot import is_convrot_int8_model
+        from library.moss_image.loaders import load_text_encoder
+        from library.caching.strategies import text_encoder_variant
+        from library.text_encoder.quant import prepare_text_encoder, te_on_cpu
 
         logger.info("loading the Qwen3.5 text encoder (bf16)")
         te_dtype = torch.bfloat16 if accelerator.device.type != "cpu" or args.mixed_precision == "bf16" else torch.float32
@@ -194,7 +195,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
     @staticmethod
     def _base_weights_plan(args: argparse.Namespace, prefix: str) -> Any:
         """--base_weights: LoRA files merged into the base weights while they are read (before any quantisation)."""
-        from library.lora_merge import LoraMergePlan, load_lora_files
+        from library.lora.merge import LoraMergePlan, load_lora_files
 
         if not args.base_weights:
             return None
@@ -204,8 +205,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     def load_unet_lazily(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any,
                          text_encoders: list) -> tuple:
-        from library.convrot_int8_utils import is_convrot_int8_model
-        from library.moss_image_utils import load_moss_image_model
+        from library.quant.convrot import is_convrot_int8_model
+        from library.moss_image.loaders import load_moss_image_model
 
         attn_mode = args.attn_mode or ("xformers" if args.xformers else "torch")
         # with --convrot_int8 the bf16 weights are read to the CPU and quantised on the GPU, one layer at a time
@@ -220,7 +221,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if plan:
             plan.finish()
         self.dit_convrot_int8 = is_convrot_int8_model(model)
-        from library.compile_utils import check_compile_args
+        from library.runtime.compile import check_compile_args
 
         check_compile_args(args, convrot_int8=self.dit_convrot_int8)
         if self.dit_convrot_int8:
@@ -232,14 +233,14 @@ class MossImageNetworkTrainer(NetworkTrainer):
     @staticmethod
     def _enable_block_swap(args: argparse.Namespace, model: Any, accelerator: Any) -> None:
         """Freeze the base (the H2D-only ring never writes back), then swap blocks; prepare_unet places the rest."""
-        from library.offloading import BlockSwapConfig, check_block_swap_device
+        from library.memory.block_swap import BlockSwapConfig, check_block_swap_device
 
         check_block_swap_device(accelerator.device, accelerator.num_processes)
         model.requires_grad_(False)
         model.enable_block_swap(args.blocks_to_swap, BlockSwapConfig.from_args(args, accelerator.device))
 
     def prepare_unet(self, run: RunState) -> None:
-        from library.compile_utils import apply_cuda_optimizations, compile_blocks
+        from library.runtime.compile import apply_cuda_optimizations, compile_blocks
 
         if getattr(run.unet, "block_offloader", None) is not None:
             run.unet.move_to_device_except_swap_blocks(run.accelerator.device)
@@ -253,12 +254,12 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     # --------------------------------------------------------------------------------------------- caching
     def get_latents_caching_strategy(self, args: argparse.Namespace) -> Any:
-        from library.strategy_moss_image import MossImageLatentsCachingStrategy
+        from library.caching.strategies import MossImageLatentsCachingStrategy
 
         return MossImageLatentsCachingStrategy(args.cache_latents_to_disk, args.vae_batch_size, args.skip_cache_check)
 
     def get_text_encoder_outputs_caching_strategy(self, args: argparse.Namespace) -> Any:
-        from library.strategy_moss_image import MossImageTextEncoderOutputsCachingStrategy
+        from library.caching.strategies import MossImageTextEncoderOutputsCachingStrategy
 
         if not args.cache_text_encoder_outputs:
             return None
@@ -271,14 +272,14 @@ class MossImageNetworkTrainer(NetworkTrainer):
     def _te_base_weights(self, args: argparse.Namespace) -> str:
         """The identity of what --base_weights merge into the text encoder ("" for nothing), from the options and the
         files (never the encoder), so the caches can be checked before the encoder is read; computed once."""
-        from library.te_base_weights import text_encoder_base_weights_identity
+        from library.text_encoder.base_weights import text_encoder_base_weights_identity
 
         if self.te_base_weights is None:
             self.te_base_weights = text_encoder_base_weights_identity(args.base_weights, args.base_weights_multiplier)
         return self.te_base_weights
 
     def cache_latents(self, run: RunState) -> None:
-        from library.strategy_moss_image import cache_latents
+        from library.caching.strategies import cache_latents
 
         acc = run.accelerator
         run.vae.to(acc.device)
@@ -289,12 +290,12 @@ class MossImageNetworkTrainer(NetworkTrainer):
         acc.wait_for_everyone()
 
     def _encode_fn(self, text_encoder: Any, max_length: int) -> Any:
-        from library.strategy_moss_image import make_text_encode_fn
+        from library.caching.strategies import make_text_encode_fn
 
         return make_text_encode_fn(text_encoder, self.tokenizer, max_length)
 
     def cache_text_encoder_outputs_if_needed(self, run: RunState) -> None:
-        from library.strategy_moss_image import LazyEncoder, cache_text_encoder_outputs
+        from library.caching.strategies import LazyEncoder, cache_text_encoder_outputs
 
         args, acc = run.args, run.accelerator
         if not args.cache_text_encoder_outputs:
@@ -322,7 +323,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     def _load_deferred_text_encoder(self, args: argparse.Namespace, accelerator: Any) -> Any:
         """The text encoder whose loading was deferred, checked against the variant the caches were checked with."""
-        from library.te_variant import check_predicted_variant
+        from library.text_encoder.variant import check_predicted_variant
 
         text_encoder = self._load_text_encoder(args, accelerator)
         if self.deferred_te_variant is not None:
@@ -330,7 +331,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         return text_encoder
 
     def _encode_sample_prompts(self, args: argparse.Namespace, encode: Any) -> dict[str, Any]:
-        from library.moss_image_sampling import load_prompts
+        from library.sampling.sampler import load_prompts
 
         texts: list[str] = []
         for p in load_prompts(args.sample_prompts):
@@ -342,7 +343,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     # --------------------------------------------------------------------------------------------- batches
     def get_latents(self, run: RunState, batch: dict[str, Any]) -> torch.Tensor:
-        from library.flux2_vae import normalize_latents, patchify_latents
+        from library.moss_image.vae import normalize_latents, patchify_latents
 
         acc = run.accelerator
         raw = batch.get("latents")
@@ -354,7 +355,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
                                  self.bn_running_var.to(acc.device))
 
     def get_text_conds(self, run: RunState, batch: dict[str, Any], is_train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        from library.qwen35_text_encoder import pad_and_stack
+        from library.text_encoder.qwen35 import pad_and_stack
 
         outputs = batch.get("text_encoder_outputs")
         if outputs is None:
@@ -397,7 +398,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         run.unet.prepare_block_swap_before_forward()  # block swap: re-arm the ring (a no-op when it is armed)
 
     def sample_images(self, run: RunState, epoch: int | None, step: int) -> None:
-        from library.moss_image_train_sampling import is_due, sample_images_if_due
+        from library.training.sample_images import is_due, sample_images_if_due
 
         if is_due(run.args, epoch, step):
             run.optimizer_eval_fn()
@@ -411,22 +412,22 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
 def _encode_grad(te: Any, tokenizer: Any, captions: list[str], max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Encode captions one at a time; gradients flow when the text encoder LoRA is trained."""
-    from library.qwen35_text_encoder import encode_tokens, tokenize
+    from library.text_encoder.qwen35 import encode_tokens, tokenize
 
     return [encode_tokens(te, tokenize(tokenizer, c, max_length)) for c in captions]
 
 
 def setup_parser() -> argparse.ArgumentParser:
     from library.datasets.args import add_dataset_arguments
-    from library.optimizers import add_optimizer_arguments
-    from library.train_args import add_common_arguments
+    from library.training.optimizers import add_optimizer_arguments
+    from library.training.args import add_common_arguments
 
     parser = argparse.ArgumentParser(
         description="LoRA training for MOSS-Image (sd-scripts style).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_common_arguments(parser)
-    from library.te_quant import add_text_encoder_memory_arguments
+    from library.text_encoder.quant import add_text_encoder_memory_arguments
 
     add_text_encoder_memory_arguments(parser)
     add_dataset_arguments(parser)
@@ -436,7 +437,7 @@ def setup_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from library.train_args import parse_args_with_config, write_config_file
+    from library.training.args import parse_args_with_config, write_config_file
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = setup_parser()

@@ -23,8 +23,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from library import convrot_int8_kernels as K
-from library import convrot_int8_utils as U
+from library.quant import convrot_kernels as K
+from library.quant import convrot as U
 
 G = 256
 

@@ -37,9 +37,9 @@ sys.path.insert(0, str(REPO))
 
 logger = logging.getLogger("bench.full_e2e")
 
-TRAIN_STEP = "library.network_trainer:NetworkTrainer._train_step"
+TRAIN_STEP = "library.training.network_trainer:NetworkTrainer._train_step"
 INFER_TIMINGS = "moss_image_minimal_inference:LAST_RUN_TIMINGS"
-DENOISE = "library.moss_image_generation:denoise"
+DENOISE = "library.sampling.generation:denoise"
 
 
 # ------------------------------------------------------------------------------------------------------ settings
@@ -232,14 +232,14 @@ def phase_cache(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict[st
                 out, "cache_latents", "tools.cache_latents:main",
                 ["--moss_image", "--vae", str(paths.vae), *_dataset_args(scale, paths.data("bf16")),
                  "--cache_latents_to_disk", "--skip_cache_check", *dev],
-                time_specs=("library.strategy_moss_image:cache_latents",), gpu=gpu)
+                time_specs=("library.caching.strategies:cache_latents",), gpu=gpu)
             return
         te_path, data = te_src[name]
         res[name] = run_measured(
             out, f"cache_{name}", "tools.cache_text_encoder_outputs:main",
             ["--moss_image", "--text_encoder", str(te_path), "--tokenizer_cache_dir", str(paths.tokenizer),
              *_dataset_args(scale, paths.data(data)), "--cache_text_encoder_outputs_to_disk", *dev],
-            time_specs=("library.strategy_moss_image:cache_text_encoder_outputs",), gpu=gpu)
+            time_specs=("library.caching.strategies:cache_text_encoder_outputs",), gpu=gpu)
 
     on_gpus(["latents", *te_src], one, args.gpus)
     for f in (paths.data("bf16") / "1_e2e").glob("*_moss.npz"):  # the same images: share the latent caches
@@ -445,7 +445,7 @@ def phase_quality(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict[
     import numpy as np
     from PIL import Image
 
-    from library.safetensors_utils import load_safetensors
+    from library.files.safetensors_io import load_safetensors
 
     res: dict[str, Any] = {}
     base = paths.root / "infer" / "bf16"
@@ -550,7 +550,7 @@ def set_options(argv: list[str], values: dict[str, str]) -> list[str]:
 
 
 def compare_loras(a: Path, b: Path) -> dict[str, Any]:
-    from library.safetensors_utils import load_safetensors
+    from library.files.safetensors_io import load_safetensors
 
     sa, sb = load_safetensors(str(a)), load_safetensors(str(b))
     worst, num, den = 0.0, 0.0, 0.0

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from bench.make_full_snapshot import DIT_DIR, DIT_SHARDS, DIT_STEM, _first_shard, dit_step, run_steps  # noqa: E402
 from bench.stream_safetensors import RandomSource  # noqa: E402
-from library.moss_image_models import MossImageConfig  # noqa: E402
+from library.moss_image.dit import MossImageConfig  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@
     te     text_encoder/model-0000{1..4}-of-00004.safetensors, model.safetensors.index.json, config.json (the
            Qwen3.5-9B VL layout: `model.language_model.*` text weights, the `model.visual.*` vision tower of the 9B
            vision config, `lm_head.weight` and an `mtp.*` draft layer: fc, pre-fc norms, one full-attention decoder
-           layer, norm); tokenizer/: the TINY byte-level tokenizer of library/tiny_snapshot.py (400 tokens, the Qwen
+           layer, norm); tokenizer/: the TINY byte-level tokenizer of library/moss_image/tiny_snapshot.py (400 tokens, the Qwen
            special tokens), not the real 248k-token one: its ids are valid for any vocabulary, which is all a
            benchmark needs
     vae    vae/diffusion_pytorch_model.safetensors + config.json (diffusers AutoencoderKLFlux2) and
@@ -82,8 +82,8 @@ from bench.stream_safetensors import (  # noqa: E402
     write_json,
 )
 from library.errors import UserError  # noqa: E402
-from library.flux2_vae import Flux2VAEConfig  # noqa: E402
-from library.moss_image_models import MossImageConfig  # noqa: E402
+from library.moss_image.vae import Flux2VAEConfig  # noqa: E402
+from library.moss_image.dit import MossImageConfig  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ SCALES: dict[str, Callable[[], Scale]] = {"full": _full_scale, "small": _small_s
 
 # -------------------------------------------------------------------------------------------------------- specs
 def dit_specs(cfg: MossImageConfig) -> list[Spec]:
-    from library.moss_image_models import MossImage
+    from library.moss_image.dit import MossImage
 
     with torch.device("meta"):
         model = MossImage(cfg)
@@ -175,7 +175,7 @@ def te_specs(te: dict[str, Any]) -> list[Spec]:
 
 def vae_specs(cfg: Flux2VAEConfig) -> list[tuple[Spec, Spec]]:
     """(BFL spec, diffusers spec) of every VAE tensor, fp32 (the step counter int64)."""
-    from library.flux2_vae import AutoEncoder, bfl_to_diffusers_state_dict
+    from library.moss_image.vae import AutoEncoder, bfl_to_diffusers_state_dict
 
     with torch.device("meta"):
         bfl = AutoEncoder(cfg).state_dict()
@@ -237,7 +237,7 @@ class ShardReader:
         self._source: Any = None
 
     def open(self) -> None:
-        from library.safetensors_utils import TensorSource, discover_shards
+        from library.files.safetensors_io import TensorSource, discover_shards
 
         path = self.root / self.first
         if not path.exists():
@@ -265,15 +265,15 @@ class ShardReader:
 
 def _quantize(t: torch.Tensor, device: torch.device, embedding: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """ConvRot INT8 codes and fp32 [N, 1] scales as the loader makes them (the embedding in the loader's row chunks)."""
-    from library.convrot_int8_kernels import quantize_convrot_weight
-    from library.convrot_int8_utils import EMBEDDING_ROW_CHUNK
+    from library.quant.convrot_kernels import quantize_convrot_weight
+    from library.quant.convrot import EMBEDDING_ROW_CHUNK
 
     q, s = quantize_convrot_weight(t.to(device), GROUP_SIZE, row_chunk=EMBEDDING_ROW_CHUNK if embedding else None)
     return q.cpu(), s.cpu()
 
 
 def _marker() -> torch.Tensor:
-    from library.convrot_int8_utils import comfy_quant_spec, comfy_quant_tensor
+    from library.quant.convrot import comfy_quant_spec, comfy_quant_tensor
 
     return comfy_quant_tensor(comfy_quant_spec(GROUP_SIZE))
 
@@ -324,7 +324,7 @@ def _int8_piece(prefix: str, names: list[str], shape: tuple[int, ...], reader: S
 
 def comfy_int8_dit_job(specs: list[Spec], reader: ShardReader, device: torch.device) -> FileJob:
     """The ComfyUI ConvRot INT8 DiT: the 252 block Linears int8 (q/k/v fused into `proj.qkv`), the rest bf16."""
-    from library.convrot_int8_utils import dit_convrot_filter
+    from library.quant.convrot import dit_convrot_filter
 
     job = FileJob(COMFY_INT8, [])
     for spec in specs:
@@ -343,7 +343,7 @@ def comfy_int8_dit_job(specs: list[Spec], reader: ShardReader, device: torch.dev
 
 def comfy_int8_te_job(specs: list[Spec], reader: ShardReader, device: torch.device) -> FileJob:
     """The ComfyUI ConvRot INT8 text encoder: text weights only, the loader's scope int8, the rest bf16."""
-    from library.convrot_int8_utils import text_encoder_convrot_filter
+    from library.quant.convrot import text_encoder_convrot_filter
 
     job = FileJob(TE_INT8, [])
     for spec in specs:
@@ -383,7 +383,7 @@ def _first_shard(folder: Path, stem: str, shards: int) -> Path:
 
 
 def _write_tokenizer(out: Path) -> list[Path]:
-    from library.tiny_snapshot import write_tokenizer
+    from library.moss_image.tiny_snapshot import write_tokenizer
 
     write_tokenizer(out)
     return [TOKENIZER_DIR / "tokenizer.json", TOKENIZER_DIR / "tokenizer_config.json"]

@@ -3,8 +3,8 @@
 chosen functions (CUDA-synchronised), GPU memory (torch's peaks and the driver's figure including the CUDA context,
 split at a phase boundary), host peak RSS, and optionally a torch.profiler breakdown of one call.
 
-    python bench/measure.py --json out.json --time library.network_trainer:NetworkTrainer._train_step \\
-        --phase library.network_trainer:NetworkTrainer._train_step -- moss_image_train_network:main --snapshot ...
+    python bench/measure.py --json out.json --time library.training.network_trainer:NetworkTrainer._train_step \\
+        --phase library.training.network_trainer:NetworkTrainer._train_step -- moss_image_train_network:main --snapshot ...
     accelerate launch --num_processes 2 bench/measure.py --json out.json ... -- moss_image_train_network:main ...
 
 `--time MODULE:ATTR` wraps a function or method (dotted ATTR) before the entry module is imported, so modules that

@@ -5,7 +5,7 @@ shape, dtype) and a `produce()` that yields them, in order, as CPU tensors whose
 tensor may come in several row chunks). The header is written from the plan, then each piece is produced and written
 and dropped, so a file of any size costs the memory of its largest piece. Pieces are laid out widest dtype first and
 small constant tensors (the ComfyUI `.comfy_quant` markers) last, so every tensor starts aligned to its element size.
-Each file is written to a temporary name and renamed (`library.safetensors_utils.write_atomic`).
+Each file is written to a temporary name and renamed (`library.files.safetensors_io.write_atomic`).
 
 Random tensors (`random_piece`) are deterministic: each row chunk has its own generator, seeded from the run seed, the
 tensor name and the chunk index, so a tensor's values do not depend on which other tensors or files a run writes, nor
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from library.safetensors_utils import write_atomic, write_text_atomic
+from library.files.safetensors_io import write_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 

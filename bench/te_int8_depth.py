@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from bench.make_full_snapshot import _small_scale, te_init  # noqa: E402
 from bench.stream_safetensors import _draw  # noqa: E402
-from library import convrot_int8_utils as cr  # noqa: E402
+from library.quant import convrot as cr  # noqa: E402
 
 
 def build(layers: int, hidden: int, seed: int = 1) -> torch.nn.Module:

@@ -59,7 +59,7 @@ RANK = 16
 def _skip_mask_sync() -> None:
     """Bench-only variant: attention calls with an all-true mask skip `bool(key_mask.all())`, a device sync per
     block (measures what that sync costs; the trainer's code path is the default configurations)."""
-    from library.attention import Attention
+    from library.runtime.attention import Attention
 
     original = Attention.__call__
 
@@ -70,8 +70,8 @@ def _skip_mask_sync() -> None:
 
 
 def _load(dit: str, spec: dict[str, Any], dev: torch.device) -> Any:
-    from library.moss_image_utils import load_moss_image_model
-    from library.offloading import BlockSwapConfig
+    from library.moss_image.loaders import load_moss_image_model
+    from library.memory.block_swap import BlockSwapConfig
 
     swap = spec.get("swap")
     model = load_moss_image_model(dev, dit, "torch", False, loading_device="cpu" if swap else dev,
@@ -104,7 +104,7 @@ def _h2d_bandwidth(off: Any) -> float:
 
 def run_single(name: str, dit: str, steps: int, warmup: int, image: int = IMAGE, device: str = "cuda"
                ) -> dict[str, Any]:
-    from library.compile_utils import apply_cuda_optimizations, compile_blocks
+    from library.runtime.compile import apply_cuda_optimizations, compile_blocks
     from networks.lora_generic import create_network
 
     spec = CONFIGS[name]

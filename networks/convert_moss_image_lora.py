@@ -227,8 +227,8 @@ def convert_state_dict(
 
 def convert_file(src: str | os.PathLike, dst: str | os.PathLike, target: str, keep_alpha: bool = False) -> int:
     """Convert a LoRA file; metadata is kept (the sshs_* hashes are recomputed for the new tensors)."""
-    from library.model_spec import add_hashes
-    from library.safetensors_utils import load_safetensors, read_metadata, save_file_atomic
+    from library.files.model_spec import add_hashes
+    from library.files.safetensors_io import load_safetensors, read_metadata, save_file_atomic
 
     if os.path.abspath(src) == os.path.abspath(dst):
         raise UserError(f"Source and destination are the same file '{src}': give another output path.")

@@ -519,7 +519,7 @@ class LoRANetwork(nn.Module):
 
     def load_weights(self, file: str | os.PathLike) -> Any:
         """Load a LoRA file (continue training); missing/unexpected modules are logged, a rank mismatch is an error."""
-        from library.safetensors_utils import load_safetensors
+        from library.files.safetensors_io import load_safetensors
 
         weights_sd = normalize_lora_state_dict(load_safetensors(file))
         own = {k: tuple(v.shape) for k, v in self.state_dict().items()}
@@ -623,8 +623,8 @@ class LoRANetwork(nn.Module):
         self, file: str | os.PathLike, dtype: torch.dtype | None, metadata: Mapping[str, Any] | None
     ) -> None:
         """Write the LoRA as .safetensors atomically; with metadata, the sshs_* hashes are added first."""
-        from library.model_spec import add_hashes, stringify
-        from library.safetensors_utils import save_file_atomic
+        from library.files.model_spec import add_hashes, stringify
+        from library.files.safetensors_io import save_file_atomic
 
         if os.path.splitext(str(file))[1].lower() != ".safetensors":
             raise UserError(
@@ -673,7 +673,7 @@ class LoRANetwork(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         """Merge `weights_sd` into the base weights of the modules this network was built on (inference)."""
-        from library.lora_merge import merged_weight, reject_quantized_weight
+        from library.lora.merge import merged_weight, reject_quantized_weight
 
         weights_sd = normalize_lora_state_dict(weights_sd)
         merged = 0
@@ -798,7 +798,7 @@ def create_network_from_weights(
             "--network_args %s ignored: the modules and ranks come from the weights file", ", ".join(ignored)
         )
     if weights_sd is None:
-        from library.safetensors_utils import load_safetensors
+        from library.files.safetensors_io import load_safetensors
 
         if file is None:
             raise ValueError("create_network_from_weights needs a file or weights_sd")

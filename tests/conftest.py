@@ -20,6 +20,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from library.tiny_snapshot import build_tiny_snapshot
+    from library.moss_image.tiny_snapshot import build_tiny_snapshot
 
     return build_tiny_snapshot(tmp_path_factory.mktemp("snapshot") / "moss-image-tiny")

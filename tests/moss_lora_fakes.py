@@ -1,6 +1,6 @@
 """Tiny stand-ins for the MOSS-Image DiT module tree (same class and module names) and a tiny Qwen3.5 text model.
 
-Used by the LoRA / merge tests; the real DiT lives in library/moss_image_models.py.
+Used by the LoRA / merge tests; the real DiT lives in library/moss_image/dit.py.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def tiny_qwen35() -> nn.Module:
     """The tiny snapshot's Qwen3.5 text config, cut to two layers (one linear-attention, one full-attention)."""
     from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
 
-    from library.tiny_snapshot import TINY_TEXT_CONFIG
+    from library.moss_image.tiny_snapshot import TINY_TEXT_CONFIG
 
     fields = {k: v for k, v in TINY_TEXT_CONFIG.items() if k != "model_type"}
     fields.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from library.strategy_moss_image import load_npz
+from library.caching.strategies import load_npz
 from tests.test_trainer import base_args, make_toy_dataset, train
 from tools import cache_latents as latents_tool
 from tools import cache_text_encoder_outputs as te_tool

@@ -1,4 +1,4 @@
-"""The MOSS-Image caching strategies and drivers (library/strategy_moss_image.py) with a fake VAE and text encoder:
+"""The MOSS-Image caching strategies and drivers (library/caching/strategies.py) with a fake VAE and text encoder:
 file names, round trips, validity and re-cache rules, the older TE format, candidates, dropout, atomic writes and the
 split of the work between processes."""
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-import library.strategy_moss_image as sm
+import library.caching.strategies as sm
 from library.datasets import build_dataset_groups
 from library.datasets.dataset_group import prepare_image_for_cache
 from library.errors import UserError
-from library.qwen35_text_encoder import PROMPT_TEMPLATE_ID
+from library.text_encoder.qwen35 import PROMPT_TEMPLATE_ID
 from tests.test_datasets_support import make_gradient, parse, write_caption, write_toml
 
 SMALL = {

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from library import convrot_int8_kernels as K
-from library import convrot_int8_utils as U
+from library.quant import convrot_kernels as K
+from library.quant import convrot as U
 from library.errors import UserError
 
 ck = pytest.importorskip("comfy_kitchen")
@@ -319,7 +319,7 @@ def _save_load(tmp_path, tensors, metadata=None):
 
     path = tmp_path / "m.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
-    from library.safetensors_utils import read_metadata
+    from library.files.safetensors_io import read_metadata
 
     return load_file(str(path)), read_metadata(path)
 

@@ -22,7 +22,7 @@ CASES = [(5, 512, 48, 256), (33, 192, 40, 64), (3, 64, 24, 16), (7, 96, 8, 0)]  
 
 def run_checks(device: str) -> dict:
     """Compare the Triton path with the eager path on small shapes; returns counts (all exact ones must be 0)."""
-    from library import convrot_int8_kernels as K
+    from library.quant import convrot_kernels as K
 
     torch.manual_seed(0)
     out: dict = {"has_triton": K.HAS_TRITON, "cases": []}
@@ -76,7 +76,7 @@ def _check_launch_tuned(device: str) -> bool:
     """The first call of a shape goes through the autotuner, later calls launch the plain kernel with its choice."""
     import triton
 
-    from library import convrot_int8_kernels as K
+    from library.quant import convrot_kernels as K
 
     calls = []
 

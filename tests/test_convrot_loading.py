@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.convrot_int8_utils import ConvRotInt8Embedding, ConvRotInt8Linear, is_convrot_int8_model
+from library.quant.convrot import ConvRotInt8Embedding, ConvRotInt8Linear, is_convrot_int8_model
 from library.errors import UserError
-from library.moss_image_utils import load_moss_image_model, load_text_encoder
-from library.safetensors_utils import load_safetensors, read_metadata, save_file_atomic
+from library.moss_image.loaders import load_moss_image_model, load_text_encoder
+from library.files.safetensors_io import load_safetensors, read_metadata, save_file_atomic
 
 INT8_DIT = "moss_image_base_int8_convrot.safetensors"
 INT8_TE = "text_encoder_int8/qwen3.5_9b_int8_convrot.safetensors"
@@ -108,7 +108,7 @@ def test_inference_merges_lora_before_quantising(tiny_snapshot, tmp_path):
     from tests.test_inference import _latents, _run
 
     lora = tmp_path / "lora.safetensors"
-    from library.moss_image_utils import load_moss_image_model as load
+    from library.moss_image.loaders import load_moss_image_model as load
     from networks import lora_generic
 
     net = lora_generic.create_network(1.0, 4, 4.0, None, [], load("cpu", tiny_snapshot, dtype=torch.float32))

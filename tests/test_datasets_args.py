@@ -34,7 +34,7 @@ def test_misspelled_caption_extension_alias() -> None:
 
 def test_no_conflict_with_the_shared_training_options() -> None:
     from library.datasets.args import add_dataset_arguments
-    from library.train_args import add_common_arguments
+    from library.training.args import add_common_arguments
 
     parser = argparse.ArgumentParser()
     add_common_arguments(parser)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from library import flow_matching as fm
+from library.training import flow_matching as fm
 from library.errors import UserError
 
 
@@ -255,7 +255,7 @@ def test_huber_thresholds_for_flow_matching():
     "mode,applied", [("sigma", True), ("shift", True), ("uniform", False), ("sigmoid", False), ("flux_shift", False)]
 )
 def test_log_line_states_whether_shift_applies(mode, applied, caplog):
-    with caplog.at_level(logging.INFO, logger="library.flow_matching"):
+    with caplog.at_level(logging.INFO, logger="library.training.flow_matching"):
         line = fm.log_timestep_sampling_info(make_args("--timestep_sampling", mode, "--discrete_flow_shift", "3"))
     assert "\n" not in line and line in caplog.text
     assert ("discrete_flow_shift=3.0 is applied" in line) == applied
@@ -284,7 +284,7 @@ def test_show_timesteps_console():
 
 
 def test_show_timesteps_console_logs_without_stream(caplog):
-    with caplog.at_level(logging.INFO, logger="library.flow_matching"):
+    with caplog.at_level(logging.INFO, logger="library.training.flow_matching"):
         fm.show_timesteps(make_args("--show_timesteps", "console"), num_samples=1000)
     assert "950 - 1000" in caplog.text
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from library import flux2_vae as fv
+from library.moss_image import vae as fv
 from library.errors import UserError
-from library.safetensors_utils import load_safetensors, save_file_atomic
+from library.files.safetensors_io import load_safetensors, save_file_atomic
 
 diffusers = pytest.importorskip("diffusers")
 AutoencoderKLFlux2 = diffusers.AutoencoderKLFlux2
@@ -267,7 +267,7 @@ def test_loader_prefix_dtype_and_optional_counter(bfl_file, tmp_path):
 
 
 def test_loader_logs_what_was_loaded(bfl_file, caplog):
-    with caplog.at_level("INFO", logger="library.flux2_vae"):
+    with caplog.at_level("INFO", logger="library.moss_image.vae"):
         fv.load_flux2_vae(bfl_file)
     assert "flux2-vae-tiny.safetensors" in caplog.text and "bfl layout" in caplog.text
 

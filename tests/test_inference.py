@@ -8,7 +8,7 @@ from PIL import Image
 
 import moss_image_minimal_inference as inf
 from library.errors import UserError
-from library.safetensors_utils import load_safetensors, save_file_atomic
+from library.files.safetensors_io import load_safetensors, save_file_atomic
 
 
 def _run(tiny_snapshot, out, *extra):
@@ -24,7 +24,7 @@ def _latents(paths):
 @pytest.fixture(scope="module")
 def random_lora(tiny_snapshot, tmp_path_factory):
     """A LoRA with non-zero weights on every DiT block Linear (as trained, saved by lora_generic)."""
-    from library.moss_image_utils import load_moss_image_model
+    from library.moss_image.loaders import load_moss_image_model
     from networks import lora_generic
 
     dit = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32)

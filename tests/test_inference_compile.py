@@ -37,7 +37,7 @@ def moss_counting_eager(gm: torch.fx.GraphModule, example_inputs: list) -> objec
 @pytest.fixture(scope="module")
 def lora_file(tiny_snapshot, tmp_path_factory):
     """A LoRA with non-zero weights on every DiT block Linear."""
-    from library.moss_image_utils import load_moss_image_model
+    from library.moss_image.loaders import load_moss_image_model
     from networks import lora_generic
 
     net = lora_generic.create_network(1.0, 4, 2.0, None, [], load_moss_image_model("cpu", tiny_snapshot,
@@ -93,7 +93,7 @@ def test_compile_with_lora_and_other_skip_layers(tiny_snapshot, tmp_path, lora_f
 
 
 def test_compile_several_sizes_from_a_prompt_file(tiny_snapshot, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="library.compile_utils")
+    caplog.set_level(logging.INFO, logger="library.runtime.compile")
     prompts = tmp_path / "p.txt"
     prompts.write_text("first --w 64 --h 64 --d 1\nsecond --w 48 --h 32 --d 2\nthird --w 64 --h 64 --l 1.0 --d 3\n")
     plain, compiled = _pair(tiny_snapshot, tmp_path, "--from_file", str(prompts), "--infer_steps", "2")
@@ -175,10 +175,10 @@ def test_timings_after_a_run(tiny_snapshot, tmp_path, caplog):
 
 def test_compiled_blocks_with_block_swap_match(tiny_snapshot):
     """The inference order (block swap set up at load, then the blocks compiled) on the CPU test ring."""
-    from library.compile_utils import compile_blocks
-    from library.moss_image_sampling import sample
-    from library.moss_image_utils import load_moss_image_model
-    from library.offloading import BlockSwapConfig
+    from library.runtime.compile import compile_blocks
+    from library.sampling.sampler import sample
+    from library.moss_image.loaders import load_moss_image_model
+    from library.memory.block_swap import BlockSwapConfig
 
     torch.manual_seed(0)
     noise, cond, uncond = torch.randn(1, 128, 4, 4), torch.randn(1, 5, 64), torch.randn(1, 2, 64)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from library.errors import UserError
-from library.moss_image_utils import load_moss_image_model, load_text_encoder, open_dit_source, resolve_snapshot
-from library.qwen35_text_encoder import (
+from library.moss_image.loaders import load_moss_image_model, load_text_encoder, open_dit_source, resolve_snapshot
+from library.text_encoder.qwen35 import (
     encode_prompts,
     format_prompt,
     load_tokenizer,
@@ -16,7 +16,7 @@ from library.qwen35_text_encoder import (
     pad_and_stack,
     tokenize,
 )
-from library.safetensors_utils import load_safetensors, save_file_atomic
+from library.files.safetensors_io import load_safetensors, save_file_atomic
 
 FIRST_DIT = "transformer/diffusion_pytorch_model-00001-of-00003.safetensors"
 FIRST_TE = "text_encoder/model-00001-of-00004.safetensors"
@@ -112,7 +112,7 @@ def test_full_qwen35_9b_text_model_size_on_meta():
 
     from transformers import Qwen3_5TextModel
 
-    from library.qwen35_text_encoder import load_text_config
+    from library.text_encoder.qwen35 import load_text_config
 
     cfg = load_text_config(Path("/nonexistent/qwen3.5_9b.safetensors"))  # no config beside: the bundled 9B one
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (248320, 4096, 32)
@@ -160,7 +160,7 @@ def test_tokenizer_missing_offline_is_clear(tmp_path, monkeypatch):
 
 
 def test_snapshot_layout_and_determinism(tiny_snapshot, tmp_path):
-    from library.tiny_snapshot import build_tiny_snapshot
+    from library.moss_image.tiny_snapshot import build_tiny_snapshot
 
     paths = resolve_snapshot(tiny_snapshot)
     assert paths.tokenizer is not None and (tiny_snapshot / "flux2-vae.safetensors").exists()

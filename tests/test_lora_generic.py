@@ -354,7 +354,7 @@ def test_save_load_and_from_weights_roundtrip(tmp_path, qwen):
     randomize(net)
     path = tmp_path / "lora.safetensors"
     net.save_weights(path, torch.bfloat16, {"ss_network_dim": 4, "modelspec.title": "t"})
-    from library.safetensors_utils import load_safetensors, read_metadata
+    from library.files.safetensors_io import load_safetensors, read_metadata
 
     sd = load_safetensors(path)
     assert all(v.dtype == torch.bfloat16 for v in sd.values())
@@ -489,8 +489,8 @@ def test_fake_int8_is_linear_like():
 
 
 def test_real_moss_image_dit_targets_and_forward():
-    from library.moss_image_models import MossImage as RealMossImage
-    from library.tiny_snapshot import TINY_DIT_CONFIG
+    from library.moss_image.dit import MossImage as RealMossImage
+    from library.moss_image.tiny_snapshot import TINY_DIT_CONFIG
 
     torch.manual_seed(0)
     model = RealMossImage(TINY_DIT_CONFIG).eval()

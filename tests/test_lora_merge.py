@@ -1,4 +1,4 @@
-"""library.lora_merge (load-time merge, streaming plan, ConvRot refusal) and networks.convert_moss_image_lora."""
+"""library.lora.merge (load-time merge, streaming plan, ConvRot refusal) and networks.convert_moss_image_lora."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from library.errors import UserError
-from library.lora_merge import LoraMergePlan, load_lora_files, merge_into_module, merged_weight
-from library.safetensors_utils import TensorSource, load_safetensors, read_metadata, save_file_atomic
+from library.lora.merge import LoraMergePlan, load_lora_files, merge_into_module, merged_weight
+from library.files.safetensors_io import TensorSource, load_safetensors, read_metadata, save_file_atomic
 from networks import convert_moss_image_lora as conv
 from networks.lora_generic import create_network
 from tests.moss_lora_fakes import MossImage, quantize_blocks, tiny_qwen35
@@ -95,7 +95,7 @@ def test_unmatched_modules_are_reported(caplog):
     plan = LoraMergePlan([(sd, 1.0)], "lora_unet")
     model = dit()
     assert merge_into_module(model, plan) == 18
-    with caplog.at_level(logging.WARNING, logger="library.lora_merge"):
+    with caplog.at_level(logging.WARNING, logger="library.lora.merge"):
         missing = plan.finish()
     assert missing == ["lora_unet_layers_9_proj_k", "lora_unet_layers_9_proj_q"]
     assert "2 DiT LoRA modules matched no weight" in caplog.text and "layers_9_proj_k" in caplog.text
@@ -265,9 +265,9 @@ def test_fused_qkv_lora_is_split_exactly(peft):
 
 
 def test_merge_through_the_dit_loader_tensor_hook(tmp_path):
-    from library.moss_image_models import MossImage as RealMossImage
-    from library.moss_image_utils import load_moss_image_model
-    from library.tiny_snapshot import TINY_DIT_CONFIG, tiny_dit_state_dict
+    from library.moss_image.dit import MossImage as RealMossImage
+    from library.moss_image.loaders import load_moss_image_model
+    from library.moss_image.tiny_snapshot import TINY_DIT_CONFIG, tiny_dit_state_dict
 
     sd = {k: v.float() for k, v in tiny_dit_state_dict(0).items()}
     path = tmp_path / "dit.safetensors"

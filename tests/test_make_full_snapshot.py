@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from bench.make_full_snapshot import make_snapshot, parse_args
-from library.convrot_int8_utils import ConvRotInt8Embedding, ConvRotInt8Linear
+from library.quant.convrot import ConvRotInt8Embedding, ConvRotInt8Linear
 from library.errors import UserError
-from library.flux2_vae import load_flux2_vae
-from library.moss_image_utils import load_moss_image_model, load_text_encoder
-from library.safetensors_utils import TensorSource, discover_shards
+from library.moss_image.vae import load_flux2_vae
+from library.moss_image.loaders import load_moss_image_model, load_text_encoder
+from library.files.safetensors_io import TensorSource, discover_shards
 
 REPO = Path(__file__).resolve().parent.parent
 TE_FIRST = "text_encoder/model-00001-of-00004.safetensors"

@@ -1,4 +1,4 @@
-"""library.model_spec (ss_* / modelspec.* metadata, sshs hashes) and tools/show_metadata.py."""
+"""library.files.model_spec (ss_* / modelspec.* metadata, sshs hashes) and tools/show_metadata.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from library import model_spec
-from library.safetensors_utils import load_safetensors, read_metadata, save_file_atomic
+from library.files import model_spec
+from library.files.safetensors_io import load_safetensors, read_metadata, save_file_atomic
 from networks.lora_generic import create_network
 from tests.moss_lora_fakes import MossImage
 from tools import show_metadata

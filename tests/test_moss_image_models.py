@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from library.moss_image_models import MossImage, MossImageConfig, count_parameters, default_rope_axes
-from library.tiny_snapshot import TINY_DIT_CONFIG, tiny_dit_state_dict
+from library.moss_image.dit import MossImage, MossImageConfig, count_parameters, default_rope_axes
+from library.moss_image.tiny_snapshot import TINY_DIT_CONFIG, tiny_dit_state_dict
 
 FULL_TOTAL = 5_083_020_416
 FULL_BLOCK_LINEAR_WEIGHTS = 4_756_340_736  # = 42 * (4 * 3072^2 + 3 * 3072 * 8192)

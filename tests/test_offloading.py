@@ -1,4 +1,4 @@
-"""Block swap (library/offloading.py): the schedule, the data movement and the numerics, on the CPU in the offloader's
+"""Block swap (library/memory/block_swap.py): the schedule, the data movement and the numerics, on the CPU in the offloader's
 test mode (CPU "slots", synchronous copies); the same on CUDA streams when a GPU is present; the argument checks."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from library.errors import UserError
-from library.offloading import (
+from library.memory.block_swap import (
     BlockSwapConfig,
     ModelOffloader,
     check_block_swap_args,
@@ -167,8 +167,8 @@ def test_offloader_rejects_bad_setups():
 
 # ------------------------------------------------------------------------------------------- the tiny MOSS-Image DiT
 def tiny_pair(blocks_to_swap: int | None, h2d_only: bool = False, **checkpointing: bool):
-    from library.moss_image_models import MossImage
-    from library.tiny_snapshot import TINY_DIT_CONFIG, tiny_dit_state_dict
+    from library.moss_image.dit import MossImage
+    from library.moss_image.tiny_snapshot import TINY_DIT_CONFIG, tiny_dit_state_dict
     from networks.lora_generic import create_network
 
     sd = {k: v.float() for k, v in tiny_dit_state_dict(0).items()}
@@ -233,8 +233,8 @@ def test_dit_offloaded_checkpointing_same_loss_and_lora_gradients(mode):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("h2d_only", [False, True])
 def test_cuda_streams_same_results_as_resident_model(h2d_only):
-    from library.moss_image_models import MossImage
-    from library.tiny_snapshot import TINY_DIT_CONFIG, tiny_dit_state_dict
+    from library.moss_image.dit import MossImage
+    from library.moss_image.tiny_snapshot import TINY_DIT_CONFIG, tiny_dit_state_dict
 
     dev = torch.device("cuda")
     sd = {k: v.float() for k, v in tiny_dit_state_dict(0).items()}
@@ -262,7 +262,7 @@ def test_cuda_streams_same_results_as_resident_model(h2d_only):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_trainer_with_block_swap_validation_and_samples(tiny_snapshot, tmp_path):
-    from library.safetensors_utils import load_safetensors
+    from library.files.safetensors_io import load_safetensors
     from tests.test_trainer import base_args, make_toy_dataset, train
 
     data = make_toy_dataset(tmp_path / "data")

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from library import optimizers as opt
+from library.training import optimizers as opt
 from library.errors import UserError
 
 
@@ -104,7 +104,7 @@ def test_builtin_optimizers_step(optimizer_type):
     if optimizer_type == "SGDNesterov":
         assert optimizer.defaults["nesterov"] and optimizer.defaults["momentum"] == 0.9
     if optimizer_type == "Lion":
-        assert name == "library.optimizers.Lion"
+        assert name == "library.training.optimizers.Lion"
 
 
 def test_lion_update_matches_the_formula():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from library.errors import UserError
-from library.safetensors_utils import (
+from library.files.safetensors_io import (
     SplitSpec,
     SplitTensorAdapter,
     TensorSource,

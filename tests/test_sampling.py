@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from library import moss_image_sampling as ms
+from library.sampling import sampler as ms
 from library.errors import UserError
 
 
@@ -147,7 +147,7 @@ def test_exact_velocity_lands_on_the_data():
 
 
 def test_sampler_with_the_tiny_moss_image_dit():
-    models = pytest.importorskip("library.moss_image_models")
+    models = pytest.importorskip("library.moss_image.dit")
     cfg = models.MossImageConfig(hidden_size=32, num_layers=3, num_heads=2, head_dim=16, ffn_hidden=64, text_dim=24,
                                  num_refiner_layers=1, rope_axes_dims=(4, 6, 6))
     torch.manual_seed(0)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-import library.strategy_moss_image as sm
-import library.te_base_weights as tbw
+import library.caching.strategies as sm
+import library.text_encoder.base_weights as tbw
 from library.errors import UserError
-from library.safetensors_utils import save_file_atomic
-from library.te_base_weights import text_encoder_base_weights_identity as identity
+from library.files.safetensors_io import save_file_atomic
+from library.text_encoder.base_weights import text_encoder_base_weights_identity as identity
 from tests.test_caching import FakeTextEncoder, image_folder, te_groups
 from tests.test_te_lazy_load import LoadSpy, te_disk_args
 from tests.test_trainer import make_toy_dataset, train
@@ -74,7 +74,7 @@ def test_the_identity_follows_the_text_encoder_tensors_and_multipliers(tmp_path)
     assert identity([other_te]) != one
     assert identity([te, other_te]) != identity([other_te, te])  # the order counts (fp32 sums)
     # another DiT part with the same text-encoder tensors (and metadata): the same identity
-    from library.safetensors_utils import load_safetensors
+    from library.files.safetensors_io import load_safetensors
 
     sd = load_safetensors(te)
     sd["lora_unet_text_embedder_proj.lora_up.weight"] = torch.zeros(64, 4)

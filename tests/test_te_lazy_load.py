@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-import library.moss_image_utils as mu
-import library.strategy_moss_image as sm
+import library.moss_image.loaders as mu
+import library.caching.strategies as sm
 from library.errors import UserError
-from library.safetensors_utils import SafetensorsFile, load_safetensors
-from library.te_variant import check_predicted_variant, predict_text_encoder_variant
+from library.files.safetensors_io import SafetensorsFile, load_safetensors
+from library.text_encoder.variant import check_predicted_variant, predict_text_encoder_variant
 from tests.test_caching import FakeTextEncoder, all_batches, image_folder, te_groups
 from tests.test_trainer import base_args, make_toy_dataset, train
 
 
 
 class LoadSpy:
-    """Counts the reads of the text encoder (`library.moss_image_utils.load_text_encoder`) and passes them on."""
+    """Counts the reads of the text encoder (`library.moss_image.loaders.load_text_encoder`) and passes them on."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
@@ -151,7 +151,7 @@ def test_the_predicted_variant_is_the_loaded_one(tiny_snapshot, monkeypatch):
 
 
 def test_te_quant_prediction_and_its_errors(tiny_snapshot, monkeypatch):
-    import library.te_quant as tq
+    import library.text_encoder.quant as tq
 
     te = tiny_snapshot / "text_encoder"
     int8_file = tiny_snapshot / "text_encoder_int8" / "qwen3.5_9b_int8_convrot.safetensors"
@@ -263,7 +263,7 @@ def test_caption_dropout_with_a_never_read_text_encoder(tiny_snapshot, tmp_path,
 
 
 def test_a_wrong_prediction_is_an_internal_error(tiny_snapshot, tmp_path, monkeypatch):
-    import library.te_variant as tv
+    import library.text_encoder.variant as tv
 
     data = make_toy_dataset(tmp_path / "data", n=2)
     monkeypatch.setattr(tv, "predict_text_encoder_variant", lambda args, device: "bnb_nf4")

@@ -1,4 +1,4 @@
-"""Text encoder memory (library/te_quant.py): the auto decision by free VRAM, the errors, the Linear replacement on the
+"""Text encoder memory (library/text_encoder/quant.py): the auto decision by free VRAM, the errors, the Linear replacement on the
 tiny Qwen3.5 model, the options of the trainer and the inference script; bitsandbytes on CUDA when present."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from library import te_quant
+from library.text_encoder import quant as te_quant
 from library.errors import UserError
-from library.te_quant import TextEncoderSizes, choose_plan
+from library.text_encoder.quant import TextEncoderSizes, choose_plan
 
 GIB = 2**30
 CUDA = torch.device("cuda")
@@ -24,7 +24,7 @@ QWEN35_9B = TextEncoderSizes(linear_weights=6_912_212_992, linear_rows=1_425_408
 def tiny_qwen(seed: int = 0) -> nn.Module:
     from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
 
-    from library.tiny_snapshot import TINY_TEXT_CONFIG
+    from library.moss_image.tiny_snapshot import TINY_TEXT_CONFIG
 
     torch.manual_seed(seed)
     model = Qwen3_5TextModel(Qwen3_5TextConfig(**{k: v for k, v in TINY_TEXT_CONFIG.items() if k != "model_type"}))

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from library.errors import UserError
-from library.safetensors_utils import load_safetensors, read_metadata
+from library.files.safetensors_io import load_safetensors, read_metadata
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ def test_training_learns_saves_metadata_and_samples(tiny_snapshot, tmp_path):
     assert meta["ss_timestep_sampling"] == "sigma" and meta["ss_logit_mean"] == "-1.09" and meta["ss_steps"] == "24"
     assert meta["ss_convrot_int8"] == "False" and meta["ss_validation_split"] == "0.25"
     assert meta["modelspec.architecture"].startswith("moss-image-base")
-    from library.model_spec import file_model_hash
+    from library.files.model_spec import file_model_hash
 
     assert file_model_hash(final) == meta["sshs_model_hash"]
 
@@ -246,7 +246,7 @@ def test_base_weights_are_merged_before_training(tiny_snapshot, toy_data, tmp_pa
     run = train(base_args(tiny_snapshot, toy_data, tmp_path / "second", "--max_train_steps", "1",
                           "--base_weights", str(first / "toy.safetensors"), "--base_weights_multiplier", "0.5"))
     assert "merged 144 lora_unet LoRA modules" in caplog.text
-    from library.moss_image_utils import load_moss_image_model
+    from library.moss_image.loaders import load_moss_image_model
 
     plain = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32)
     assert not torch.equal(plain.layers[0].proj.q.weight, run.unet.layers[0].proj.q.weight.float())

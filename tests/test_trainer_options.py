@@ -9,7 +9,7 @@ from PIL import Image
 
 
 def test_expandable_segments_option_sets_the_allocator_config(monkeypatch):
-    from library.compile_utils import enable_expandable_segments
+    from library.runtime.compile import enable_expandable_segments
     from moss_image_train_network import setup_parser
 
     assert "--cuda_expandable_segments" in setup_parser().format_help()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 if __name__ == "__main__":  # run as a script from anywhere: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.cache_tool_common import (
+from library.caching.tool_common import (
     add_shared_tool_arguments,
     make_accelerator,
     tool_main,
@@ -79,7 +79,7 @@ def check_args(args: argparse.Namespace) -> None:
                         " --cache_latents_to_disk.")
     if args.vae_batch_size < 1:
         raise UserError(f"--vae_batch_size {args.vae_batch_size} must be at least 1.")
-    from library.moss_image_utils import fill_paths_from_snapshot
+    from library.moss_image.loaders import fill_paths_from_snapshot
 
     fill_paths_from_snapshot(args, vae_attr="vae")
     if not args.vae:
@@ -92,8 +92,8 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
     import torch
 
     from library.datasets import build_dataset_groups, debug_dataset
-    from library.flux2_vae import load_flux2_vae
-    from library.strategy_moss_image import MossImageLatentsCachingStrategy, cache_latents
+    from library.moss_image.vae import load_flux2_vae
+    from library.caching.strategies import MossImageLatentsCachingStrategy, cache_latents
 
     check_args(args)
     train, val = build_dataset_groups(args)

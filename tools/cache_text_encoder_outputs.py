@@ -27,7 +27,7 @@ from typing import Any
 if __name__ == "__main__":  # run as a script from anywhere: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.cache_tool_common import (
+from library.caching.tool_common import (
     add_shared_tool_arguments,
     make_accelerator,
     tool_main,
@@ -78,7 +78,7 @@ def setup_parser() -> argparse.ArgumentParser:
                    help="required: write the outputs to *_moss_te.npz files beside the images")
     g.add_argument("--text_encoder_batch_size", type=int, default=None,
                    help="captions per caching step (the encoder itself runs one caption at a time)")
-    from library.te_quant import add_text_encoder_memory_arguments
+    from library.text_encoder.quant import add_text_encoder_memory_arguments
 
     add_text_encoder_memory_arguments(parser)
     add_dataset_arguments(parser)
@@ -87,7 +87,7 @@ def setup_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse what this tool cannot do and fill the text encoder and tokenizer from --snapshot."""
-    from library.qwen35_text_encoder import check_max_token_length
+    from library.text_encoder.qwen35 import check_max_token_length
 
     if not args.moss_image:
         raise UserError("This tool caches MOSS-Image text-encoder outputs only: add --moss_image to the command.")
@@ -97,10 +97,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.text_encoder_batch_size is not None and args.text_encoder_batch_size < 1:
         raise UserError(f"--text_encoder_batch_size {args.text_encoder_batch_size} must be at least 1.")
     args.moss_max_token_length = check_max_token_length(args.moss_max_token_length)
-    from library.te_quant import check_text_encoder_memory_args
+    from library.text_encoder.quant import check_text_encoder_memory_args
 
     check_text_encoder_memory_args(args)
-    from library.moss_image_utils import fill_paths_from_snapshot
+    from library.moss_image.loaders import fill_paths_from_snapshot
 
     fill_paths_from_snapshot(args, te_attr="text_encoder")
     if not args.text_encoder:
@@ -113,10 +113,10 @@ def load_encode_fn(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
     on the CPU; --te_quant / --te_device / --convrot_int8_text_encoder applied)."""
     import torch
 
-    from library.moss_image_utils import load_text_encoder
-    from library.qwen35_text_encoder import load_tokenizer
-    from library.strategy_moss_image import make_text_encode_fn, text_encoder_variant
-    from library.te_quant import loading_device, prepare_text_encoder, te_on_cpu
+    from library.moss_image.loaders import load_text_encoder
+    from library.text_encoder.qwen35 import load_tokenizer
+    from library.caching.strategies import make_text_encode_fn, text_encoder_variant
+    from library.text_encoder.quant import loading_device, prepare_text_encoder, te_on_cpu
 
     tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
     run_device = torch.device("cpu") if te_on_cpu(args) else device
@@ -133,10 +133,10 @@ def load_encode_fn(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
 
 def encoder_for(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
     """(captions -> outputs, encoder variant). When the variant can be known without the model (see
-    `library.te_variant`), the encoder is read on the first call only, so a run that finds every file valid never
+    `library.text_encoder.variant`), the encoder is read on the first call only, so a run that finds every file valid never
     reads it; with --te_quant auto on a GPU it is read now (the variant depends on the free VRAM)."""
-    from library.strategy_moss_image import LazyEncoder
-    from library.te_variant import check_predicted_variant, predict_text_encoder_variant
+    from library.caching.strategies import LazyEncoder
+    from library.text_encoder.variant import check_predicted_variant, predict_text_encoder_variant
 
     predicted = predict_text_encoder_variant(args, device)
     if predicted is None:
@@ -154,7 +154,7 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
     """Cache the text-encoder outputs of the datasets of `args` and print a summary (None with --debug_dataset,
     which only shows the batches)."""
     from library.datasets import build_dataset_groups, debug_dataset
-    from library.strategy_moss_image import MossImageTextEncoderOutputsCachingStrategy, cache_text_encoder_outputs
+    from library.caching.strategies import MossImageTextEncoderOutputsCachingStrategy, cache_text_encoder_outputs
 
     check_args(args)
     train, val = build_dataset_groups(args)

@@ -79,9 +79,9 @@ def run(out: Path) -> None:
     import numpy as np
     from PIL import Image
 
-    from library.model_spec import file_model_hash
-    from library.safetensors_utils import read_metadata
-    from library.tiny_snapshot import build_tiny_snapshot
+    from library.files.model_spec import file_model_hash
+    from library.files.safetensors_io import read_metadata
+    from library.moss_image.tiny_snapshot import build_tiny_snapshot
 
     t0 = time.perf_counter()
     snapshot = build_tiny_snapshot(out / "tiny_snapshot")

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from library.errors import UserError
-    from library.tiny_snapshot import build_tiny_snapshot
+    from library.moss_image.tiny_snapshot import build_tiny_snapshot
 
     try:
         out = build_tiny_snapshot(args.out_dir, seed=args.seed, overwrite=args.overwrite)

@@ -31,7 +31,7 @@ def _part_of(lora_name: str) -> str:
 
 
 def _lora_summary(path: Path) -> dict[str, Any]:
-    from library.safetensors_utils import SafetensorsFile
+    from library.files.safetensors_io import SafetensorsFile
 
     with SafetensorsFile(path) as f:
         keys = f.keys()
@@ -57,7 +57,7 @@ def _lora_summary(path: Path) -> dict[str, Any]:
 
 def check_hashes(path: Path, metadata: dict[str, str]) -> list[tuple[str, str, str | None, str]]:
     """(key, stored, computed, status) for each stored hash; status is OK, MISMATCH or 'not stored'."""
-    from library.model_spec import file_legacy_hash, file_model_hash
+    from library.files.model_spec import file_legacy_hash, file_model_hash
 
     model_hash = file_model_hash(path)
     rows = []
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_verify", action="store_true", help="do not recompute the stored hashes")
     args = parser.parse_args(argv)
     try:
-        from library.safetensors_utils import check_safetensors_path, read_metadata
+        from library.files.safetensors_io import check_safetensors_path, read_metadata
 
         path = check_safetensors_path(args.file, "LoRA file")
         metadata = read_metadata(path)
