@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 logger = logging.getLogger("moss_image_minimal_inference")
 
 LATENT_SUFFIX = ".safetensors"

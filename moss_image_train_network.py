@@ -15,15 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-
-from library.files import model_spec  # noqa: E402
-from library.training import flow_matching  # noqa: E402
-from library.errors import UserError  # noqa: E402
-from library.training.network_trainer import NetworkTrainer, RunState  # noqa: E402
-from library.training.args import FP8_OPTIONS  # noqa: E402
+from library.files import model_spec
+from library.training import flow_matching
+from library.errors import UserError
+from library.training.network_trainer import NetworkTrainer, RunState
+from library.training.args import FP8_OPTIONS
 
 logger = logging.getLogger("moss_image_train_network")
 

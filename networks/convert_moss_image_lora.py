@@ -34,9 +34,6 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-if __name__ == "__main__":  # run as a script from the repository root: make `library` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from library.errors import UserError
 
 logger = logging.getLogger(__name__)

@@ -15,12 +15,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from dataclasses import dataclass
-
-if __name__ == "__main__":  # run as a script from anywhere: make `library` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.caching.tool_common import (
     add_shared_tool_arguments,

@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 CAPTION = "a red square on a grey background"
 
 

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
-
-if __name__ == "__main__":  # run as a script from the repository root: make `library` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.errors import UserError
 
