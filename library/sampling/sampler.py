@@ -1,7 +1,7 @@
 """The MOSS-Image sampler (the official pipeline's behaviour) and sample-prompt files, shared by the trainer's sample
 images and moss_image_minimal_inference.py.
 
-Sampler (see shared/design/moss_image_dit.md, "Sampler and prompt template"):
+Sampler (the official pipeline's, as docs/architecture.md describes it):
 
 * Grid: ``linspace(1, 0, steps + 1)``, shifted with ``s' = shift * s / (1 + (shift - 1) * s)`` (shift 5.0), every value
   but the final 0 snapped to the 1000-step training grid: ``max(round(s' * 1000), 1) / 1000``.
