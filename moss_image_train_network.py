@@ -404,6 +404,14 @@ class MossImageNetworkTrainer(NetworkTrainer):
             run.optimizer_train_fn()
 
     # --------------------------------------------------------------------------------------------- metadata
+    def base_model_files(self, args: argparse.Namespace) -> dict[str, list[Path]]:
+        """ss_sd_model_* of the DiT (all its shards), ss_vae_* of the VAE's weights file."""
+        from library.moss_image.loaders import dit_checkpoint_files
+        from library.moss_image.vae import vae_weights_file
+
+        return {"sd_model": dit_checkpoint_files(args.pretrained_model_name_or_path),
+                "vae": [vae_weights_file(args.vae)]}
+
     def update_metadata(self, metadata: dict[str, Any], args: argparse.Namespace) -> None:
         metadata.update(model_spec.moss_image_metadata(args, self.dit_convrot_int8, self.text_encoder_convrot_int8))
 

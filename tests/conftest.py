@@ -18,6 +18,12 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _model_hash_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The base-model hash cache of the runs lives in the session's temp folder, never in the user's cache."""
+    os.environ["MOSS_IMAGE_SCRIPTS_CACHE"] = str(tmp_path_factory.mktemp("model_hash_cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from library.moss_image.tiny_snapshot import build_tiny_snapshot

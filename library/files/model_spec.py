@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from library.files.base_model_hash import LEGACY_HASH_LENGTH, LEGACY_HASH_OFFSET, legacy_model_hash, sha256_of_files
+
 logger = logging.getLogger(__name__)
 
 BASE_MODEL_VERSION = "moss_image_base"
@@ -55,8 +57,6 @@ PREDICTION_TYPE = "flow"
 DEFAULT_RESOLUTION = (1024, 1024)
 DEFAULT_NETWORK_DIM = 4
 
-LEGACY_HASH_OFFSET = 0x100000
-LEGACY_HASH_LENGTH = 0x10000
 
 # ss_<name> = str(args.<name>): the sd-scripts training keys that mean something for a flow-matching DiT LoRA.
 # Left out on purpose (SD-only options this trainer rejects): clip_skip, max_token_length,
@@ -370,17 +370,11 @@ def file_legacy_hash(path: str | os.PathLike) -> str:
     return precalculate_safetensors_hashes(load_safetensors(path), read_metadata(path))[1]
 
 
-def file_sha256(path: str | os.PathLike, block: int = 1 << 20) -> str:
-    """sha256 of a whole file (ss_new_sd_model_hash / ss_new_vae_hash of the base model files)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(block), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a whole file (ss_new_sd_model_hash / ss_new_vae_hash of a single-file base model)."""
+    return sha256_of_files([path])
 
 
 def file_short_hash(path: str | os.PathLike) -> str:
     """The old 8-digit model hash of a whole file (ss_sd_model_hash / ss_vae_hash): 64 KiB at 0x100000."""
-    with open(path, "rb") as f:
-        f.seek(LEGACY_HASH_OFFSET)
-        return hashlib.sha256(f.read(LEGACY_HASH_LENGTH)).hexdigest()[:8]
+    return legacy_model_hash([path])

@@ -100,6 +100,11 @@ def _dit_checkpoint(path: str | os.PathLike) -> Path:
     return check_safetensors_path(p, "DiT checkpoint")
 
 
+def dit_checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The files a DiT path (file, shard, transformer/ or snapshot folder) is read from: its shards in order."""
+    return discover_shards(_dit_checkpoint(path))
+
+
 # --------------------------------------------------------------------------------------------- DiT source
 def _strip_prefix(keys: list[str]) -> str:
     for prefix in _DIT_PREFIXES:

@@ -583,6 +583,11 @@ def _resolve_files(path: str | os.PathLike) -> tuple[Path, Path | None]:
     return p, config if config.is_file() else None
 
 
+def vae_weights_file(path: str | os.PathLike) -> Path:
+    """The weights file a --vae path (a single file or a diffusers vae/ folder) is read from."""
+    return _resolve_files(path)[0]
+
+
 def _strip_common_prefix(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
     """Remove a prefix such as 'vae.' or 'first_stage_model.' carried by every key."""
     prefix = ""

@@ -16,6 +16,8 @@ from typing import Any
 
 from library.runtime.compile import add_compile_arguments
 from library.errors import UserError
+from library.files.safetensors_io import write_text_atomic
+from library.training.sensitive_options import without_secrets
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +140,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                    help="set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts (less memory held"
                         " by the allocator beyond what is in use)")
     g.add_argument("--output_config", action="store_true", help="write the arguments to a TOML file and exit")
+    g.add_argument("--overwrite_config", action="store_true", help="let --output_config replace an existing file")
     g.add_argument("--config_file", type=str, default=None, help="TOML file of arguments (command line wins)")
 
 
@@ -270,18 +273,20 @@ def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | No
 
 
 def write_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser, path: str) -> None:
-    """`--output_config`: the non-default arguments as TOML."""
+    """`--output_config`: the non-default arguments as TOML, without secrets (`--wandb_api_key`, ...); an existing
+    file is replaced only with `--overwrite_config`."""
     try:
         import toml
     except ImportError as e:
         raise UserError("--output_config needs the 'toml' package: pip install toml (it is in requirements.txt).") from e
 
-    from library.files.safetensors_io import write_text_atomic
-
+    if Path(path).exists() and not getattr(args, "overwrite_config", False):
+        raise UserError(f"--output_config would overwrite '{path}', which exists: give another --config_file, remove"
+                        " the file, or add --overwrite_config.")
     defaults = {a.dest: a.default for a in parser._actions}
-    skip = {"output_config", "config_file", "help"}
+    skip = {"output_config", "overwrite_config", "config_file", "help"}
     values = {k: v for k, v in vars(args).items() if k not in skip and v is not None and v != defaults.get(k)}
-    write_text_atomic(toml.dumps(values), path)
+    write_text_atomic(toml.dumps(without_secrets(values)), path)
 
 
 # ------------------------------------------------------------------------------------------------- checks

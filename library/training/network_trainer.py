@@ -14,11 +14,11 @@ from __future__ import annotations
 import abc
 import argparse
 import importlib
-import json
 import logging
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from library.training import flow_matching
-from library.files import model_spec
+from library.files import base_model_hash, model_spec
 from library.training import checkpoints as train_checkpoints
 from library.errors import UserError
+from library.training import sensitive_options
 from library.training.args import reject_sd_only_options
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class RunState:
     optimizer_name: str = ""
     last_validation_loss: float | None = None
     final_path: Path | None = None
+    base_model_hashes: base_model_hash.BaseModelHashes | None = None  # ss_sd_model_* / ss_vae_* (main process)
 
 
 def _dtype_of(name: str | None, fallback: torch.dtype) -> torch.dtype:
@@ -132,6 +134,11 @@ class NetworkTrainer(abc.ABC):
 
     def update_metadata(self, metadata: dict[str, Any], args: argparse.Namespace) -> None:
         """Model-specific ss_* keys."""
+
+    def base_model_files(self, args: argparse.Namespace) -> dict[str, list[Path]]:
+        """The files of the base models named in the metadata: {"sd_model": [DiT files], "vae": [VAE file]} (a sharded
+        checkpoint: its shards in order); none by default."""
+        return {}
 
     def model_spec_metadata(self, args: argparse.Namespace) -> dict[str, str]:
         return model_spec.modelspec_from_args(args, lora=True)
@@ -329,6 +336,9 @@ class NetworkTrainer(abc.ABC):
         self.cache_text_encoder_outputs_if_needed(run)
         if run.unet is None:
             run.unet, run.text_encoders = self.load_unet_lazily(args, run.weight_dtype, run.accelerator, run.text_encoders)
+        if run.accelerator.is_main_process and not args.no_metadata:  # the models are read: hash them beside training
+            run.base_model_hashes = base_model_hash.BaseModelHashes(
+                self.base_model_files(args), base_model_hash.HashCache()).start()
 
         self._create_network(run)
         if args.gradient_checkpointing:
@@ -423,6 +433,8 @@ class NetworkTrainer(abc.ABC):
             if loras:
                 meta["ss_network_dim"] = loras[0].lora_dim
                 meta["ss_network_alpha"] = float(loras[0].alpha)
+        if run.base_model_hashes is not None:
+            meta.update(run.base_model_hashes.metadata())
         self.update_metadata(meta, run.args)
         return model_spec.stringify(meta)
 
@@ -432,6 +444,7 @@ class NetworkTrainer(abc.ABC):
 
         args, acc = run.args, run.accelerator
         if args.log_with or args.logging_dir:
+            _hide_private_values_from_tracker(args, args.log_with)
             acc.init_trackers(args.log_tracker_name or "network_train",
                               config=_tracker_config(args) if args.log_config else {}, init_kwargs=_tracker_kwargs(args))
         logger.info(
@@ -598,22 +611,28 @@ class NetworkTrainer(abc.ABC):
     def _output_name(self, run: RunState) -> str:
         return run.args.output_name or "last"
 
-    def _lora_metadata(self, run: RunState, epoch: int) -> dict[str, str]:
+    def _lora_metadata(self, run: RunState, epoch: int, out: Path, final: bool = False) -> dict[str, str]:
         if run.args.resolution is None:
             run.args.resolution = self.training_resolution(run)
         spec = self.model_spec_metadata(run.args)
         if run.args.no_metadata:
             return model_spec.minimal_metadata({**run.metadata, **spec})
         meta = model_spec.save_time_metadata(run.metadata, run.global_step, epoch)
+        if run.base_model_hashes is not None:  # the final save waits for the background sha256
+            meta.update(run.base_model_hashes.metadata(wait=final))
+            pending = run.base_model_hashes.pending_keys()
+            if pending:
+                logger.info("%s: %s left out, the sha256 of the base model is still being computed (later saves"
+                            " have it)", out.name, ", ".join(pending))
         meta.update(spec)
         return meta
 
-    def _save_lora(self, run: RunState, stem: str, epoch: int) -> Path:
+    def _save_lora(self, run: RunState, stem: str, epoch: int, final: bool = False) -> Path:
         out = Path(run.args.output_dir) / f"{stem}.safetensors"
         run.accelerator.wait_for_everyone()
         run.optimizer_eval_fn()  # schedule-free optimizers hold the evaluation weights only in eval mode
         if run.accelerator.is_main_process:
-            run.network.save_weights(str(out), run.save_dtype, self._lora_metadata(run, epoch))
+            run.network.save_weights(str(out), run.save_dtype, self._lora_metadata(run, epoch, out, final))
         run.optimizer_train_fn()
         return out
 
@@ -686,7 +705,7 @@ class NetworkTrainer(abc.ABC):
         if args.save_state or args.save_state_on_train_end:
             self._save_state(run, Path(args.output_dir) / f"{name}-state")
         run.final_path = self._save_lora(run, name, run.num_train_epochs if run.global_step >= run.max_train_steps
-                                         else run.epoch + 1)
+                                         else run.epoch + 1, final=True)
         acc.end_training()
         logger.info("training finished: %d steps", run.global_step)
 
@@ -741,5 +760,13 @@ def _tracker_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _tracker_config(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v, default=str) for k, v in vars(args).items()}
+    """`--log_config`: the options without secrets and local paths (`library.training.sensitive_options`)."""
+    return sensitive_options.tracker_config(args)
+
+
+def _hide_private_values_from_tracker(args: argparse.Namespace, log_with: str | None) -> None:
+    """wandb uploads the command line with the run: the values of secret and path options are masked in `sys.argv`
+    before the tracker starts (nothing reads the command line after parsing)."""
+    if log_with in ("wandb", "all"):
+        sys.argv[1:] = sensitive_options.mask_command_line(sys.argv[1:], vars(args))
 
