@@ -220,13 +220,17 @@ def format_report(path: Path, metadata: dict[str, str], summary: dict[str, Any],
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def setup_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Show the metadata of a LoRA .safetensors file.")
     parser.add_argument("file", help="LoRA file (.safetensors)")
     parser.add_argument("--full", action="store_true", help="show long values (JSON keys pretty-printed) in full")
     parser.add_argument("--json", action="store_true", help="print the raw metadata as one JSON object")
     parser.add_argument("--no_verify", action="store_true", help="do not recompute the stored hashes")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = setup_parser().parse_args(argv)
     try:
         path = check_safetensors_path(args.file, "LoRA file")
         metadata = read_metadata(path)
