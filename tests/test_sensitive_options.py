@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 import moss_image_train_network as trainer
 from library.errors import UserError
+from library.training import network_trainer
 from library.training.args import write_config_file
 from library.training.sensitive_options import (
     MASK,
@@ -112,3 +114,15 @@ def test_main_output_config_refuses_an_existing_file(tmp_path, caplog):
     assert trainer.main(["--output_config", "--overwrite_config", "--config_file", str(out), "--learning_rate",
                          "1e-3"]) == 0
     assert "learning_rate = 0.001" in out.read_text()
+
+
+def test_wandb_runs_see_a_masked_command_line(tmp_path, monkeypatch):
+    argv = ["train.py", "--wandb_api_key", "sekrit", "--output_dir", str(tmp_path), "--learning_rate", "1e-4"]
+    args = _parsed(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(argv))
+    network_trainer._hide_private_values_from_tracker(args, "tensorboard")
+    assert sys.argv == argv  # TensorBoard does not record the command line: left as it is
+    for log_with in ("wandb", "all"):
+        monkeypatch.setattr(sys, "argv", list(argv))
+        network_trainer._hide_private_values_from_tracker(args, log_with)
+        assert sys.argv == ["train.py", "--wandb_api_key", MASK, "--output_dir", MASK, "--learning_rate", "1e-4"]
