@@ -7,7 +7,9 @@ import pytest
 from library.datasets.buckets import (
     BucketManager,
     adjust_min_max_bucket_reso,
+    crop_fraction,
     make_bucket_resolutions,
+    upscale_factor,
     verify_bucket_reso_steps,
 )
 from library.errors import UserError
@@ -102,3 +104,25 @@ def test_verify_bucket_reso_steps() -> None:
     for bad in (8, 24, 40, 100):
         with pytest.raises(UserError, match=f"bucket_reso_steps = {bad} .*not a multiple of 16"):
             verify_bucket_reso_steps(bad, 16)
+
+
+def test_min_bucket_reso_below_steps_becomes_steps(caplog) -> None:
+    """sd-scripts rounds 32 with steps 64 down to 0; it used to give 1, 65, 129, ... wide buckets (128x65 among
+    them), which the VAE cache cannot encode. The smallest bucket side is the step itself."""
+    with caplog.at_level("WARNING"):
+        assert adjust_min_max_bucket_reso((128, 128), 32, 1024, 64) == (64, 1024)
+    assert "min_bucket_reso 32 of the dataset is below bucket_reso_steps 64: using 64" in caplog.text
+    m = BucketManager.for_dataset((128, 128), True, 32, 1024, 64, False)
+    assert all(w % 64 == 0 and h % 64 == 0 for w, h in m.predefined)
+    assert (64, 256) in m.predefined and (128, 128) in m.predefined
+    assert m.select_bucket(128, 65).bucket_reso == (128, 128)  # nearest aspect ratio among the 64-multiples
+    assert adjust_min_max_bucket_reso((1024, 1024), 0, 1024, 64)[0] == 64
+
+
+def test_crop_and_upscale_measures() -> None:
+    assert crop_fraction((1024, 1024), (1024, 1024)) == 0
+    assert crop_fraction((1000, 100), (100, 100)) == pytest.approx(0.9)
+    m = BucketManager.for_dataset((64, 64), False, 256, 1024, 64, False)
+    a = m.select_bucket(2000, 60)  # an extreme aspect ratio without buckets: scaled to height 64, 97 % cropped
+    assert a.resized_size == (2133, 64) and crop_fraction(a.resized_size, a.bucket_reso) == pytest.approx(0.97, abs=0.01)
+    assert upscale_factor((16, 16), (64, 64)) == 4 and upscale_factor((2000, 60), a.resized_size) < 1.1

@@ -192,3 +192,17 @@ def test_toml_and_json_files(tmp_path) -> None:
         load_config_file(bad)
     with pytest.raises(UserError, match="does not exist"):
         load_config_file(tmp_path / "missing.toml")
+
+
+def test_resolution_and_bucket_sides_are_bounded_by_the_model() -> None:
+    """`resolution = 1048576` used to pass and grow the process until the kernel killed it."""
+    assert _one(dataset={"resolution": 4096, "max_bucket_reso": 4096}).params.resolution == (4096, 4096)
+    with pytest.raises(UserError, match=r"resolution = 1048576 in datasets\[0\] of test.toml is too large: each side"
+                                        r" may be at most 4096 pixels"):
+        _one(dataset={"resolution": 1048576})
+    with pytest.raises(UserError, match=r"resolution = \[1024, 4112\] .*at most 4096"):
+        _one(dataset={"resolution": [1024, 4112]})
+    with pytest.raises(UserError, match="max_bucket_reso = 8192 .*a bucket side may be at most 4096"):
+        _one(dataset={"max_bucket_reso": 8192})
+    with pytest.raises(UserError, match="--resolution '1048576' is too large"):
+        resolve_config({"datasets": [{"subsets": [{"image_dir": "/x"}]}]}, parse(["--resolution", "1048576"]))

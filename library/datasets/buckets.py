@@ -9,6 +9,9 @@ nearest aspect ratio. The image is scaled to cover the bucket and the overflow i
 there is no bucket list: an image larger than A is scaled down to area A (the side rounded to d that keeps the
 aspect ratio best), and the image's own size floored to multiples of d is its bucket. Without `enable_bucket`
 the only bucket is `resolution` itself.
+
+`min_bucket_reso` / `max_bucket_reso` are snapped to multiples of d first (min down, max up), as sd-scripts does,
+except that a min below d becomes d: sd-scripts turns it into 0 and dies, and d is the smallest bucket side.
 """
 
 from __future__ import annotations
@@ -42,8 +45,13 @@ def make_bucket_resolutions(max_reso: Size, min_size: int, max_size: int, divisi
 def adjust_min_max_bucket_reso(
     resolution: Size, min_reso: int, max_reso: int, steps: int, where: str = "the dataset"
 ) -> tuple[int, int]:
-    """Snap min down and max up to multiples of `steps` and check that `resolution` lies inside [min, max]."""
-    if min_reso % steps:
+    """Snap min down and max up to multiples of `steps` and check that `resolution` lies inside [min, max]. A min
+    below `steps` becomes `steps` (the smallest bucket side there is; sd-scripts rounds it to 0 and fails)."""
+    if min_reso < steps:
+        logger.warning("min_bucket_reso %d of %s is below bucket_reso_steps %d: using %d, the smallest bucket side",
+                       min_reso, where, steps, steps)
+        min_reso = steps
+    elif min_reso % steps:
         snapped = min_reso - min_reso % steps
         logger.warning("min_bucket_reso %d of %s is not a multiple of %d: using %d", min_reso, where, steps, snapped)
         min_reso = snapped
@@ -61,7 +69,7 @@ def adjust_min_max_bucket_reso(
             f"The resolution {resolution[0]}x{resolution[1]} of {where} is larger than max_bucket_reso {max_reso};"
             " raise max_bucket_reso or lower the resolution."
         )
-    return max(min_reso, 1), max_reso
+    return min_reso, max_reso
 
 
 def verify_bucket_reso_steps(steps: int, multiple: int = 16, where: str = "bucket_reso_steps") -> None:
@@ -71,6 +79,17 @@ def verify_bucket_reso_steps(steps: int, multiple: int = 16, where: str = "bucke
             f"bucket_reso_steps = {steps} ({where}) is not a multiple of {multiple}: the bucket sizes must be multiples"
             f" of {multiple} for this model (VAE stride 8 x patch 2); use {multiple}, {2 * multiple} or 64."
         )
+
+
+def crop_fraction(resized_size: Size, bucket_reso: Size) -> float:
+    """The share of the resized image's area that the crop to its bucket cuts away (0 = nothing)."""
+    resized_area = resized_size[0] * resized_size[1]
+    return 1.0 - (bucket_reso[0] * bucket_reso[1]) / resized_area if resized_area else 0.0
+
+
+def upscale_factor(original_size: Size, resized_size: Size) -> float:
+    """How much an image is enlarged before the crop (1.0 or below: not enlarged)."""
+    return max(resized_size[0] / original_size[0], resized_size[1] / original_size[1])
 
 
 @dataclass(frozen=True)

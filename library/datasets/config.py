@@ -35,6 +35,10 @@ SUBSET_ONLY = frozenset({SUBSET})
 DREAMBOOTH = "dreambooth"
 FINE_TUNING = "fine_tuning"
 
+# The largest image side (resolution, max_bucket_reso): 4096 pixels are 256 DiT patches, and a 4096x4096 image is
+# 65,536 image tokens, 16 times the 1024x1024 sequence; larger values only make a run grow until it is killed.
+MAX_RESOLUTION_SIDE = 4096
+
 RESIZE_INTERPOLATIONS = ("lanczos", "nearest", "bilinear", "linear", "bicubic", "cubic", "area", "box")
 
 # Keys of sd-scripts' dataset config that cannot apply to this trainer: rejected with a reason, never ignored.
@@ -112,7 +116,17 @@ def _check_resolution(v: Any) -> tuple[int, int]:
         or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in v)
     ):
         raise _Invalid("must be a positive whole number or a [width, height] pair")
+    if max(v) > MAX_RESOLUTION_SIDE:
+        raise _Invalid(f"is too large: each side may be at most {MAX_RESOLUTION_SIDE} pixels for MOSS-Image"
+                       f" ({MAX_RESOLUTION_SIDE}x{MAX_RESOLUTION_SIDE} is 65,536 image tokens); use e.g. 1024")
     return (int(v[0]), int(v[1]))
+
+
+def _check_max_bucket_reso(v: Any) -> int:
+    value = _int_checker(1)(v)
+    if value > MAX_RESOLUTION_SIDE:
+        raise _Invalid(f"is too large: a bucket side may be at most {MAX_RESOLUTION_SIDE} pixels for MOSS-Image")
+    return value
 
 
 def _check_network_multiplier(v: Any) -> float:
@@ -158,7 +172,7 @@ _KEY_LIST: tuple[KeySpec, ...] = (
     KeySpec("batch_size", _int_checker(1), DATASET_LEVELS, 1, "train_batch_size"),
     KeySpec("enable_bucket", _check_bool, DATASET_LEVELS, False, "enable_bucket"),
     KeySpec("min_bucket_reso", _int_checker(1), DATASET_LEVELS, 256, "min_bucket_reso"),
-    KeySpec("max_bucket_reso", _int_checker(1), DATASET_LEVELS, 1024, "max_bucket_reso"),
+    KeySpec("max_bucket_reso", _check_max_bucket_reso, DATASET_LEVELS, 1024, "max_bucket_reso"),
     KeySpec("bucket_reso_steps", _int_checker(1), DATASET_LEVELS, 64, "bucket_reso_steps"),
     KeySpec("bucket_no_upscale", _check_bool, DATASET_LEVELS, False, "bucket_no_upscale"),
     KeySpec("validation_split", _float_checker(0.0, 1.0, hi_open=True), DATASET_LEVELS, 0.0, "validation_split"),
@@ -342,7 +356,7 @@ def _cli_values(args: argparse.Namespace | None) -> dict[str, tuple[Any, str]]:
     for spec in _KEY_LIST:
         if spec.cli is None:
             continue
-        value = getattr(args, spec.cli, None)
+        value = raw = getattr(args, spec.cli, None)
         if spec.name == "resolution" and isinstance(value, str):
             value = parse_resolution_arg(value)
         if spec.name == "alpha_mask" and getattr(args, "masked_loss", False):
@@ -352,7 +366,7 @@ def _cli_values(args: argparse.Namespace | None) -> dict[str, tuple[Any, str]]:
         try:
             out[spec.name] = (spec.check(value), f"--{spec.cli}")
         except _Invalid as e:
-            raise UserError(f"--{spec.cli} {value!r} {e}.") from None
+            raise UserError(f"--{spec.cli} {raw!r} {e}.") from None
     return out
 
 

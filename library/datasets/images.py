@@ -10,6 +10,14 @@ Bad files, the rule of this project:
 
 Images are read as stored (no EXIF rotation, as in sd-scripts, so sizes match existing cache file names).
 Interpolation: `resize_interpolation` if set, else area (box) filtering when shrinking and Lanczos when enlarging.
+
+Colour modes (`to_rgb`): every mode that PNG, JPEG, WebP, BMP and AVIF files open as becomes RGB (RGBA with
+alpha_mask). 16-bit greyscale (`I;16*`, and `I`, which older Pillow versions give for the same files) is scaled from
+0..65535 to 0..255 (a plain `convert` would clip it to an almost white image); 16-bit RGB(A) files already open as
+8-bit RGB(A). Palette images with a transparent colour go through RGBA (their alpha is the mask). CMYK and YCbCr use
+Pillow's conversion (colour profiles are not applied, as in sd-scripts). Any other mode (floating point `F`, Lab,
+packed BGR, ...: a TIFF under an image extension, say) is refused: `read_image_size` raises UnreadableImage, so the
+file is skipped while the dataset is built.
 """
 
 from __future__ import annotations
@@ -54,13 +62,54 @@ class UnreadableImage(Exception):
     """An image file that cannot be opened; the message names the file and the reason."""
 
 
-def read_image_size(path: str) -> tuple[int, int]:
-    """(width, height) from the file header, without decoding the pixels."""
+_OPEN_ERRORS = (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError)
+SIXTEEN_BIT_MODES = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N"})  # greyscale, 0..65535
+SUPPORTED_MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr"}) | SIXTEEN_BIT_MODES
+
+
+def unsupported_mode_reason(mode: str) -> str | None:
+    """Why images of a Pillow mode cannot be trained on (None when they can)."""
+    if mode in SUPPORTED_MODES:
+        return None
+    return (f"colour mode {mode} is not supported (use 8- or 16-bit greyscale, palette, RGB, RGBA, CMYK or YCbCr"
+            " images: save it as an 8-bit PNG or a JPEG)")
+
+
+def read_image_header(path: str) -> tuple[tuple[int, int], str]:
+    """((width, height), Pillow mode) from the file header, without decoding the pixels."""
     try:
         with Image.open(path) as img:
-            return img.size
-    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
+            return img.size, img.mode
+    except _OPEN_ERRORS as e:
         raise UnreadableImage(f"{path}: {e}") from e
+
+
+def read_image_size(path: str) -> tuple[int, int]:
+    """(width, height) from the file header; UnreadableImage also for a colour mode that cannot be trained on."""
+    size, mode = read_image_header(path)
+    reason = unsupported_mode_reason(mode)
+    if reason is not None:
+        raise UnreadableImage(f"{path}: {reason}")
+    return size
+
+
+def _sixteen_bit_to_l(img: Image.Image) -> Image.Image:
+    """A 16-bit greyscale image scaled to 8 bits (65535 -> 255, rounded), not clipped."""
+    values = np.asarray(img).astype(np.int64).clip(0, 65535)
+    return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), "L")
+
+
+def to_rgb(img: Image.Image, with_alpha: bool) -> Image.Image:
+    """A decoded image as RGB, or RGBA when the alpha channel is needed (see the module docstring for the modes)."""
+    reason = unsupported_mode_reason(img.mode)
+    if reason is not None:
+        raise ValueError(reason)
+    if img.mode in SIXTEEN_BIT_MODES:
+        img = _sixteen_bit_to_l(img)
+    elif img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    mode = "RGBA" if with_alpha else "RGB"
+    return img if img.mode == mode else img.convert(mode)
 
 
 def load_image(path: str, with_alpha: bool) -> Image.Image:
@@ -68,9 +117,8 @@ def load_image(path: str, with_alpha: bool) -> Image.Image:
     try:
         with Image.open(path) as img:
             img.load()
-            mode = "RGBA" if with_alpha else "RGB"
-            return img if img.mode == mode else img.convert(mode)
-    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
+            return to_rgb(img, with_alpha)
+    except _OPEN_ERRORS as e:
         raise UserError(
             f"The image '{path}' could not be decoded ({e}); replace or remove the file and start again."
         ) from e
