@@ -88,11 +88,13 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
     import torch
 
     from library.datasets import build_dataset_groups, debug_dataset
+    from library.datasets.preflight import quick_check
     from library.moss_image.vae import load_flux2_vae
     from library.caching.strategies import MossImageLatentsCachingStrategy, cache_latents
 
     check_args(args)
     train, val = build_dataset_groups(args)
+    quick_check([train, val])
     if args.debug_dataset:
         debug_dataset(train)
         return None

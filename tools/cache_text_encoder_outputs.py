@@ -150,10 +150,12 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
     """Cache the text-encoder outputs of the datasets of `args` and print a summary (None with --debug_dataset,
     which only shows the batches)."""
     from library.datasets import build_dataset_groups, debug_dataset
+    from library.datasets.preflight import quick_check
     from library.caching.strategies import MossImageTextEncoderOutputsCachingStrategy, cache_text_encoder_outputs
 
     check_args(args)
     train, val = build_dataset_groups(args)
+    quick_check([train, val])
     if args.debug_dataset:
         debug_dataset(train)
         return None

@@ -47,6 +47,8 @@ TE_SUFFIX = "_moss_te.npz"
 VAE_SCALE = 8
 _SIZE_RE = re.compile(r"_(\d{4,})x(\d{4,})" + re.escape(LATENTS_SUFFIX) + "$")
 _CANDIDATE_RE = re.compile(r"prompt_embeds_\d+")
+CACHE_MISSING = "missing"  # the reasons `*_cache_problem` give for a file that is not there or cannot be read
+CACHE_UNREADABLE = "unreadable (a damaged file)"
 
 TextOutputs = tuple[torch.Tensor, torch.Tensor]  # (embeds [T, D], mask [T] bool)
 
@@ -129,15 +131,26 @@ class MossImageLatentsCachingStrategy:
             return False
         if self.skip_disk_cache_validity_check:
             return True
+        problem = self.latents_cache_problem(bucket_reso, npz_path, flip_aug, alpha_mask)
+        if problem == CACHE_UNREADABLE:
+            logger.warning("unreadable latent cache %s: it will be re-created", npz_path)
+        return problem is None
+
+    def latents_cache_problem(
+        self, bucket_reso: tuple[int, int], npz_path: str, flip_aug: bool, alpha_mask: bool
+    ) -> str | None:
+        """Why a latent cache file is not valid for an image at `bucket_reso` (None when it is); ignores
+        --skip_cache_check and reads only the zip directory."""
+        if not os.path.exists(npz_path):
+            return CACHE_MISSING
         key = _size_key(self.latent_hw(bucket_reso))
         found = npz_names(npz_path)
         if found is None:
-            logger.warning("unreadable latent cache %s: it will be re-created", npz_path)
-            return False
-        names = set(found)
-        needed = {f"latents_{key}"} | ({f"latents_flipped_{key}"} if flip_aug else set())
-        needed |= {f"alpha_mask_{key}"} if alpha_mask else set()
-        return needed <= names
+            return CACHE_UNREADABLE
+        needed = [f"latents_{key}"] + ([f"latents_flipped_{key}"] if flip_aug else [])
+        needed += [f"alpha_mask_{key}"] if alpha_mask else []
+        absent = [n for n in needed if n not in found]
+        return f"no {', '.join(absent)} entry for the bucket {bucket_reso[0]}x{bucket_reso[1]}" if absent else None
 
     # reading ----------------------------------------------------------------------------------------------
     def get_latents(self, info: ImageInfo, flipped: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -235,6 +248,16 @@ class MossImageTextEncoderOutputsCachingStrategy:
             return False
         if self.skip_disk_cache_validity_check:
             return True
+        problem = self.outputs_cache_problem(npz_path, captions)
+        if problem == CACHE_UNREADABLE:
+            logger.warning("unreadable text-encoder cache %s: it will be re-created", npz_path)
+        return problem is None
+
+    def outputs_cache_problem(self, npz_path: str, captions: Sequence[str]) -> str | None:
+        """Why a text-encoder cache file does not hold these caption candidates as this strategy would make them
+        (None when it does); ignores --skip_cache_check and reads only the small entries."""
+        if not os.path.exists(npz_path):
+            return CACHE_MISSING
         small = {"num_candidates", "template", "max_token_length", "encoder", "te_base_weights"}
         small |= {f"caption_{k}" for k in range(len(captions))}
         names: list[str] = []
@@ -246,24 +269,31 @@ class MossImageTextEncoderOutputsCachingStrategy:
         try:
             data = read_npz(npz_path, select)
         except UserError:
-            logger.warning("unreadable text-encoder cache %s: it will be re-created", npz_path)
-            return False
+            return CACHE_UNREADABLE
         if str(data.get("te_base_weights", "")) != self.te_base_weights:
-            return False  # made with other --base_weights text-encoder LoRAs (no key: made without any)
+            return "made with other --base_weights text-encoder LoRAs"  # no key: made without any
         if "num_candidates" not in data:  # older single-candidate format
-            return len(captions) == 1 and "prompt_embeds" in names and "attn_mask" in names
-        if str(data.get("template", "")) != PROMPT_TEMPLATE_ID or int(data["num_candidates"]) != len(captions):
-            return False
+            if len(captions) != 1:
+                return f"older single-caption format, but the image has {len(captions)} caption candidates"
+            return None if "prompt_embeds" in names and "attn_mask" in names else "no prompt_embeds entry"
+        if str(data.get("template", "")) != PROMPT_TEMPLATE_ID:
+            return f"prompt template '{data.get('template', '')}' (now '{PROMPT_TEMPLATE_ID}')"
+        if int(data["num_candidates"]) != len(captions):
+            return f"{int(data['num_candidates'])} caption candidates (now {len(captions)})"
         if self.max_token_length is not None and "max_token_length" in data \
                 and int(data["max_token_length"]) != self.max_token_length:
-            return False
+            return f"--moss_max_token_length {int(data['max_token_length'])} (now {self.max_token_length})"
         if self.encoder_variant is not None and "encoder" in data and str(data["encoder"]) != self.encoder_variant:
-            return False  # made by a differently quantised text encoder
-        arrays = {"uncond_embeds", "uncond_mask"}
-        arrays |= {f"{kind}_{k}" for k in range(len(captions)) for kind in ("prompt_embeds", "attn_mask")}
-        if not arrays <= set(names):
-            return False
-        return all(f"caption_{k}" in data and str(data[f"caption_{k}"]) == c for k, c in enumerate(captions))
+            return f"text encoder variant {data['encoder']} (now {self.encoder_variant})"  # differently quantised
+        arrays = ["uncond_embeds", "uncond_mask"]
+        arrays += [f"{kind}_{k}" for k in range(len(captions)) for kind in ("prompt_embeds", "attn_mask")]
+        absent = [n for n in arrays if n not in names]
+        if absent:
+            return f"no {absent[0]} entry"
+        for k, caption in enumerate(captions):
+            if f"caption_{k}" not in data or str(data[f"caption_{k}"]) != caption:
+                return f"caption {k} changed (now '{caption[:60]}{'...' if len(caption) > 60 else ''}')"
+        return None
 
     # reading ----------------------------------------------------------------------------------------------
     def get_outputs(self, info: ImageInfo, candidate_index: int, dropped: bool) -> TextOutputs:

@@ -211,13 +211,16 @@ def _local_tokenizer_dir(tokenizer_cache_dir: str | None, text_encoder_path: str
     return None
 
 
-def load_tokenizer(tokenizer_cache_dir: str | None = None, text_encoder_path: str | None = None) -> Any:
+def load_tokenizer(
+    tokenizer_cache_dir: str | None = None, text_encoder_path: str | None = None, local_files_only: bool = False
+) -> Any:
     """The Qwen3.5 tokenizer, looked up in this order:
 
     1. `tokenizer_cache_dir` holding the tokenizer files (or a `tokenizer/` folder in it);
     2. the `tokenizer/` folder of the snapshot the text encoder comes from (the official layout);
     3. the Hugging Face hub (`OpenMOSS-Team/MOSS-Image-Base`, subfolder `tokenizer`), cached in `tokenizer_cache_dir`
-       when given: the one documented network access, which HF_HUB_OFFLINE=1 turns off.
+       when given: the one documented network access, which HF_HUB_OFFLINE=1 (or `local_files_only`: the
+       Hugging Face cache only) turns off.
     """
     from transformers import AutoTokenizer
 
@@ -229,7 +232,8 @@ def load_tokenizer(tokenizer_cache_dir: str | None = None, text_encoder_path: st
         logger.info("tokenizer: %s/%s from the Hugging Face hub (cache: %s)", TOKENIZER_REPO, TOKENIZER_SUBFOLDER,
                     tokenizer_cache_dir or "default")
         return AutoTokenizer.from_pretrained(
-            TOKENIZER_REPO, subfolder=TOKENIZER_SUBFOLDER, cache_dir=tokenizer_cache_dir, trust_remote_code=False
+            TOKENIZER_REPO, subfolder=TOKENIZER_SUBFOLDER, cache_dir=tokenizer_cache_dir, trust_remote_code=False,
+            local_files_only=local_files_only,
         )
     except (OSError, ValueError) as e:
         where = str(local) if local else f"the hub ({TOKENIZER_REPO}, subfolder {TOKENIZER_SUBFOLDER})"

@@ -307,6 +307,7 @@ class NetworkTrainer(abc.ABC):
         from accelerate.utils import set_seed
 
         from library.datasets import build_dataset_groups
+        from library.datasets.preflight import quick_check
 
         self.verify_args(args)
         if getattr(args, "cuda_expandable_segments", False):
@@ -319,6 +320,7 @@ class NetworkTrainer(abc.ABC):
         set_seed(args.seed)
         run = RunState(args)
         run.train_group, run.val_group = build_dataset_groups(args)
+        quick_check([run.train_group, run.val_group])
         if args.debug_dataset:
             from library.datasets import debug_dataset
 
