@@ -279,7 +279,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
         if str(data.get("template", "")) != PROMPT_TEMPLATE_ID:
             return f"prompt template '{data.get('template', '')}' (now '{PROMPT_TEMPLATE_ID}')"
         if int(data["num_candidates"]) != len(captions):
-            return f"{int(data['num_candidates'])} caption candidates (now {len(captions)})"
+            return f"caption candidates: {int(data['num_candidates'])} in the file, {len(captions)} now"
         if self.max_token_length is not None and "max_token_length" in data \
                 and int(data["max_token_length"]) != self.max_token_length:
             return f"--moss_max_token_length {int(data['max_token_length'])} (now {self.max_token_length})"

@@ -52,7 +52,7 @@ VAE_SECONDS_PER_MEGAPIXEL = 2.37 / (16 * 1024 * 1024 / 1e6)
 TE_SECONDS_PER_CAPTION = 10.8 / 17
 CHARS_PER_TOKEN = 4  # without a tokenizer: a rough figure for English text
 TEMPLATE_TOKENS = 5  # without a tokenizer: the chat template around a caption
-_NPZ_ENTRY_BYTES = 300  # zip and .npy headers of one array in an uncompressed npz
+_NPZ_ENTRY_BYTES = 250  # zip and .npy headers of one array in an uncompressed npz (about 128 + 2 x 40 + name)
 
 
 # ------------------------------------------------------------------------------------------------- tokens
@@ -117,8 +117,16 @@ class CacheOptions:
             encoder_variant=_encoder_variant(args, notes),
             te_base_weights=text_encoder_base_weights_identity(getattr(args, "base_weights", None),
                                                                getattr(args, "base_weights_multiplier", None)),
-            te_hidden_size=int(load_text_config(Path(te_path) if te_path else BUNDLED_CONFIG_DIR / "-").hidden_size),
+            te_hidden_size=_text_encoder_width(te_path),
         )
+
+
+def _text_encoder_width(te_path: str | None) -> int:
+    """The hidden size of the text encoder (config.json beside it, else the bundled 9B config)."""
+    checkpoint = Path(te_path) if te_path else BUNDLED_CONFIG_DIR / "model.safetensors"
+    if checkpoint.is_dir():  # a folder of shards (--snapshot gives one): its config.json is inside
+        checkpoint = checkpoint / "model.safetensors"
+    return int(load_text_config(checkpoint).hidden_size)
 
 
 def _encoder_variant(args: argparse.Namespace, notes: list[str]) -> str | None:
