@@ -36,13 +36,14 @@ def gradient(path: Path, number: int) -> Path:
 
 
 def good_folder(root: Path) -> Path:
-    """Eight decodable images in every common mode, with captions; g0_copy.png has g0.png's bytes."""
+    """Nine decodable images in every common mode, with captions; g0_copy.png has g0.png's bytes."""
     folder = root / "good"
     for i in range(3):
         write_caption(gradient(folder / f"g{i}.png", i + 1), f"gradient number {i}", ".txt")
     shutil.copy(folder / "g0.png", folder / "g0_copy.png")
     write_caption(folder / "g0_copy.png", "the same file again", ".txt")
     write_caption(make_image(folder / "grey.png", (64, 64), 80, "L"), "a grey square", ".txt")
+    write_caption(make_image(folder / "la.png", (64, 64), (120, 200), "LA"), "a grey square with alpha", ".txt")
     write_caption(make_image(folder / "cmyk.jpg", (64, 64), (0, 255, 255, 0), "CMYK"), "a cmyk square", ".txt")
     Image.fromarray(np.full((64, 64), 257 * 60, np.uint16)).save(folder / "g16.png")
     write_caption(folder / "g16.png", "a sixteen bit square", ".txt")
@@ -127,8 +128,8 @@ def test_every_kind_of_problem_is_reported(tiny_snapshot, tmp_path, capsys):
     subsets = by_where(report)
 
     s = subsets["datasets[0].subsets[0]"]
-    assert (s["found"], s["used"], s["not_used"]) == (8, 8, [])
-    assert s["modes"] == {"CMYK": 1, "I;16": 1, "L": 1, "P": 1, "RGB": 4}
+    assert (s["found"], s["used"], s["not_used"]) == (9, 9, [])
+    assert s["modes"] == {"CMYK": 1, "I;16": 1, "L": 1, "LA": 1, "P": 1, "RGB": 4}
 
     b = subsets["datasets[0].subsets[1]"]
     assert (b["found"], b["used"]) == (8, 6)
@@ -151,11 +152,11 @@ def test_every_kind_of_problem_is_reported(tiny_snapshot, tmp_path, capsys):
     assert report["duplicates"] == [[str(good / "g0.png"), str(good / "g0_copy.png")]]
 
     latents, te = report["caches"]
-    assert (latents["files"], latents["valid"], len(latents["missing"])) == (16, 6, 9)
+    assert (latents["files"], latents["valid"], len(latents["missing"])) == (17, 7, 9)
     assert str(good / "g1_0096x0064_moss.npz") in latents["missing"]
     assert [(Path(x["file"]).name, x["reason"]) for x in latents["stale"]] == [
         ("grey_0064x0064_moss.npz", "unreadable (a damaged file)")]
-    assert te["valid"] == 6 and [(Path(x["file"]).name, x["reason"]) for x in te["stale"]] == [
+    assert te["valid"] == 7 and [(Path(x["file"]).name, x["reason"]) for x in te["stale"]] == [
         ("g2_moss_te.npz", "caption 0 changed (now 'an edited caption')")]
     assert str(good / "cmyk_moss_te.npz") in te["missing"]
     assert latents["to_disk"] and te["to_disk"] and 0 < latents["bytes_to_write"] < latents["bytes_total"]
@@ -179,8 +180,8 @@ def test_text_report_and_exit_codes(tiny_snapshot, tmp_path, capsys):
     assert check_dataset.main(["--dataset_config", str(cfg), "--no_decode", "--network_dim", "16"]) == 0
     out = capsys.readouterr().out
     for needle in ("datasets[0].subsets[1] (", "not used: junk.png: unreadable", "bucket        images",
-                   "colour modes: CMYK 1, I;16 1, L 1, P 1, RGB 4", "caption token counts were not checked",
-                   "latents cache (*_moss.npz, not cached by this run): 16 files, 0 valid",
+                   "colour modes: CMYK 1, I;16 1, L 1, LA 1, P 1, RGB 4", "caption token counts were not checked",
+                   "latents cache (*_moss.npz, not cached by this run): 17 files, 0 valid",
                    "the images were not decoded (--no_decode)", "result: 0 errors,"):
         assert needle in out, needle
     assert check_dataset.main(["--dataset_config", str(cfg)]) == 1  # decoding finds the truncated file
@@ -202,7 +203,7 @@ def test_clean_dataset_passes_and_the_size_estimates_match_the_files(tiny_snapsh
     assert code == 0 and report["ok"] and not [p for p in report["problems"] if p["level"] == "error"]
     for cache, pattern in zip(report["caches"], ("*_moss.npz", "*_moss_te.npz")):
         actual = sum(p.stat().st_size for p in (tmp_path / "good").glob(pattern))
-        assert cache["valid"] == cache["files"] == 7 and cache["bytes_to_write"] == 0
+        assert cache["valid"] == cache["files"] == 8 and cache["bytes_to_write"] == 0
         assert cache["seconds_to_encode"] == 0 and cache["seconds_total"] > 0
         assert abs(cache["bytes_total"] - actual) < 0.03 * actual, (cache["kind"], cache["bytes_total"], actual)
 
@@ -212,7 +213,7 @@ def test_clean_dataset_passes_and_the_size_estimates_match_the_files(tiny_snapsh
     errors = [p["message"] for p in report["problems"] if p["level"] == "error"]
     assert code == 1 and len(errors) == 2
     assert errors[0].startswith("text encoder outputs cannot be cached with shuffle_caption in datasets[0]")
-    assert ("stale: 7 cache files (cmyk_moss_te.npz: --moss_max_token_length 4096 (now 100)), which"
+    assert ("stale: 8 cache files (cmyk_moss_te.npz: --moss_max_token_length 4096 (now 100)), which"
             " --skip_cache_check trusts") in errors[1]
 
 
@@ -284,6 +285,17 @@ def test_the_cache_tools_run_the_quick_check(tiny_snapshot, tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert latents_tool.run(["--moss_image", "--snapshot", str(tiny_snapshot), "--dataset_config", str(cfg),
                                  "--cache_latents_to_disk", "--debug_dataset"]) is None
+    assert "cuts away more than 25% of the area of 1 image (up to 95%: wide.png 95%)" in caplog.text
+
+
+def test_the_trainer_runs_the_quick_check(tiny_snapshot, tmp_path, caplog):
+    from tests.test_trainer import base_args, train
+
+    make_image(tmp_path / "data" / "1_wide" / "wide.png", (640, 32))
+    argv = base_args(tiny_snapshot, tmp_path / "data", tmp_path / "out", "--debug_dataset")
+    argv[argv.index("--resolution") + 1] = "32"
+    with caplog.at_level(logging.WARNING):
+        train(argv)
     assert "cuts away more than 25% of the area of 1 image (up to 95%: wide.png 95%)" in caplog.text
 
 
