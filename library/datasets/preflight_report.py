@@ -384,7 +384,8 @@ def inspect_datasets(args: argparse.Namespace, *, decode: bool = True) -> Report
     infos = [i for g in groups for i in g.image_infos()]
     report.problems += [p for g in groups for d in g.datasets for p in crop_and_upscale_problems(d)]
     if decode:
-        report.problems += decode_problems(infos, int(getattr(args, "max_data_loader_n_workers", 1) or 1))
+        workers = min(int(getattr(args, "max_data_loader_n_workers", 1) or 1), os.cpu_count() or 1)
+        report.problems += decode_problems(infos, workers)
     else:
         report.notes.append("the images were not decoded (--no_decode): damaged pixel data was not looked for")
     report.duplicates = find_duplicates(i.absolute_path for i in infos)
