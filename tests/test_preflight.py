@@ -243,8 +243,8 @@ def test_strategies_say_why_a_cache_file_is_stale(tmp_path):
     sm.cache_latents([train], FakeVAE(), lat)
     assert lat.latents_cache_problem((64, 64), npz, False, False) is None
     assert lat.latents_cache_problem((64, 64), npz, True, True) == \
-        "no latents_flipped_8x8, alpha_mask_8x8 entry for the bucket 64x64"
-    assert lat.latents_cache_problem((128, 64), npz, False, False) == "no latents_8x16 entry for the bucket 128x64"
+        "no latents_flipped_8x8, alpha_mask_8x8 (bucket 64x64)"
+    assert lat.latents_cache_problem((128, 64), npz, False, False) == "no latents_8x16 (bucket 128x64)"
 
     te = sm.MossImageTextEncoderOutputsCachingStrategy(True, max_token_length=77, encoder_variant="none")
     sm.cache_text_encoder_outputs([train], FakeTextEncoder(), te)

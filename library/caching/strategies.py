@@ -150,7 +150,7 @@ class MossImageLatentsCachingStrategy:
         needed = [f"latents_{key}"] + ([f"latents_flipped_{key}"] if flip_aug else [])
         needed += [f"alpha_mask_{key}"] if alpha_mask else []
         absent = [n for n in needed if n not in found]
-        return f"no {', '.join(absent)} entry for the bucket {bucket_reso[0]}x{bucket_reso[1]}" if absent else None
+        return f"no {', '.join(absent)} (bucket {bucket_reso[0]}x{bucket_reso[1]})" if absent else None
 
     # reading ----------------------------------------------------------------------------------------------
     def get_latents(self, info: ImageInfo, flipped: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
