@@ -29,6 +29,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from library.errors import UserError
+from library.memory.block_swap import check_block_swap_args
+from library.moss_image.loaders import fill_paths_from_snapshot
+from library.options import groups
+from library.options.checks import check_attention_args
+from library.options.implications import ATTENTION_IMPLICATIONS, apply_implications
+from library.runtime.compile import check_compile_args
+from library.sampling.sampler import check_image_size, parse_uncond_skip_layers
+from library.text_encoder.quant import check_text_encoder_memory_args
+from library.text_encoder.qwen35 import check_max_token_length
+
 logger = logging.getLogger("moss_image_minimal_inference")
 
 LATENT_SUFFIX = ".safetensors"
@@ -39,31 +50,19 @@ LAST_RUN_TIMINGS: dict[str, float] = {}
 def setup_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="MOSS-Image minimal inference",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("models")
-    g.add_argument("--dit", type=str, default=None, help="DiT: first shard, transformer/ folder or ComfyUI file")
-    g.add_argument("--text_encoder", type=str, default=None, help="Qwen3.5 text encoder: first shard or single file")
-    g.add_argument("--vae", type=str, default=None, help="FLUX.2 VAE: flux2-vae.safetensors or the vae/ folder")
-    g.add_argument("--snapshot", type=str, default=None, help="snapshot folder: fills the model paths not given")
-    g.add_argument("--tokenizer_cache_dir", type=str, default=None, help="tokenizer folder or Hugging Face cache")
-    g.add_argument("--moss_max_token_length", type=int, default=4096, help="maximum text tokens (<= 4096)")
-    g.add_argument("--disable_mmap_load_safetensors", action="store_true", help="plain reads instead of mmap")
+    groups.add_model_file_arguments(p, dit_dest="dit", text_encoder=True, vae=True)
+    g = p.add_argument_group("LoRA")
     g.add_argument("--lora_weight", type=str, nargs="*", default=[], help="LoRA files merged at load")
     g.add_argument("--lora_multiplier", type=float, nargs="*", default=[], help="one multiplier per LoRA (1.0)")
-    g.add_argument("--convrot_int8", action="store_true", help="quantise the DiT to ConvRot INT8 after the merge")
-    g.add_argument("--convrot_int8_text_encoder", action="store_true", help="quantise the text encoder (INT8)")
-    g.add_argument("--blocks_to_swap", type=int, default=None, help="DiT blocks swapped between CPU and GPU")
-    g.add_argument("--text_encoder_cpu", action="store_true", help="run the text encoder on the CPU")
-    g.add_argument("--attn_mode", type=str, default="torch", choices=["torch", "xformers", "flash", "sageattn"],
-                   help="attention implementation")
-    g.add_argument("--split_attn", action="store_true", help="attention per sample")
-    g.add_argument("--device", type=str, default=None, help="device (default cuda when available, else cpu)")
+    groups.add_attention_arguments(p)
+    groups.add_convrot_arguments(p, dit=True, text_encoder=True, backward=False)
+    groups.add_memory_arguments(p, training=False)
+    groups.add_text_encoder_memory_arguments(p)
+    groups.add_compile_arguments(p)
+    g = p.add_argument_group("device")
+    groups.add_device_argument(g)
     g.add_argument("--dtype", type=str, default=None, choices=["bf16", "fp16", "fp32"],
                    help="DiT / text encoder dtype (default bf16 on CUDA, fp32 on CPU)")
-    g.add_argument("--cuda_expandable_segments", action="store_true",
-                   help="set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts (less fragmentation)")
-    from library.runtime.compile import add_compile_arguments
-
-    add_compile_arguments(g, shapes="image sizes")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", type=str, default=None, help="the prompt (\\n becomes a line break)")
     g.add_argument("--negative_prompt", type=str, default="", help="negative prompt (default empty, as official)")
@@ -74,7 +73,7 @@ def setup_parser() -> argparse.ArgumentParser:
     g.add_argument("--flow_shift", type=float, default=5.0, help="shift of the sampling grid")
     g.add_argument("--uncond_skip_layers", type=str, default="22",
                    help="DiT blocks skipped in the unconditional branch ('' disables)")
-    g.add_argument("--seed", type=int, default=None, help="seed (random when not given)")
+    groups.add_seed_argument(g)
     g.add_argument("--from_file", type=str, default=None, help="prompt file: one per line with --w --h --s --l --fs --n --d")
     g.add_argument("--interactive", action="store_true", help="read prompts from the console")
     g = p.add_argument_group("output")
@@ -82,19 +81,18 @@ def setup_parser() -> argparse.ArgumentParser:
     g.add_argument("--output_type", type=str, default="images", choices=["images", "latent", "both"],
                    help="save images, latents (decode later with --latent_path) or both")
     g.add_argument("--latent_path", type=str, nargs="*", default=None, help="saved latents to decode (no sampling)")
-    from library.text_encoder.quant import add_text_encoder_memory_arguments
-
-    add_text_encoder_memory_arguments(p, text_encoder_cpu=False)
     return p
 
 
 # ------------------------------------------------------------------------------------------------------- setup
-def _resolve_paths(args: argparse.Namespace) -> None:
-    from library.errors import UserError
-
-    from library.moss_image.loaders import fill_paths_from_snapshot
-
+def resolve_args(args: argparse.Namespace) -> None:
+    """What the options imply, before any check: --snapshot fills the model paths not given, --xformers / nothing
+    resolve --attn_mode (`library.options.implications`)."""
     fill_paths_from_snapshot(args, "dit", "text_encoder", "vae")
+    apply_implications(args, ATTENTION_IMPLICATIONS)
+
+
+def _check_paths(args: argparse.Namespace) -> None:
     needed = ["vae"] if args.latent_path else ["dit", "text_encoder", "vae"]
     missing = [n for n in needed if not getattr(args, n)]
     if missing:
@@ -102,18 +100,10 @@ def _resolve_paths(args: argparse.Namespace) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    from library.runtime.compile import check_compile_args
-    from library.errors import UserError
-    from library.sampling.sampler import check_image_size, parse_uncond_skip_layers
-    from library.memory.block_swap import check_block_swap_args
-    from library.text_encoder.qwen35 import check_max_token_length
-    from library.text_encoder.quant import check_text_encoder_memory_args
-
     check_block_swap_args(args, training=False, device=args.device)
     check_text_encoder_memory_args(args)
     check_compile_args(args, convrot_int8=args.convrot_int8)
-    if args.attn_mode == "xformers" and not args.split_attn:
-        raise UserError("--attn_mode xformers requires --split_attn.")
+    check_attention_args(args, training=False)
     h, w = args.image_size
     check_image_size(w, h, "--image_size")
     parse_uncond_skip_layers(args.uncond_skip_layers)
@@ -386,7 +376,8 @@ def run(args: argparse.Namespace) -> list[Path]:
         enable_expandable_segments()
 
     LAST_RUN_TIMINGS.clear()
-    _resolve_paths(args)
+    resolve_args(args)
+    _check_paths(args)
     _check_args(args)
     device, dtype = _device_and_dtype(args)
     check_cpu_compiler(args, device)
@@ -407,8 +398,6 @@ def run(args: argparse.Namespace) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = setup_parser().parse_args(argv)
-    from library.errors import UserError
-
     try:
         paths = run(args)
     except UserError as e:

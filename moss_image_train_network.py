@@ -17,11 +17,14 @@ from typing import Any
 
 import torch
 
-from library.files import model_spec
-from library.training import flow_matching
+from library.datasets.args import add_dataset_arguments
 from library.errors import UserError
+from library.files import model_spec
+from library.options.implications import FP8_OPTIONS
+from library.training import flow_matching
+from library.training.args import add_common_arguments, parse_args_with_config, write_config_file
 from library.training.network_trainer import NetworkTrainer, RunState
-from library.training.args import FP8_OPTIONS
+from library.training.optimizers import add_optimizer_arguments
 
 logger = logging.getLogger("moss_image_train_network")
 
@@ -424,18 +427,11 @@ def _encode_grad(te: Any, tokenizer: Any, captions: list[str], max_length: int) 
 
 
 def setup_parser() -> argparse.ArgumentParser:
-    from library.datasets.args import add_dataset_arguments
-    from library.training.optimizers import add_optimizer_arguments
-    from library.training.args import add_common_arguments
-
     parser = argparse.ArgumentParser(
         description="LoRA training for MOSS-Image (sd-scripts style).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_common_arguments(parser)
-    from library.text_encoder.quant import add_text_encoder_memory_arguments
-
-    add_text_encoder_memory_arguments(parser)
     add_dataset_arguments(parser)
     add_optimizer_arguments(parser)
     flow_matching.add_flow_matching_arguments(parser)
@@ -443,8 +439,6 @@ def setup_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from library.training.args import parse_args_with_config, write_config_file
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = setup_parser()
     try:

@@ -19,12 +19,16 @@ import sys
 from dataclasses import dataclass
 
 from library.caching.tool_common import (
-    add_shared_tool_arguments,
+    add_cache_tool_arguments,
+    check_tool_device,
     make_accelerator,
     tool_main,
     total_over_processes,
 )
+from library.datasets.args import add_dataset_arguments
 from library.errors import UserError
+from library.moss_image.loaders import fill_paths_from_snapshot
+from library.options import groups
 
 logger = logging.getLogger("cache_latents")
 
@@ -45,29 +49,24 @@ class CacheSummary:
 
 
 def setup_parser() -> argparse.ArgumentParser:
-    from library.datasets.args import add_dataset_arguments
-
     parser = argparse.ArgumentParser(
         description="Cache the FLUX.2 VAE latents of a MOSS-Image dataset to *_moss.npz files.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = parser.add_argument_group("model and caching")
-    add_shared_tool_arguments(g, "the VAE")
-    g.add_argument("--vae", type=str, default=None,
-                   help="FLUX.2 VAE: flux2-vae.safetensors (BFL/ComfyUI) or the diffusers vae/ folder")
-    g.add_argument("--snapshot", type=str, default=None,
-                   help="a MOSS-Image snapshot folder: its vae/ is used when --vae is not given")
-    g.add_argument("--cache_latents", action="store_true",
-                   help="accepted for command lines copied from training; the tool always caches")
-    g.add_argument("--cache_latents_to_disk", action="store_true",
-                   help="required: write the latents to *_moss.npz files beside the images")
-    g.add_argument("--vae_batch_size", type=int, default=1, help="images per VAE call")
+    add_cache_tool_arguments(parser)
+    groups.add_model_file_arguments(parser, dit_dest=None, text_encoder=False, vae=True)
+    groups.add_caching_arguments(parser, latents=True, text_encoder_outputs=False)
     add_dataset_arguments(parser)
     return parser
 
 
+def resolve_args(args: argparse.Namespace) -> None:
+    """--snapshot fills --vae when it is not given."""
+    fill_paths_from_snapshot(args, vae_attr="vae")
+
+
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse what this tool cannot do and fill --vae from --snapshot."""
+    """Refuse what this tool cannot do."""
     if not args.moss_image:
         raise UserError("This tool caches MOSS-Image latents only: add --moss_image to the command.")
     if not args.cache_latents_to_disk:
@@ -75,9 +74,7 @@ def check_args(args: argparse.Namespace) -> None:
                         " --cache_latents_to_disk.")
     if args.vae_batch_size < 1:
         raise UserError(f"--vae_batch_size {args.vae_batch_size} must be at least 1.")
-    from library.moss_image.loaders import fill_paths_from_snapshot
-
-    fill_paths_from_snapshot(args, vae_attr="vae")
+    check_tool_device(args.device)
     if not args.vae:
         raise UserError("--vae is required: give the FLUX.2 VAE file (flux2-vae.safetensors) or --snapshot.")
 
@@ -92,6 +89,7 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
     from library.moss_image.vae import load_flux2_vae
     from library.caching.strategies import MossImageLatentsCachingStrategy, cache_latents
 
+    resolve_args(args)
     check_args(args)
     train, val = build_dataset_groups(args)
     quick_check([train, val])

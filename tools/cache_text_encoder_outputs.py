@@ -24,12 +24,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from library.caching.tool_common import (
-    add_shared_tool_arguments,
+    add_cache_tool_arguments,
+    check_tool_device,
     make_accelerator,
     tool_main,
     total_over_processes,
 )
+from library.datasets.args import add_dataset_arguments
 from library.errors import UserError
+from library.moss_image.loaders import fill_paths_from_snapshot
+from library.options import groups
+from library.text_encoder.quant import check_text_encoder_memory_args
+from library.text_encoder.qwen35 import check_max_token_length
 
 logger = logging.getLogger("cache_text_encoder_outputs")
 
@@ -49,42 +55,26 @@ class CacheSummary:
 
 
 def setup_parser() -> argparse.ArgumentParser:
-    from library.datasets.args import add_dataset_arguments
-
     parser = argparse.ArgumentParser(
         description="Cache the Qwen3.5 text-encoder outputs of a MOSS-Image dataset to *_moss_te.npz files.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = parser.add_argument_group("model and caching")
-    add_shared_tool_arguments(g, "the text encoder")
-    g.add_argument("--text_encoder", type=str, default=None,
-                   help="Qwen3.5-9B text encoder: first shard of the official files (text_encoder/model-00001-of-0000N)"
-                        " or a single file")
-    g.add_argument("--snapshot", type=str, default=None,
-                   help="a MOSS-Image snapshot folder: its text_encoder/ and tokenizer/ are used when not given")
-    g.add_argument("--tokenizer_cache_dir", type=str, default=None,
-                   help="folder with the tokenizer files, or a Hugging Face cache folder (for offline use)")
-    g.add_argument("--moss_max_token_length", type=int, default=4096,
-                   help="maximum text tokens including the chat template (default and maximum 4096)")
-    g.add_argument("--convrot_int8_text_encoder", action="store_true",
-                   help="quantise the text encoder to ConvRot INT8 at load time (pre-quantised files need no option)")
-    g.add_argument("--cache_text_encoder_outputs", action="store_true",
-                   help="accepted for command lines copied from training; the tool always caches")
-    g.add_argument("--cache_text_encoder_outputs_to_disk", action="store_true",
-                   help="required: write the outputs to *_moss_te.npz files beside the images")
-    g.add_argument("--text_encoder_batch_size", type=int, default=None,
-                   help="captions per caching step (the encoder itself runs one caption at a time)")
-    from library.text_encoder.quant import add_text_encoder_memory_arguments
-
-    add_text_encoder_memory_arguments(parser)
+    add_cache_tool_arguments(parser)
+    groups.add_model_file_arguments(parser, dit_dest=None, text_encoder=True, vae=False)
+    groups.add_convrot_arguments(parser, dit=False, text_encoder=True, backward=False)
+    groups.add_caching_arguments(parser, latents=False, text_encoder_outputs=True)
+    groups.add_text_encoder_memory_arguments(parser)
     add_dataset_arguments(parser)
     return parser
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse what this tool cannot do and fill the text encoder and tokenizer from --snapshot."""
-    from library.text_encoder.qwen35 import check_max_token_length
+def resolve_args(args: argparse.Namespace) -> None:
+    """--snapshot fills --text_encoder and --tokenizer_cache_dir when they are not given."""
+    fill_paths_from_snapshot(args, te_attr="text_encoder")
 
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what this tool cannot do."""
     if not args.moss_image:
         raise UserError("This tool caches MOSS-Image text-encoder outputs only: add --moss_image to the command.")
     if not args.cache_text_encoder_outputs_to_disk:
@@ -92,13 +82,9 @@ def check_args(args: argparse.Namespace) -> None:
                         " --cache_text_encoder_outputs_to_disk.")
     if args.text_encoder_batch_size is not None and args.text_encoder_batch_size < 1:
         raise UserError(f"--text_encoder_batch_size {args.text_encoder_batch_size} must be at least 1.")
-    args.moss_max_token_length = check_max_token_length(args.moss_max_token_length)
-    from library.text_encoder.quant import check_text_encoder_memory_args
-
+    check_max_token_length(args.moss_max_token_length)
     check_text_encoder_memory_args(args)
-    from library.moss_image.loaders import fill_paths_from_snapshot
-
-    fill_paths_from_snapshot(args, te_attr="text_encoder")
+    check_tool_device(args.device)
     if not args.text_encoder:
         raise UserError("--text_encoder is required: give the first shard of the Qwen3.5-9B text encoder"
                         " (text_encoder/model-00001-of-00004.safetensors) or --snapshot.")
@@ -153,6 +139,7 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
     from library.datasets.preflight import quick_check
     from library.caching.strategies import MossImageTextEncoderOutputsCachingStrategy, cache_text_encoder_outputs
 
+    resolve_args(args)
     check_args(args)
     train, val = build_dataset_groups(args)
     quick_check([train, val])

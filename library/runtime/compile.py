@@ -7,8 +7,9 @@ recompile limit is raised to cover them. ConvRot INT8 layers run outside the com
 `torch.compiler.disable`d), so they need no special handling here. Skipped blocks (the unconditional CFG pass) and
 block swap live in the model's block loop, outside the compiled blocks.
 
-The options are shared by the trainer and the inference script (`add_compile_arguments`). torch is imported inside
-the functions so that building a parser stays light.
+The options are shared by the trainer and the inference script (declared by
+`library.options.groups.add_compile_arguments`). torch is imported inside the functions so that importing this module
+stays light.
 """
 
 from __future__ import annotations
@@ -17,32 +18,19 @@ import argparse
 import logging
 from typing import Any
 
+from library.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
-def add_compile_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, shapes: str = "buckets") -> None:
-    """`--compile` and its `--compile_*` options; `shapes` names what changes the sequence length in the help."""
-    parser.add_argument("--compile", action="store_true", help="per-block torch.compile of the DiT blocks")
-    parser.add_argument("--compile_backend", type=str, default="inductor", help="torch.compile backend")
-    parser.add_argument("--compile_mode", type=str, default="default", choices=COMPILE_MODES,
-                        help="torch.compile mode")
-    parser.add_argument("--compile_dynamic", type=str, default="auto", choices=["auto", "true", "false"],
-                        help=f"dynamic shapes for --compile (auto: dynamic when {shapes} differ)")
-    parser.add_argument("--compile_fullgraph", action="store_true", help="fullgraph=True for --compile")
-    parser.add_argument("--compile_cache_size_limit", type=int, default=None,
-                        help=f"dynamo recompile limit (raised automatically for several {shapes})")
-
-
 def check_compile_args(args: argparse.Namespace, convrot_int8: bool = False) -> None:
     """`--compile_fullgraph` needs each block to be one graph: refused with --split_attn and with ConvRot INT8
     layers (`convrot_int8`: the model has them, or will have them), which run outside the graph."""
-    from library.errors import UserError
-
     if not (args.compile and args.compile_fullgraph):
         return
-    if getattr(args, "split_attn", False):
+    if args.split_attn:
         raise UserError("--compile_fullgraph cannot be used with --split_attn (split attention uses dynamic control"
                         " flow).")
     if convrot_int8:
@@ -52,8 +40,6 @@ def check_compile_args(args: argparse.Namespace, convrot_int8: bool = False) -> 
 
 def check_cpu_compiler(args: argparse.Namespace, device: Any) -> None:
     """inductor on the CPU builds C++ code: say so clearly when no C++ compiler is found."""
-    from library.errors import UserError
-
     if not args.compile or args.compile_backend != "inductor" or str(device).split(":")[0] != "cpu":
         return
     try:

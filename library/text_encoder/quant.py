@@ -43,27 +43,15 @@ SKIPPED_LINEARS = ("in_proj_a", "in_proj_b")
 
 
 # -------------------------------------------------------------------------------------------------- arguments
-def add_text_encoder_memory_arguments(parser: argparse.ArgumentParser, text_encoder_cpu: bool = True) -> None:
-    """--te_quant and --te_device (and --text_encoder_cpu unless the parser has it already)."""
-    g = parser.add_argument_group("text encoder memory")
-    g.add_argument("--te_quant", type=str, default="none", choices=TE_QUANT_CHOICES,
-                   help="text encoder quantisation with bitsandbytes: none (default), int8 (LLM.int8), nf4, or auto"
-                        " (by free VRAM: bf16 >= ~18.3 GiB, int8 >= ~11.2 GiB, nf4 >= ~7.8 GiB, else the CPU)")
-    g.add_argument("--te_device", type=str, default=None, choices=TE_DEVICE_CHOICES,
-                   help="where the text encoder runs: gpu (default) or cpu (slow, for caching its outputs)")
-    if text_encoder_cpu:
-        g.add_argument("--text_encoder_cpu", action="store_true", help="same as --te_device cpu")
-
-
 def te_on_cpu(args: argparse.Namespace) -> bool:
     return getattr(args, "te_device", None) == "cpu" or bool(getattr(args, "text_encoder_cpu", False))
 
 
 def check_text_encoder_memory_args(args: argparse.Namespace, train_text_encoder: bool = False) -> None:
     """Conflicts that need no model: quantisation on the CPU, a quantised or CPU encoder that is trained."""
-    mode = getattr(args, "te_quant", "none") or "none"
+    mode = args.te_quant
     cpu = te_on_cpu(args)
-    if getattr(args, "te_device", None) in ("gpu", "cuda") and getattr(args, "text_encoder_cpu", False):
+    if args.te_device in ("gpu", "cuda") and args.text_encoder_cpu:
         raise UserError("--te_device gpu and --text_encoder_cpu contradict each other: keep one.")
     if cpu and mode in ("int8", "nf4"):
         raise UserError(f"--te_quant {mode} runs on the GPU only, but the text encoder is set to run on the CPU"

@@ -1,22 +1,23 @@
-"""Command-line options shared by the trainers (sd-scripts names and defaults), `--config_file`, and the checks of
-options that cannot apply to a flow-matching DiT.
+"""The trainer's command line: the shared option groups (`library.options.groups`), the options only the trainer
+has (sd-scripts names and defaults), `--config_file` / `--output_config`, and the rejection of options that cannot
+apply to a flow-matching DiT.
 
-Groups: model files, network, training loop, saving, caching, logging, sampling, validation, memory/speed. The
-dataset, optimizer/scheduler and flow-matching groups live beside their code (`library.datasets.args`,
-`library.training.optimizers`, `library.training.flow_matching`) and are added by `setup_parser`.
+Trainer-only groups here: network, training, saving, logging, sampling, validation. The dataset, optimizer/scheduler
+and flow-matching groups live beside their code (`library.datasets.args`, `library.training.optimizers`,
+`library.training.flow_matching`) and are added by `setup_parser`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import logging
 from pathlib import Path
 from typing import Any
 
-from library.runtime.compile import add_compile_arguments
 from library.errors import UserError
 from library.files.safetensors_io import write_text_atomic
+from library.options import groups
+from library.options.implications import FP8_OPTIONS
 from library.training.sensitive_options import without_secrets
 
 logger = logging.getLogger(__name__)
@@ -45,44 +46,19 @@ SD_ONLY_OPTIONS: dict[str, str] = {
     "weighted_captions": "is the CLIP prompt-weighting syntax",
 }
 
-FP8_OPTIONS = ("fp8_base", "fp8_base_unet", "fp8_scaled")
-
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model files")
-    g.add_argument("--pretrained_model_name_or_path", type=str, default=None,
-                   help="DiT: first shard of the official diffusers files, the transformer/ folder, a snapshot folder,"
-                        " or a ComfyUI single file")
-    g.add_argument("--text_encoder", type=str, default=None,
-                   help="Qwen3.5-9B text encoder: first shard of the official files (text_encoder/model-00001-of-0000N)"
-                        " or a single file")
-    g.add_argument("--vae", type=str, default=None,
-                   help="FLUX.2 VAE: flux2-vae.safetensors (BFL/ComfyUI) or the diffusers vae/ folder")
-    g.add_argument("--snapshot", type=str, default=None,
-                   help="a MOSS-Image snapshot folder (transformer/, text_encoder/, vae/, tokenizer/): fills the three"
-                        " model paths and the tokenizer that are not given")
-    g.add_argument("--tokenizer_cache_dir", type=str, default=None,
-                   help="folder with the tokenizer files, or a Hugging Face cache folder (for offline use)")
-    g.add_argument("--moss_max_token_length", type=int, default=4096,
-                   help="maximum text tokens including the chat template (default and maximum 4096)")
-    g.add_argument("--disable_mmap_load_safetensors", action="store_true",
-                   help="read safetensors with plain reads instead of memory mapping")
-    g.add_argument("--lowram", action="store_true",
-                   help="load the text encoder and the VAE straight to the GPU (less CPU RAM, more VRAM)")
-    g.add_argument("--highvram", action="store_true", help="keep the VAE on the GPU after caching latents")
-    g.add_argument("--attn_mode", type=str, default=None, choices=["torch", "xformers", "flash", "sageattn"],
-                   help="attention implementation (default torch); overrides --xformers")
-    g.add_argument("--split_attn", action="store_true", help="attention per sample (needed for xformers)")
-    g.add_argument("--xformers", action="store_true", help="same as --attn_mode xformers")
-    g.add_argument("--sdpa", action="store_true", help="same as --attn_mode torch (the default)")
+    """The shared model, attention, ConvRot, caching, memory and compile groups, plus the fp8 options (disabled)."""
+    groups.add_model_file_arguments(parser, dit_dest="pretrained_model_name_or_path", text_encoder=True, vae=True)
+    groups.add_attention_arguments(parser)
+    groups.add_convrot_arguments(parser, dit=True, text_encoder=True, backward=True)
+    g = parser.add_argument_group("fp8 (not supported for MOSS-Image)")
     for name in FP8_OPTIONS:
         g.add_argument(f"--{name}", action="store_true", help="not supported for MOSS-Image (use --convrot_int8)")
-    g.add_argument("--convrot_int8", action="store_true",
-                   help="quantise the DiT block Linears to ConvRot INT8 at load time")
-    g.add_argument("--convrot_int8_text_encoder", action="store_true",
-                   help="quantise the text encoder to ConvRot INT8 at load time")
-    g.add_argument("--convrot_int8_bwd", type=str, default="bf16", choices=["bf16", "int8"],
-                   help="backward of the ConvRot INT8 layers: bf16 (default, exact) or int8 (fused GEMM, needs triton)")
+    groups.add_caching_arguments(parser, latents=True, text_encoder_outputs=True)
+    groups.add_memory_arguments(parser, training=True)
+    groups.add_text_encoder_memory_arguments(parser)
+    groups.add_compile_arguments(parser)
 
 
 def _add_network_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,11 +88,8 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output_name", type=str, default=None, help="base name of the saved files (default 'last')")
     g.add_argument("--max_train_steps", type=int, default=1600, help="training steps (default 1600)")
     g.add_argument("--max_train_epochs", type=int, default=None, help="training epochs (overrides max_train_steps)")
-    g.add_argument("--seed", type=int, default=None, help="random seed (random when not given)")
+    groups.add_seed_argument(g)
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward")
-    g.add_argument("--cpu_offload_checkpointing", action="store_true", help="checkpointed inputs kept on the CPU")
-    g.add_argument("--unsloth_offload_checkpointing", action="store_true",
-                   help="block inputs offloaded to the CPU asynchronously, blocks recomputed in backward")
     g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="steps accumulated per update")
     g.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"],
                    help="mixed precision (bf16 recommended)")
@@ -130,15 +103,6 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp_static_graph", action="store_true", help="DDP static_graph")
     g.add_argument("--torch_compile", action="store_true", help="accelerate's dynamo compile of the DiT")
     g.add_argument("--dynamo_backend", type=str, default="inductor", help="backend of --torch_compile")
-    add_compile_arguments(g)
-    g.add_argument("--blocks_to_swap", type=int, default=None, help="DiT blocks swapped between CPU and GPU (max 40)")
-    g.add_argument("--block_swap_h2d_only", action="store_true",
-                   help="LoRA training: stream frozen blocks host-to-device only (needs --gradient_checkpointing)")
-    g.add_argument("--no_pinned_memory_for_block_swap", action="store_true",
-                   help="do not pin the host copies of swapped blocks")
-    g.add_argument("--cuda_expandable_segments", action="store_true",
-                   help="set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts (less memory held"
-                        " by the allocator beyond what is in use)")
     g.add_argument("--output_config", action="store_true", help="write the arguments to a TOML file and exit")
     g.add_argument("--overwrite_config", action="store_true", help="let --output_config replace an existing file")
     g.add_argument("--config_file", type=str, default=None, help="TOML file of arguments (command line wins)")
@@ -162,19 +126,6 @@ def _add_saving_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no_metadata", action="store_true", help="save no ss_* metadata in the LoRA file")
     for name in ("title", "author", "description", "license", "tags"):
         g.add_argument(f"--metadata_{name}", type=str, default=None, help=f"modelspec.{name} of the saved LoRA")
-
-
-def _add_caching_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("caching")
-    g.add_argument("--cache_latents", action="store_true", help="cache the FLUX.2 VAE outputs in memory")
-    g.add_argument("--cache_latents_to_disk", action="store_true", help="cache the VAE outputs to *_moss.npz files")
-    g.add_argument("--vae_batch_size", type=int, default=1, help="images per VAE call while caching")
-    g.add_argument("--cache_text_encoder_outputs", action="store_true", help="cache the Qwen3.5 outputs")
-    g.add_argument("--cache_text_encoder_outputs_to_disk", action="store_true",
-                   help="cache the Qwen3.5 outputs to *_moss_te.npz files")
-    g.add_argument("--text_encoder_batch_size", type=int, default=None,
-                   help="captions per caching step (the encoder itself runs one caption at a time)")
-    g.add_argument("--skip_cache_check", action="store_true", help="trust existing cache files without checking them")
 
 
 def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,12 +168,11 @@ def _add_sd_only_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Everything the trainer shares except dataset, optimizer and flow-matching options."""
+    """Every trainer option except the dataset, optimizer and flow-matching ones."""
     _add_model_arguments(parser)
     _add_network_arguments(parser)
     _add_training_arguments(parser)
     _add_saving_arguments(parser)
-    _add_caching_arguments(parser)
     _add_logging_arguments(parser)
     _add_sampling_arguments(parser)
     _add_validation_arguments(parser)
@@ -242,7 +192,7 @@ def _flatten(table: dict[str, Any]) -> dict[str, Any]:
 
 def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """Arguments from a `--config_file` TOML (sections are flattened); unknown keys are an error naming them."""
-    import tomllib  # reading needs only the standard library (the `toml` package is for --output_config)
+    import tomllib  # standard library from Python 3.11 (the project allows 3.10): imported where it is needed
 
     p = Path(path)
     if not p.exists() and p.with_suffix(".toml").exists():
@@ -276,7 +226,7 @@ def write_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
     """`--output_config`: the non-default arguments as TOML, without secrets (`--wandb_api_key`, ...); an existing
     file is replaced only with `--overwrite_config`."""
     try:
-        import toml
+        import toml  # optional: only --output_config writes TOML (tomllib reads it)
     except ImportError as e:
         raise UserError("--output_config needs the 'toml' package: pip install toml (it is in requirements.txt).") from e
 
@@ -295,17 +245,3 @@ def reject_sd_only_options(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value not in (None, False, 0):
             raise UserError(f"--{name} {why}: remove it from the command (or the config file).")
-
-
-def parse_literal_kwargs(items: list[str] | None, option: str) -> dict[str, Any]:
-    """`key=value` strings (values as Python literals, else strings) from --network_args / --optimizer_args."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise UserError(f"{option} entry '{item}' is not key=value: write it as key=value.")
-        key, value = item.split("=", 1)
-        try:
-            out[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            out[key.strip()] = value.strip()
-    return out
