@@ -20,7 +20,13 @@ import torch
 from library.datasets.args import add_dataset_arguments
 from library.errors import UserError
 from library.files import model_spec
-from library.options.implications import FP8_OPTIONS
+from library.memory.block_swap import check_block_swap_args
+from library.moss_image.loaders import fill_paths_from_snapshot
+from library.options.checks import check_attention_args
+from library.quant.convrot_kernels import HAS_TRITON
+from library.runtime.compile import check_compile_args, check_cpu_compiler
+from library.text_encoder.quant import check_text_encoder_memory_args
+from library.text_encoder.qwen35 import check_max_token_length
 from library.training import flow_matching
 from library.training.args import add_common_arguments, parse_args_with_config, write_config_file
 from library.training.network_trainer import NetworkTrainer, RunState
@@ -29,11 +35,8 @@ from library.training.optimizers import add_optimizer_arguments
 logger = logging.getLogger("moss_image_train_network")
 
 
-def resolve_model_paths(args: argparse.Namespace) -> None:
-    """--snapshot fills the model paths (and the tokenizer) that are not given; then all three are required."""
-    from library.moss_image.loaders import fill_paths_from_snapshot
-
-    fill_paths_from_snapshot(args, "pretrained_model_name_or_path", "text_encoder", "vae")
+def check_model_paths(args: argparse.Namespace) -> None:
+    """The three model paths are required (after --snapshot filled those not given)."""
     for opt, what in (("pretrained_model_name_or_path", "the MOSS-Image DiT (first shard or ComfyUI file)"),
                       ("text_encoder", "the Qwen3.5-9B text encoder (first shard)"), ("vae", "the FLUX.2 VAE")):
         if not getattr(args, opt):
@@ -54,26 +57,18 @@ class MossImageNetworkTrainer(NetworkTrainer):
         self.te_device: torch.device | None = None  # where the text encoder runs (--te_device / --te_quant)
 
     # ----------------------------------------------------------------------------------------------- checks
-    def assert_extra_args(self, args: argparse.Namespace, train_group: Any, val_group: Any) -> None:
-        from library.text_encoder.qwen35 import check_max_token_length
+    def resolve_args(self, args: argparse.Namespace) -> None:
+        """--snapshot fills the model paths (and the tokenizer) that are not given, then the options' implications."""
+        fill_paths_from_snapshot(args, "pretrained_model_name_or_path", "text_encoder", "vae")
+        super().resolve_args(args)
 
-        resolve_model_paths(args)
-        args.moss_max_token_length = check_max_token_length(args.moss_max_token_length)
+    def assert_extra_args(self, args: argparse.Namespace, train_group: Any, val_group: Any) -> None:
+        check_model_paths(args)
+        check_max_token_length(args.moss_max_token_length)
         flow_matching.log_timestep_sampling_info(args)
-        if any(getattr(args, n) for n in FP8_OPTIONS):
-            logger.warning("fp8_base / fp8_base_unet / fp8_scaled are not supported for MOSS-Image: use --convrot_int8"
-                           " (and --convrot_int8_text_encoder) instead. They are disabled.")
-            for n in FP8_OPTIONS:
-                setattr(args, n, False)
         if args.mixed_precision == "fp16":
             logger.warning("mixed_precision fp16 is not recommended for MOSS-Image: the text encoder and the DiT are"
                            " bf16 models. Use bf16.")
-        if args.cache_text_encoder_outputs_to_disk and not args.cache_text_encoder_outputs:
-            logger.warning("cache_text_encoder_outputs_to_disk is enabled, so cache_text_encoder_outputs is also enabled")
-            args.cache_text_encoder_outputs = True
-        if args.cache_latents_to_disk and not args.cache_latents:
-            logger.warning("cache_latents_to_disk is enabled, so cache_latents is also enabled")
-            args.cache_latents = True
         if args.cache_text_encoder_outputs:
             if not args.network_train_unet_only:
                 raise UserError("--cache_text_encoder_outputs needs --network_train_unet_only: the text encoder LoRA"
@@ -85,30 +80,15 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if self.is_train_text_encoder(args):
             logger.info("Training the text encoder (Qwen3.5-9B) LoRA. Note: the official recommendation is to keep"
                         " the text encoder frozen.")
-        attn = args.attn_mode or ("xformers" if args.xformers else "torch")
-        if attn == "sageattn":
-            raise UserError("--attn_mode sageattn supports inference only, not training: use torch, flash or xformers.")
-        if attn == "xformers" and not args.split_attn:
-            raise UserError("--attn_mode xformers requires --split_attn.")
+        check_attention_args(args, training=True)
         if args.compile and args.torch_compile:
             raise UserError("--compile (per-block torch.compile) and --torch_compile (accelerate dynamo) cannot be"
                             " used together: keep one.")
-        from library.runtime.compile import check_compile_args, check_cpu_compiler
-
         check_compile_args(args, convrot_int8=bool(args.convrot_int8))  # a pre-quantised file: checked after loading
         check_cpu_compiler(args, "cuda" if torch.cuda.is_available() else "cpu")
-        if args.unsloth_offload_checkpointing:
-            if args.cpu_offload_checkpointing:
-                raise UserError("Cannot use both --unsloth_offload_checkpointing and --cpu_offload_checkpointing.")
-            if not args.gradient_checkpointing:
-                logger.warning("unsloth_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
-                args.gradient_checkpointing = True
-        if args.cpu_offload_checkpointing and not args.gradient_checkpointing:
-            logger.warning("cpu_offload_checkpointing is enabled, so gradient_checkpointing is also enabled")
-            args.gradient_checkpointing = True
+        if args.unsloth_offload_checkpointing and args.cpu_offload_checkpointing:
+            raise UserError("Cannot use both --unsloth_offload_checkpointing and --cpu_offload_checkpointing.")
         self._check_swap_and_int8_args(args)
-        from library.text_encoder.quant import check_text_encoder_memory_args
-
         check_text_encoder_memory_args(args, self.is_train_text_encoder(args))
         for group in (train_group, val_group):
             if group is not None:
@@ -117,12 +97,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
     @staticmethod
     def _check_swap_and_int8_args(args: argparse.Namespace) -> None:
         """Block swap conflicts (seed 000's messages) and what --convrot_int8_bwd int8 needs."""
-        from library.memory.block_swap import check_block_swap_args
-
         check_block_swap_args(args, training=True)
         if args.convrot_int8_bwd == "int8":
-            from library.quant.convrot_kernels import HAS_TRITON
-
             if not (HAS_TRITON and torch.cuda.is_available()):
                 raise UserError("--convrot_int8_bwd int8 needs triton and a CUDA GPU (triton-windows on Windows): use"
                                 " the default --convrot_int8_bwd bf16.")
@@ -209,12 +185,11 @@ class MossImageNetworkTrainer(NetworkTrainer):
         from library.quant.convrot import is_convrot_int8_model
         from library.moss_image.loaders import load_moss_image_model
 
-        attn_mode = args.attn_mode or ("xformers" if args.xformers else "torch")
         # with --convrot_int8 the bf16 weights are read to the CPU and quantised on the GPU, one layer at a time
         loading_device = "cpu" if args.convrot_int8 or args.blocks_to_swap else accelerator.device
         plan = self._base_weights_plan(args, "lora_unet")
         model = load_moss_image_model(
-            accelerator.device, args.pretrained_model_name_or_path, attn_mode, args.split_attn,
+            accelerator.device, args.pretrained_model_name_or_path, args.attn_mode, args.split_attn,
             loading_device=loading_device, dtype=weight_dtype, disable_mmap=args.disable_mmap_load_safetensors,
             convrot_int8=args.convrot_int8, convrot_int8_bwd=args.convrot_int8_bwd, calc_device=accelerator.device,
             tensor_hook=plan.merge if plan else None,
@@ -222,8 +197,6 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if plan:
             plan.finish()
         self.dit_convrot_int8 = is_convrot_int8_model(model)
-        from library.runtime.compile import check_compile_args
-
         check_compile_args(args, convrot_int8=self.dit_convrot_int8)
         if self.dit_convrot_int8:
             logger.info("the DiT base is ConvRot INT8 (%s)", "quantised at load" if args.convrot_int8 else "pre-quantised file")

@@ -322,10 +322,16 @@ def test_device_and_ddp_checks(monkeypatch, caplog):
     with pytest.raises(UserError, match="--blocks_to_swap needs a CUDA device"):
         check_block_swap_args(swap_args(blocks_to_swap=8))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    args = swap_args(blocks_to_swap=8, gradient_checkpointing=False)
+    import moss_image_train_network as trainer
+    from library.options.implications import TRAINING_IMPLICATIONS, apply_implications
+
+    args = trainer.setup_parser().parse_args(["--blocks_to_swap", "8"])
     with caplog.at_level(logging.WARNING):
-        check_block_swap_args(args)  # the default swap mode turns gradient checkpointing on
+        apply_implications(args, TRAINING_IMPLICATIONS)  # the default swap mode turns gradient checkpointing on
     assert args.gradient_checkpointing and "gradient_checkpointing is also enabled" in caplog.text
+    check_block_swap_args(args)  # the check itself changes nothing, and refuses a swap without checkpointing
+    with pytest.raises(UserError, match="needs --gradient_checkpointing"):
+        check_block_swap_args(swap_args(blocks_to_swap=8, gradient_checkpointing=False))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with caplog.at_level(logging.INFO):
         check_block_swap_args(swap_args(blocks_to_swap=8))  # DDP: each process swaps its own GPU's blocks

@@ -66,8 +66,8 @@ class BlockSwapConfig:
                   ) -> BlockSwapConfig:
         return cls(
             device=torch.device(device),
-            h2d_only=bool(getattr(args, "block_swap_h2d_only", False)),
-            use_pinned_memory=not getattr(args, "no_pinned_memory_for_block_swap", False),
+            h2d_only=args.block_swap_h2d_only,
+            use_pinned_memory=not args.no_pinned_memory_for_block_swap,
             supports_backward=supports_backward,
         )
 
@@ -99,17 +99,16 @@ def check_block_swap_device(device: str | torch.device, num_processes: int = 1) 
 
 
 def check_block_swap_args(args: argparse.Namespace, training: bool = True, device: str | None = None) -> None:
-    """Argument checks of --blocks_to_swap / --block_swap_h2d_only / --no_pinned_memory_for_block_swap (before any
-    loading). Enables --gradient_checkpointing for the default swap mode in training, with a warning. `device`:
-    the device of an inference run (default: CUDA when available)."""
+    """Argument checks of --blocks_to_swap (and, in training, --block_swap_h2d_only / --no_pinned_memory_for_block_swap
+    and the offloading options) before any loading; they change nothing (in training,
+    `library.options.implications` has turned --gradient_checkpointing on for the default swap mode). `device`: the
+    device of an inference run (default: CUDA when available)."""
     n = args.blocks_to_swap or 0
     if n < 0:
         check_blocks_to_swap(n)
-    h2d_only = bool(getattr(args, "block_swap_h2d_only", False))
-    no_pin = bool(getattr(args, "no_pinned_memory_for_block_swap", False))
     if not n:
-        if h2d_only or no_pin:
-            flag = "--block_swap_h2d_only" if h2d_only else "--no_pinned_memory_for_block_swap"
+        if training and (args.block_swap_h2d_only or args.no_pinned_memory_for_block_swap):
+            flag = "--block_swap_h2d_only" if args.block_swap_h2d_only else "--no_pinned_memory_for_block_swap"
             raise UserError(f"{flag} only applies to block swap: add --blocks_to_swap N (1 to"
                             f" {max_blocks_to_swap(MOSS_IMAGE_NUM_LAYERS)}) or drop {flag}.")
         return
@@ -117,17 +116,16 @@ def check_block_swap_args(args: argparse.Namespace, training: bool = True, devic
     if not training:
         check_block_swap_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return
-    if getattr(args, "cpu_offload_checkpointing", False):
+    if args.cpu_offload_checkpointing:
         raise UserError("--blocks_to_swap is not supported with --cpu_offload_checkpointing: use one of them.")
-    if getattr(args, "unsloth_offload_checkpointing", False):
+    if args.unsloth_offload_checkpointing:
         raise UserError("--blocks_to_swap is not supported with --unsloth_offload_checkpointing: use one of them.")
     if not args.gradient_checkpointing:
-        if h2d_only:
+        if args.block_swap_h2d_only:
             raise UserError("--block_swap_h2d_only requires --gradient_checkpointing (the GPU ring buffer is reused,"
                             " so the blocks must be recomputed in backward): add --gradient_checkpointing.")
-        logger.warning("blocks_to_swap is enabled, so gradient_checkpointing is also enabled (a swapped block's"
-                       " weights leave the GPU before backward, so its activations are recomputed)")
-        args.gradient_checkpointing = True
+        raise UserError("--blocks_to_swap in training needs --gradient_checkpointing (a swapped block's weights leave"
+                        " the GPU before backward, so its activations are recomputed): add --gradient_checkpointing.")
     check_block_swap_device("cuda" if torch.cuda.is_available() else "cpu", int(os.environ.get("WORLD_SIZE", "1")))
 
 

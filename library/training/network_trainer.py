@@ -26,12 +26,14 @@ from typing import Any
 
 import torch
 
-from library.training import flow_matching
-from library.files import base_model_hash, model_spec
-from library.training import checkpoints as train_checkpoints
 from library.errors import UserError
+from library.files import base_model_hash, model_spec
+from library.options.implications import TRAINING_IMPLICATIONS, apply_implications
+from library.training import checkpoints as train_checkpoints
+from library.training import flow_matching
 from library.training import sensitive_options
 from library.training.args import reject_sd_only_options
+from library.training.run_options import RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +43,8 @@ class RunState:
     """What the loop carries between phases (instead of a 1000-line function's locals)."""
 
     args: argparse.Namespace
+    options: RunOptions  # derived once from args (the dtypes, which networks train, ...)
     accelerator: Any = None
-    weight_dtype: torch.dtype = torch.float32
-    save_dtype: torch.dtype = torch.float32
     text_encoders: list[Any] = field(default_factory=list)
     vae: Any = None
     unet: Any = None
@@ -54,8 +55,6 @@ class RunState:
     val_group: Any = None
     train_dataloader: Any = None
     val_dataloader: Any = None
-    train_unet: bool = True
-    train_text_encoder: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     global_step: int = 0
     epoch: int = 0
@@ -73,17 +72,34 @@ class RunState:
     final_path: Path | None = None
     base_model_hashes: base_model_hash.BaseModelHashes | None = None  # ss_sd_model_* / ss_vae_* (main process)
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.options.weight_dtype
 
-def _dtype_of(name: str | None, fallback: torch.dtype) -> torch.dtype:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}.get(name or "", fallback)
+    @property
+    def save_dtype(self) -> torch.dtype:
+        return self.options.save_dtype
+
+    @property
+    def train_unet(self) -> bool:
+        return self.options.train_unet
+
+    @property
+    def train_text_encoder(self) -> bool:
+        return self.options.train_text_encoder
 
 
 class NetworkTrainer(abc.ABC):
     """Subclasses implement the abstract hooks (and may override the others); `train(args)` runs the job."""
 
     # ------------------------------------------------------------------------------------------------ hooks
+    def resolve_args(self, args: argparse.Namespace) -> None:
+        """What the options imply for each other, applied before any check, each change with its warning
+        (`library.options.implications`); subclasses add model-specific resolution (e.g. model paths)."""
+        apply_implications(args, TRAINING_IMPLICATIONS)
+
     def assert_extra_args(self, args: argparse.Namespace, train_group: Any, val_group: Any) -> None:
-        """Model-specific checks; may adjust args (with a log line)."""
+        """Model-specific checks, on the resolved options; they change nothing."""
 
     @abc.abstractmethod
     def get_latents_caching_strategy(self, args: argparse.Namespace) -> Any:
@@ -195,12 +211,11 @@ class NetworkTrainer(abc.ABC):
         optimizers.verify_optimizer_arguments(args)
 
     # -------------------------------------------------------------------------------------------- phases
-    def _prepare_accelerator(self, args: argparse.Namespace) -> Any:
+    def _prepare_accelerator(self, args: argparse.Namespace, log_with: str | None) -> Any:
         from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
         from accelerate.utils import ProjectConfiguration
         import datetime
 
-        log_with = args.log_with or ("tensorboard" if args.logging_dir else None)
         if log_with in ("tensorboard", "all"):
             try:
                 import tensorboard  # noqa: F401
@@ -230,11 +245,6 @@ class NetworkTrainer(abc.ABC):
             dynamo_backend=args.dynamo_backend if args.torch_compile else None,
         )
         return acc
-
-    def _weight_dtypes(self, args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:
-        weight = _dtype_of(args.mixed_precision, torch.float32)
-        lora = weight if (args.full_fp16 or args.full_bf16) else torch.float32
-        return weight, _dtype_of(args.save_precision, lora)  # as sd-scripts: the LoRA's own precision by default
 
     def _create_network(self, run: RunState) -> None:
         args = run.args
@@ -309,8 +319,10 @@ class NetworkTrainer(abc.ABC):
         from library.datasets import build_dataset_groups
         from library.datasets.preflight import quick_check
 
+        self.resolve_args(args)
         self.verify_args(args)
-        if getattr(args, "cuda_expandable_segments", False):
+        options = RunOptions.from_args(args, self.is_train_text_encoder(args))
+        if args.cuda_expandable_segments:
             from library.runtime.compile import enable_expandable_segments
 
             enable_expandable_segments()
@@ -318,7 +330,7 @@ class NetworkTrainer(abc.ABC):
             args.seed = 42 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else random.randint(0, 2**32 - 1)
             logger.info("no --seed given: using %d", args.seed)
         set_seed(args.seed)
-        run = RunState(args)
+        run = RunState(args, options)
         run.train_group, run.val_group = build_dataset_groups(args)
         quick_check([run.train_group, run.val_group])
         if args.debug_dataset:
@@ -327,11 +339,8 @@ class NetworkTrainer(abc.ABC):
             debug_dataset(run.train_group)
             return run
         self.assert_extra_args(args, run.train_group, run.val_group)
-        run.train_unet = not args.network_train_text_encoder_only
-        run.train_text_encoder = self.is_train_text_encoder(args)
 
-        run.accelerator = self._prepare_accelerator(args)
-        run.weight_dtype, run.save_dtype = self._weight_dtypes(args)
+        run.accelerator = self._prepare_accelerator(args, options.log_with)
         _version, run.text_encoders, run.vae, run.unet = self.load_target_model(args, run.weight_dtype, run.accelerator)
         if args.cache_latents:
             self.cache_latents(run)
@@ -407,7 +416,7 @@ class NetworkTrainer(abc.ABC):
         if run.train_text_encoder:
             for te in run.text_encoders:
                 te.to(acc.device)
-        elif self.is_text_encoder_not_needed_for_training(args):
+        elif not run.options.text_encoder_needed:
             run.text_encoders = [None for _ in run.text_encoders]
         run.network.prepare_grad_etc(run.text_encoders, run.unet)
 
@@ -445,8 +454,8 @@ class NetworkTrainer(abc.ABC):
         from tqdm.auto import tqdm
 
         args, acc = run.args, run.accelerator
-        if args.log_with or args.logging_dir:
-            _hide_private_values_from_tracker(args, args.log_with)
+        if run.options.log_with:
+            _hide_private_values_from_tracker(args, run.options.log_with)
             acc.init_trackers(args.log_tracker_name or "network_train",
                               config=_tracker_config(args) if args.log_config else {}, init_kwargs=_tracker_kwargs(args))
         logger.info(
