@@ -65,7 +65,6 @@ class MossImageNetworkTrainer(NetworkTrainer):
     def assert_extra_args(self, args: argparse.Namespace, train_group: Any, val_group: Any) -> None:
         check_model_paths(args)
         check_max_token_length(args.moss_max_token_length)
-        flow_matching.log_timestep_sampling_info(args)
         if args.mixed_precision == "fp16":
             logger.warning("mixed_precision fp16 is not recommended for MOSS-Image: the text encoder and the DiT are"
                            " bf16 models. Use bf16.")
@@ -353,9 +352,10 @@ class MossImageNetworkTrainer(NetworkTrainer):
             offs = [float((ca or {}).get("timestep_sampling", {}).get("offset", 0.0)) for ca in batch["custom_attributes"]]
             if any(offs):
                 offset = torch.tensor(offs, dtype=torch.float32)
+        sampling = run.options.timestep_sampling
         noisy, timesteps, sigmas = flow_matching.get_noisy_model_input_and_timesteps(
-            args, latents, noise, acc.device, torch.float32, generator=generator, timestep_sampling_offset=offset,
-            sigmas=fixed_sigmas, apply_ip_noise=is_train,
+            sampling, latents, noise, acc.device, torch.float32, generator=generator, timestep_sampling_offset=offset,
+            sigmas=fixed_sigmas, ip_noise=run.options.ip_noise if is_train else None,
         )
         embeds, mask = text_conds
         embeds = embeds.to(acc.device, run.weight_dtype)
@@ -364,7 +364,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         with torch.set_grad_enabled(is_train), acc.autocast():
             pred = run.unet(noisy, timesteps, embeds, mask)
         target = noise - latents
-        weighting = flow_matching.compute_loss_weighting(args.weighting_scheme, sigmas)
+        weighting = flow_matching.compute_loss_weighting(sampling.weighting_scheme, sigmas)
         return pred, target, timesteps, weighting
 
     # --------------------------------------------------------------------------------------------- sampling
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote the arguments to {out}")
             return 0
         if args.show_timesteps:
-            flow_matching.show_timesteps(args)
+            flow_matching.show_timesteps(flow_matching.ShowTimestepsConfig.from_args(args))
             return 0
         MossImageNetworkTrainer().train(args)
     except UserError as e:

@@ -17,6 +17,18 @@ def make_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+def sampling(*argv: str) -> fm.TimestepSamplingConfig:
+    return fm.TimestepSamplingConfig.from_args(make_args(*argv))
+
+
+def loss(*argv: str) -> fm.LossConfig:
+    return fm.LossConfig.from_args(make_args(*argv))
+
+
+def show(*argv: str) -> fm.ShowTimestepsConfig:
+    return fm.ShowTimestepsConfig.from_args(make_args(*argv))
+
+
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -53,13 +65,13 @@ def test_sigmoid_uniform_shift_follow_the_formulas():
     n = 64
     ref_normal = torch.randn(n, generator=gen(1))
     ref_uniform = torch.rand(n, generator=gen(1))
-    got = fm.sample_sigmas(make_args("--timestep_sampling", "sigmoid", "--sigmoid_scale", "2"), n, generator=gen(1))
+    got = fm.sample_sigmas(sampling("--timestep_sampling", "sigmoid", "--sigmoid_scale", "2"), n, generator=gen(1))
     assert got.dtype == torch.float32 and got.shape == (n,)
     assert torch.allclose(got, torch.sigmoid(2 * ref_normal))
-    got = fm.sample_sigmas(make_args("--timestep_sampling", "uniform"), n, generator=gen(1))
+    got = fm.sample_sigmas(sampling("--timestep_sampling", "uniform"), n, generator=gen(1))
     assert torch.allclose(got, ref_uniform)
     got = fm.sample_sigmas(
-        make_args("--timestep_sampling", "shift", "--discrete_flow_shift", "3"), n, generator=gen(1)
+        sampling("--timestep_sampling", "shift", "--discrete_flow_shift", "3"), n, generator=gen(1)
     )
     s = torch.sigmoid(ref_normal)
     assert torch.allclose(got, 3 * s / (1 + 2 * s))
@@ -68,7 +80,7 @@ def test_sigmoid_uniform_shift_follow_the_formulas():
 def test_flux_shift_depends_on_resolution():
     assert fm.flux_shift_mu(256) == pytest.approx(0.5)
     assert fm.flux_shift_mu(4096) == pytest.approx(1.15)
-    args = make_args("--timestep_sampling", "flux_shift", "--discrete_flow_shift", "7")
+    args = sampling("--timestep_sampling", "flux_shift", "--discrete_flow_shift", "7")
     ref = torch.sigmoid(torch.randn(32, generator=gen(2)))
     for hw, mu in (((64, 64), 1.15), ((16, 16), 0.5)):
         got = fm.sample_sigmas(args, 32, hw, generator=gen(2))
@@ -82,7 +94,7 @@ def test_flux_shift_depends_on_resolution():
 
 
 def test_sigma_mode_uses_the_shifted_grid_and_weighting_distribution():
-    args = make_args(
+    args = sampling(
         "--timestep_sampling", "sigma", "--weighting_scheme", "logit_normal", "--logit_mean", "-1.09",
         "--logit_std", "0.95",
     )
@@ -95,16 +107,16 @@ def test_sigma_mode_uses_the_shifted_grid_and_weighting_distribution():
     assert torch.allclose(t, 1000 - (u * 1000).floor())  # index 0 is sigma 1: small u = more noise
     assert s.mean() > 0.65  # the negative mean biases toward noise
     shifted = fm.sample_sigmas(
-        make_args("--timestep_sampling", "sigma", "--discrete_flow_shift", "3"), 8, generator=gen(5)
+        sampling("--timestep_sampling", "sigma", "--discrete_flow_shift", "3"), 8, generator=gen(5)
     )
-    base = fm.sample_sigmas(make_args("--timestep_sampling", "sigma"), 8, generator=gen(5))
+    base = fm.sample_sigmas(sampling("--timestep_sampling", "sigma"), 8, generator=gen(5))
     assert torch.allclose(shifted, 3 * base / (1 + 2 * base), atol=1e-6)
 
 
 def test_sigma_mode_mode_scheme_stays_in_grid():
     u = fm.compute_density_for_timestep_sampling("mode", 5000, mode_scale=1.29, generator=gen(6))
     assert u.min() >= 0 and u.max() <= 1
-    s = fm.sample_sigmas(make_args("--timestep_sampling", "sigma", "--weighting_scheme", "mode"), 5000, generator=gen(6))
+    s = fm.sample_sigmas(sampling("--timestep_sampling", "sigma", "--weighting_scheme", "mode"), 5000, generator=gen(6))
     assert s.min() >= 0.001 and s.max() <= 1.0
     # u = 1 exactly would index past the grid: it is clamped to the last (least noisy) step
     sched = fm.get_scheduler(1.0)
@@ -113,7 +125,7 @@ def test_sigma_mode_mode_scheme_stays_in_grid():
 
 @pytest.mark.parametrize("mode", fm.TIMESTEP_SAMPLING_CHOICES)
 def test_offset_zero_is_identity_and_sign_moves_noise(mode):
-    args = make_args("--timestep_sampling", mode)
+    args = sampling("--timestep_sampling", mode)
     hw = (32, 32)
     base = fm.sample_sigmas(args, 256, hw, generator=gen(7))
     assert torch.equal(fm.sample_sigmas(args, 256, hw, generator=gen(7), offset=0.0), base)
@@ -137,7 +149,7 @@ def test_offset_definition_and_errors():
     assert moved[2] == s[2]  # the clamp to 1 - OFFSET_EPS never moves a sample against the offset
     clamped = fm.apply_logit_offset(torch.tensor([0.99, 0.01]), torch.tensor([20.0, -20.0]))
     assert torch.allclose(clamped, torch.tensor([1 - fm.OFFSET_EPS, fm.OFFSET_EPS]))
-    args = make_args()
+    args = sampling()
     with pytest.raises(UserError):
         fm.sample_sigmas(args, 2, offset=[float("nan"), 0.0])
     with pytest.raises(ValueError):
@@ -148,7 +160,7 @@ def test_noisy_input_timesteps_and_sigmas():
     torch.manual_seed(0)
     latents = torch.randn(4, 3, 2, 2)
     noise = torch.randn(4, 3, 2, 2)
-    args = make_args("--timestep_sampling", "uniform")
+    args = sampling("--timestep_sampling", "uniform")
     noisy, timesteps, sigmas = fm.get_noisy_model_input_and_timesteps(args, latents, noise, generator=gen(8))
     assert timesteps.dtype == torch.float32 and sigmas.dtype == torch.float32
     assert timesteps.shape == (4,) and sigmas.shape == (4, 1, 1, 1)
@@ -169,7 +181,7 @@ def test_fixed_validation_sigmas():
     assert v.dtype == torch.float32
     assert torch.allclose(v, torch.tensor([0.2, 0.4, 0.6, 0.8]))
     latents, noise = torch.ones(1, 2, 2, 2), torch.zeros(1, 2, 2, 2)
-    noisy, t, s = fm.get_noisy_model_input_and_timesteps(make_args(), latents, noise, sigmas=v[1])
+    noisy, t, s = fm.get_noisy_model_input_and_timesteps(sampling(), latents, noise, sigmas=v[1])
     assert t.item() == pytest.approx(400.0) and torch.allclose(noisy, torch.full_like(noisy, 0.6))
     with pytest.raises(ValueError):
         fm.validation_sigmas(0)
@@ -179,22 +191,25 @@ def test_ip_noise_gamma_perturbs_input_only():
     latents = torch.randn(2, 3, 4, 4, generator=gen(9))
     noise = torch.randn(2, 3, 4, 4, generator=gen(10))
     args = make_args("--timestep_sampling", "sigmoid", "--ip_noise_gamma", "0.1")
+    cfg, ip = fm.TimestepSamplingConfig.from_args(args), fm.InputPerturbation.from_args(args)
+    assert ip == fm.InputPerturbation(0.1, False) and fm.InputPerturbation.from_args(make_args()).gamma == 0.0
     g = gen(11)
-    noisy, _, s = fm.get_noisy_model_input_and_timesteps(args, latents, noise, generator=g)
+    noisy, _, s = fm.get_noisy_model_input_and_timesteps(cfg, latents, noise, generator=g, ip_noise=ip)
     g2 = gen(11)
     sig = torch.sigmoid(torch.randn(2, generator=g2)).view(-1, 1, 1, 1)
     xi = torch.randn(latents.shape, generator=g2)
     assert torch.allclose(s, sig)
     assert torch.allclose(noisy, (1 - sig) * latents + sig * (noise + 0.1 * xi), atol=1e-6)
     args.ip_noise_gamma_random_strength = True
-    noisy_r, _, s_r = fm.get_noisy_model_input_and_timesteps(args, latents, noise, generator=gen(11))
+    ip = fm.InputPerturbation.from_args(args)
+    noisy_r, _, s_r = fm.get_noisy_model_input_and_timesteps(cfg, latents, noise, generator=gen(11), ip_noise=ip)
     g3 = gen(11)
     torch.randn(2, generator=g3)
     xi3 = torch.randn(latents.shape, generator=g3)
     strength = torch.rand(1, generator=g3).item() * 0.1
     assert 0 <= strength <= 0.1
     assert torch.allclose(noisy_r, (1 - s_r) * latents + s_r * (noise + strength * xi3), atol=1e-6)
-    plain, _, _ = fm.get_noisy_model_input_and_timesteps(args, latents, noise, sigmas=0.5, apply_ip_noise=False)
+    plain, _, _ = fm.get_noisy_model_input_and_timesteps(cfg, latents, noise, sigmas=0.5, ip_noise=None)
     assert torch.allclose(plain, 0.5 * latents + 0.5 * noise)
 
 
@@ -235,20 +250,20 @@ def test_conditional_loss_types():
 
 def test_huber_thresholds_for_flow_matching():
     t = torch.tensor([0.0, 500.0, 1000.0])
-    assert fm.get_huber_threshold(make_args(), t) is None  # l2
-    snr = fm.get_huber_threshold(make_args("--loss_type", "huber"), t)  # default schedule snr: no crash
+    assert fm.get_huber_threshold(loss(), t) is None  # l2
+    snr = fm.get_huber_threshold(loss("--loss_type", "huber"), t)  # default schedule snr: no crash
     assert snr.dtype == torch.float32
     assert torch.allclose(snr, torch.tensor([1.0, 0.9 * 0.25 + 0.1, 0.1]))
-    snr2 = fm.get_huber_threshold(make_args("--loss_type", "smooth_l1", "--huber_scale", "2"), t)
+    snr2 = fm.get_huber_threshold(loss("--loss_type", "smooth_l1", "--huber_scale", "2"), t)
     assert torch.allclose(snr2, 2 * snr)
     const = fm.get_huber_threshold(
-        make_args("--loss_type", "huber", "--huber_schedule", "constant", "--huber_scale", "3"), t
+        loss("--loss_type", "huber", "--huber_schedule", "constant", "--huber_scale", "3"), t
     )
     assert torch.allclose(const, torch.full((3,), 0.3))
-    exp = fm.get_huber_threshold(make_args("--loss_type", "huber", "--huber_schedule", "exponential"), t)
+    exp = fm.get_huber_threshold(loss("--loss_type", "huber", "--huber_schedule", "exponential"), t)
     assert torch.allclose(exp, torch.tensor([1.0, math.sqrt(0.1), 0.1]))
     with pytest.raises(UserError):
-        fm.get_huber_threshold(make_args("--loss_type", "huber", "--huber_c", "0"), t)
+        fm.get_huber_threshold(loss("--loss_type", "huber", "--huber_c", "0"), t)
 
 
 @pytest.mark.parametrize(
@@ -256,15 +271,15 @@ def test_huber_thresholds_for_flow_matching():
 )
 def test_log_line_states_whether_shift_applies(mode, applied, caplog):
     with caplog.at_level(logging.INFO, logger="library.training.flow_matching"):
-        line = fm.log_timestep_sampling_info(make_args("--timestep_sampling", mode, "--discrete_flow_shift", "3"))
+        line = fm.log_timestep_sampling_info(sampling("--timestep_sampling", mode, "--discrete_flow_shift", "3"))
     assert "\n" not in line and line in caplog.text
     assert ("discrete_flow_shift=3.0 is applied" in line) == applied
     assert ("discrete_flow_shift=3.0 is NOT applied" in line) == (not applied)
 
 
 def test_show_timesteps_console():
-    args = make_args("--timestep_sampling", "shift", "--discrete_flow_shift", "3", "--weighting_scheme", "sigma_sqrt",
-                     "--show_timesteps", "console")
+    args = show("--timestep_sampling", "shift", "--discrete_flow_shift", "3", "--weighting_scheme", "sigma_sqrt",
+                "--show_timesteps", "console")
     out = io.StringIO()
     text = fm.show_timesteps(args, out=out, num_samples=20000)
     assert out.getvalue().strip() == text.strip()
@@ -276,20 +291,20 @@ def test_show_timesteps_console():
     weights = [float(r.split("|")[2]) for r in rows]
     assert weights[0] == pytest.approx(0.025**-2, rel=1e-3) and weights[0] > weights[-1]
     with_offset = fm.format_timestep_histogram(
-        make_args("--timestep_sampling", "shift", "--show_timesteps_offset", "1.0"), 2000
+        show("--timestep_sampling", "shift", "--show_timesteps_offset", "1.0"), 2000
     )
     assert "offset +1" in with_offset
     with pytest.raises(UserError):
-        fm.show_timesteps(make_args("--show_timesteps", "console", "--show_timesteps_resolution", "1000"), out=out)
+        fm.show_timesteps(show("--show_timesteps", "console", "--show_timesteps_resolution", "1000"), out=out)
 
 
 def test_show_timesteps_console_logs_without_stream(caplog):
     with caplog.at_level(logging.INFO, logger="library.training.flow_matching"):
-        fm.show_timesteps(make_args("--show_timesteps", "console"), num_samples=1000)
+        fm.show_timesteps(show("--show_timesteps", "console"), num_samples=1000)
     assert "950 - 1000" in caplog.text
 
 
 def test_show_timesteps_image_without_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     with pytest.raises(UserError, match="pip install matplotlib"):
-        fm.show_timesteps(make_args("--show_timesteps", "image"), num_samples=100)
+        fm.show_timesteps(show("--show_timesteps", "image"), num_samples=100)

@@ -11,13 +11,18 @@ from library.training import optimizers as opt
 from library.errors import UserError
 
 
-def make_args(*argv: str, **extra) -> argparse.Namespace:
+def make_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     opt.add_optimizer_arguments(parser)
-    args = parser.parse_args(list(argv))
-    for k, v in extra.items():
-        setattr(args, k, v)
-    return args
+    return parser.parse_args(list(argv))
+
+
+def ocfg(*argv: str) -> opt.OptimizerConfig:
+    return opt.OptimizerConfig.from_args(make_args(*argv))
+
+
+def scfg(*argv: str) -> opt.SchedulerConfig:
+    return opt.SchedulerConfig.from_args(make_args(*argv))
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
@@ -80,7 +85,7 @@ def test_adamw_default_name_description_and_groups():
         {"params": list(model[0].parameters()), "lr": 1e-3},
         {"params": list(model[2].parameters()), "lr": 5e-4},
     ]
-    args = make_args("--learning_rate", "1e-3", "--optimizer_args", "weight_decay=0.05", "betas=0.9,0.95")
+    args = ocfg("--learning_rate", "1e-3", "--optimizer_args", "weight_decay=0.05", "betas=0.9,0.95")
     name, desc, optimizer = opt.get_optimizer(args, groups)
     assert isinstance(optimizer, torch.optim.AdamW)
     assert name == "torch.optim.adamw.AdamW"
@@ -96,7 +101,7 @@ def test_builtin_optimizers_step(optimizer_type):
     model = tiny_model()
     before = [p.detach().clone() for p in model.parameters()]
     name, _, optimizer = opt.get_optimizer(
-        make_args("--optimizer_type", optimizer_type, "--learning_rate", "1e-3"), model.parameters()
+        ocfg("--optimizer_type", optimizer_type, "--learning_rate", "1e-3"), model.parameters()
     )
     losses = train_steps(model, optimizer, 4)
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -132,12 +137,13 @@ def test_lion_update_matches_the_formula():
 
 
 def test_legacy_flags():
-    assert opt.resolve_optimizer_type(make_args()) == "AdamW"
-    assert opt.resolve_optimizer_type(make_args("--use_8bit_adam")) == "AdamW8bit"
-    assert opt.resolve_optimizer_type(make_args("--use_lion_optimizer")) == "Lion"
+    assert ocfg().optimizer_type == "AdamW"
+    assert ocfg("--use_8bit_adam").optimizer_type == "AdamW8bit"
+    assert ocfg("--use_lion_optimizer").optimizer_type == "Lion"
+    assert opt.resolve_optimizer_type("", False, True) == "Lion"
     for argv in (["--use_8bit_adam", "--use_lion_optimizer"], ["--use_lion_optimizer", "--optimizer_type", "AdamW"]):
         with pytest.raises(UserError):
-            opt.resolve_optimizer_type(make_args(*argv))
+            ocfg(*argv)
 
 
 def _bnb_usable() -> bool:
@@ -155,7 +161,7 @@ def test_bitsandbytes_optimizers_step(optimizer_type):
     model = torch.nn.Linear(64, 96)  # > 4096 elements: the 8-bit state path
     before = model.weight.detach().clone()
     name, _, optimizer = opt.get_optimizer(
-        make_args("--optimizer_type", optimizer_type, "--learning_rate", "1e-3"), model.parameters()
+        ocfg("--optimizer_type", optimizer_type, "--learning_rate", "1e-3"), model.parameters()
     )
     assert name.startswith("bitsandbytes.")
     x = torch.randn(8, 64)
@@ -167,10 +173,10 @@ def test_bitsandbytes_optimizers_step(optimizer_type):
 def test_bitsandbytes_errors(monkeypatch):
     if not torch.cuda.is_available() and _bnb_usable():
         with pytest.raises(UserError, match="CUDA"):
-            opt.get_optimizer(make_args("--optimizer_type", "PagedAdamW8bit"), tiny_model().parameters())
+            opt.get_optimizer(ocfg("--optimizer_type", "PagedAdamW8bit"), tiny_model().parameters())
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(UserError, match="pip install bitsandbytes"):
-        opt.get_optimizer(make_args("--optimizer_type", "AdamW8bit"), tiny_model().parameters())
+        opt.get_optimizer(ocfg("--optimizer_type", "AdamW8bit"), tiny_model().parameters())
 
 
 @pytest.mark.parametrize(
@@ -181,16 +187,16 @@ def test_bitsandbytes_errors(monkeypatch):
 def test_optional_packages_named_when_missing(optimizer_type, package, monkeypatch):
     monkeypatch.setitem(sys.modules, package, None)
     with pytest.raises(UserError, match=f"pip install {package}"):
-        opt.get_optimizer(make_args("--optimizer_type", optimizer_type), tiny_model().parameters())
+        opt.get_optimizer(ocfg("--optimizer_type", optimizer_type), tiny_model().parameters())
 
 
 def test_unknown_optimizer_class():
     with pytest.raises(UserError):
-        opt.get_optimizer(make_args("--optimizer_type", "NoSuchOptimizer"), tiny_model().parameters())
+        opt.get_optimizer(ocfg("--optimizer_type", "NoSuchOptimizer"), tiny_model().parameters())
     with pytest.raises(UserError):
-        opt.get_optimizer(make_args("--optimizer_type", "nosuchpkg.mod.Opt"), tiny_model().parameters())
+        opt.get_optimizer(ocfg("--optimizer_type", "nosuchpkg.mod.Opt"), tiny_model().parameters())
     with pytest.raises(UserError, match="optimizer_args"):
-        opt.get_optimizer(make_args("--optimizer_args", "nonsense_arg=1"), tiny_model().parameters())
+        opt.get_optimizer(ocfg("--optimizer_args", "nonsense_arg=1"), tiny_model().parameters())
 
 
 class _FakeScheduleFree(torch.optim.AdamW):
@@ -211,20 +217,20 @@ def test_schedulefree_wiring_with_a_stand_in_package(monkeypatch):
     fake.AdamWScheduleFree = _FakeScheduleFree
     monkeypatch.setitem(sys.modules, "schedulefree", fake)
     model = tiny_model()
-    args = make_args("--optimizer_type", "AdamWScheduleFree", "--learning_rate", "1e-3", max_train_steps=10)
-    name, _, optimizer = opt.get_optimizer(args, model.parameters())
+    args = make_args("--optimizer_type", "AdamWScheduleFree", "--learning_rate", "1e-3")
+    name, _, optimizer = opt.get_optimizer(opt.OptimizerConfig.from_args(args), model.parameters())
     assert name == "schedulefree._FakeScheduleFree" and opt.is_schedulefree_optimizer(optimizer)
     train_fn, eval_fn = opt.get_optimizer_train_eval_fn(optimizer)
     train_fn()
     assert optimizer.mode == "train"
     eval_fn()
     assert optimizer.mode == "eval"
-    sched = opt.get_scheduler(args, optimizer)
+    sched = opt.get_scheduler(opt.SchedulerConfig.from_args(args), optimizer, max_train_steps=10)
     assert sched.lr_lambdas[0](5) == 1.0
     with pytest.raises(UserError, match="schedule-free"):
-        opt.get_scheduler(make_args("--lr_scheduler", "cosine", max_train_steps=10), optimizer)
+        opt.get_scheduler(scfg("--lr_scheduler", "cosine"), optimizer, max_train_steps=10)
     # other optimizers: no-op functions
-    _, _, adamw = opt.get_optimizer(make_args(), model.parameters())
+    _, _, adamw = opt.get_optimizer(ocfg(), model.parameters())
     assert not opt.is_schedulefree_optimizer(adamw)
     assert opt.get_optimizer_train_eval_fn(adamw)[0]() is None
 
@@ -233,7 +239,7 @@ def test_prodigy_wiring_with_a_stand_in_package(monkeypatch, caplog):
     fake = types.ModuleType("prodigyopt")
     fake.Prodigy = torch.optim.Adam
     monkeypatch.setitem(sys.modules, "prodigyopt", fake)
-    _, _, optimizer = opt.get_optimizer(make_args("--optimizer_type", "prodigy", "--learning_rate", "0.01"),
+    _, _, optimizer = opt.get_optimizer(ocfg("--optimizer_type", "prodigy", "--learning_rate", "0.01"),
                                         tiny_model().parameters())
     assert isinstance(optimizer, torch.optim.Adam)
     assert "around 1.0" in caplog.text
@@ -242,38 +248,36 @@ def test_prodigy_wiring_with_a_stand_in_package(monkeypatch, caplog):
 def test_adafactor_relative_step_and_its_scheduler():
     model = tiny_model()
     groups = [{"params": list(model.parameters()), "lr": 1e-3}]
-    args = make_args("--optimizer_type", "AdaFactor", "--learning_rate", "1e-3", "--lr_scheduler", "cosine",
-                     max_train_steps=20)
-    name, desc, optimizer = opt.get_optimizer(args, groups)
+    args = make_args("--optimizer_type", "AdaFactor", "--learning_rate", "1e-3", "--lr_scheduler", "cosine")
+    name, desc, optimizer = opt.get_optimizer(opt.OptimizerConfig.from_args(args), groups)
     assert name == "transformers.optimization.Adafactor"
     assert desc == "relative_step=True"
     assert optimizer.defaults["relative_step"] and optimizer.param_groups[0]["lr"] is None
-    sched = opt.get_scheduler(args, optimizer)  # cosine is replaced: Adafactor sets its own LR
+    sched = opt.get_scheduler(opt.SchedulerConfig.from_args(args), optimizer, max_train_steps=20)  # cosine replaced
     assert type(sched).__name__ == "AdafactorSchedule"
     assert sched.get_last_lr() == [1e-3]
     losses = train_steps(model, optimizer, 4)
     assert losses[-1] < losses[0]
     with pytest.raises(UserError):
-        opt.get_scheduler(make_args("--lr_warmup_steps", "5", "--lr_scheduler", "adafactor", max_train_steps=20),
-                          optimizer)
+        opt.get_scheduler(scfg("--lr_warmup_steps", "5", "--lr_scheduler", "adafactor"), optimizer, max_train_steps=20)
     # relative_step=False keeps --learning_rate and the chosen scheduler; the adafactor scheduler is refused
     args2 = make_args("--optimizer_type", "Adafactor", "--learning_rate", "1e-3", "--optimizer_args",
                       "relative_step=False", "scale_parameter=False", "warmup_init=False",
-                      "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "2", max_train_steps=20)
-    _, _, optimizer2 = opt.get_optimizer(args2, tiny_model().parameters())
+                      "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "2")
+    _, _, optimizer2 = opt.get_optimizer(opt.OptimizerConfig.from_args(args2), tiny_model().parameters())
     assert optimizer2.param_groups[0]["lr"] == 1e-3
-    sched2 = opt.get_scheduler(args2, optimizer2)
+    sched2 = opt.get_scheduler(opt.SchedulerConfig.from_args(args2), optimizer2, max_train_steps=20)
     assert sched2.lr_lambdas[0](1) == 0.5
     with pytest.raises(UserError, match="relative_step"):
-        opt.get_scheduler(make_args("--lr_scheduler", "adafactor", max_train_steps=20), optimizer2)
+        opt.get_scheduler(scfg("--lr_scheduler", "adafactor"), optimizer2, max_train_steps=20)
 
 
 def _fused_vs_plain(max_grad_norm: float) -> None:
-    args = make_args("--optimizer_type", "Adafactor", "--fused_backward_pass", "--max_grad_norm", str(max_grad_norm))
+    args = ocfg("--optimizer_type", "Adafactor", "--fused_backward_pass", "--max_grad_norm", str(max_grad_norm))
     plain_model, fused_model = tiny_model(3), tiny_model(3)
     _, _, plain = opt.get_optimizer(args, plain_model.parameters())
     _, _, fused = opt.get_optimizer(args, fused_model.parameters())
-    opt.check_fused_backward_pass(args, fused)
+    opt.check_fused_backward_pass(args, fused, gradient_accumulation_steps=1)
     handles = opt.install_fused_backward_pass(fused, max_grad_norm)
     torch.manual_seed(5)
     for _ in range(3):
@@ -298,23 +302,23 @@ def test_fused_backward_pass_matches_plain_adafactor():
 
 
 def test_fused_backward_pass_checks():
-    _, _, adamw = opt.get_optimizer(make_args(), tiny_model().parameters())
+    _, _, adamw = opt.get_optimizer(ocfg(), tiny_model().parameters())
     with pytest.raises(UserError, match="Adafactor only"):
-        opt.check_fused_backward_pass(make_args("--fused_backward_pass"), adamw)
+        opt.check_fused_backward_pass(ocfg("--fused_backward_pass"), adamw, gradient_accumulation_steps=1)
     with pytest.raises(UserError):
-        opt.verify_optimizer_arguments(make_args("--fused_backward_pass"))
+        opt.verify_optimizer_arguments(ocfg("--fused_backward_pass"), gradient_accumulation_steps=1)
     with pytest.raises(UserError, match="gradient_accumulation"):
         opt.verify_optimizer_arguments(
-            make_args("--fused_backward_pass", "--optimizer_type", "Adafactor", gradient_accumulation_steps=4)
+            ocfg("--fused_backward_pass", "--optimizer_type", "Adafactor"), gradient_accumulation_steps=4
         )
-    opt.verify_optimizer_arguments(make_args("--fused_backward_pass", "--optimizer_type", "Adafactor"))
+    opt.verify_optimizer_arguments(ocfg("--fused_backward_pass", "--optimizer_type", "Adafactor"),
+                                   gradient_accumulation_steps=1)
 
 
 def sched_for(*argv: str, steps: int = 100, num_processes: int = 1, lr: float = 1.0):
-    args = make_args(*argv, max_train_steps=steps)
     p = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([p], lr=lr)
-    return opt.get_scheduler(args, optimizer, num_processes=num_processes), optimizer
+    return opt.get_scheduler(scfg(*argv), optimizer, num_processes=num_processes, max_train_steps=steps), optimizer
 
 
 def lrs(*argv: str, at: tuple[int, ...], **kw) -> list[float]:
@@ -370,7 +374,7 @@ def test_scheduler_steps_the_optimizer_lr():
         optimizer.step()
         sched.step()
     assert seen == pytest.approx([0.8, 0.6, 0.4, 0.2])
-    assert opt.get_scheduler(make_args(max_train_steps=4), optimizer).state_dict()["last_epoch"] == 0
+    assert opt.get_scheduler(scfg(), optimizer, max_train_steps=4).state_dict()["last_epoch"] == 0
 
 
 def test_custom_scheduler_class():
@@ -389,6 +393,7 @@ def test_scheduler_errors():
     cases = [
         ("--lr_scheduler", "constant", "--lr_warmup_steps", "10"),
         ("--lr_scheduler", "bogus"),
+        ("--lr_scheduler_args", "not_key_value"),
         ("--lr_scheduler", "cosine_with_min_lr"),
         ("--lr_scheduler", "piecewise_constant"),
         ("--lr_scheduler", "piecewise_constant", "--lr_scheduler_args", "step_rules=oops"),
@@ -401,10 +406,12 @@ def test_scheduler_errors():
         with pytest.raises(UserError):
             sched_for(*argv)
     with pytest.raises(UserError, match="training steps"):
-        opt.get_scheduler(make_args("--lr_scheduler", "cosine"), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))],
-                                                                                  lr=1.0))
+        opt.get_scheduler(scfg("--lr_scheduler", "cosine"), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))],
+                                                                             lr=1.0))
     with pytest.raises(UserError):
-        opt.verify_optimizer_arguments(make_args("--lr_scheduler", "bogus"))
+        opt.verify_scheduler_arguments(scfg("--lr_scheduler", "bogus"))
+    with pytest.raises(UserError, match="key=value"):
+        ocfg("--optimizer_args", "weight_decay")  # parsed with the options, before any model is loaded
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers missing")

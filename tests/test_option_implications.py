@@ -33,8 +33,8 @@ def test_training_implications_set_the_options_with_their_warnings(caplog):
     assert args.cache_latents and args.cache_text_encoder_outputs and args.gradient_checkpointing
     assert args.fp8_base is False and args.attn_mode == "xformers"
     assert warnings == [
-        "fp8_base / fp8_base_unet / fp8_scaled are not supported for MOSS-Image: use --convrot_int8"
-        " (and --convrot_int8_text_encoder) instead. They are disabled.",
+        ("fp8_base / fp8_base_unet / fp8_scaled are not supported for MOSS-Image: use --convrot_int8"
+         " (and --convrot_int8_text_encoder) instead. They are disabled."),
         "cache_text_encoder_outputs_to_disk is enabled, so cache_text_encoder_outputs is also enabled",
         "cache_latents_to_disk is enabled, so cache_latents is also enabled",
         "unsloth_offload_checkpointing is enabled, so gradient_checkpointing is also enabled",
@@ -95,3 +95,15 @@ def test_run_options_are_derived_once():
     assert plain.log_with is None
     with pytest.raises(AttributeError):
         plain.weight_dtype = torch.float32  # frozen
+    assert plain.timestep_sampling.method == "sigmoid" and plain.loss.loss_type == "l2"
+    assert plain.optimizer.optimizer_type == "AdamW" and plain.scheduler.lr_scheduler == "constant"
+    assert plain.ip_noise.gamma == 0.0
+
+
+def test_run_options_check_the_optimizer_options_before_loading():
+    from library.errors import UserError
+
+    for argv in (["--optimizer_args", "weight_decay"], ["--lr_scheduler", "bogus"],
+                 ["--fused_backward_pass", "--optimizer_type", "Adafactor", "--gradient_accumulation_steps", "2"]):
+        with pytest.raises(UserError):
+            RunOptions.from_args(trainer_args(*argv), False)

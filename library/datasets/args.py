@@ -91,16 +91,17 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_unsupported_dataset_args(args: argparse.Namespace) -> None:
-    """Raise a UserError for a set option that cannot apply to this trainer."""
+    """Raise a UserError for a set option that cannot apply to this trainer (the options of
+    `add_dataset_arguments`; nothing is changed)."""
     for name, why in UNSUPPORTED_DATASET_OPTIONS.items():
-        if getattr(args, name, None) not in (None, False):
+        if getattr(args, name) not in (None, False):
             raise UserError(f"--{name} {why}; remove it from the command.")
-    if getattr(args, "dataset_config", None) is not None:
-        given = [f"--{n}" for n in ("train_data_dir", "reg_data_dir", "in_json") if getattr(args, n, None) is not None]
+    if args.dataset_config is not None:
+        given = [f"--{n}" for n in ("train_data_dir", "reg_data_dir", "in_json") if getattr(args, n) is not None]
         if given:
             raise UserError(
                 f"{', '.join(given)} cannot be combined with --dataset_config: put the folders in the dataset config"
                 " as [[datasets.subsets]] image_dir / metadata_file, or drop --dataset_config."
             )
-    if getattr(args, "prior_loss_weight", 1.0) < 0:
+    if args.prior_loss_weight < 0:
         raise UserError("--prior_loss_weight must not be negative.")

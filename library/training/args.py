@@ -241,7 +241,8 @@ def write_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
 
 # ------------------------------------------------------------------------------------------------- checks
 def reject_sd_only_options(args: argparse.Namespace) -> None:
+    """A set option of SD_ONLY_OPTIONS is an error naming why it does not apply (nothing is changed)."""
     for name, why in SD_ONLY_OPTIONS.items():
-        value = getattr(args, name, None)
+        value = getattr(args, name)
         if value not in (None, False, 0):
             raise UserError(f"--{name} {why}: remove it from the command (or the config file).")

@@ -33,7 +33,9 @@ import logging
 import math
 import os
 import tempfile
-from typing import Optional, Sequence, TextIO, Union
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TextIO
 
 import torch
 
@@ -58,7 +60,7 @@ OFFSET_EPS = 1.0 / NUM_TRAIN_TIMESTEPS
 # The DiT downsamples the image 16x (8x VAE, 2x2 patchify).
 IMAGE_TO_LATENT = 16
 
-OffsetLike = Union[None, float, Sequence[float], torch.Tensor]
+OffsetLike = float | Sequence[float] | torch.Tensor | None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -141,9 +143,68 @@ def add_flow_matching_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _arg(args: argparse.Namespace, name: str, default):
-    value = getattr(args, name, default)
-    return default if value is None else value
+# ----------------------------------------------------------------------------------------------------------------------
+# the typed settings: built from the parsed options in one place (`from_args`); the functions below take these
+
+
+@dataclass(frozen=True)
+class TimestepSamplingConfig:
+    """How the noise levels of a training step are drawn (--timestep_sampling and its parameters)."""
+
+    method: str  # --timestep_sampling: sigma, uniform, sigmoid, shift or flux_shift
+    discrete_flow_shift: float
+    sigmoid_scale: float
+    weighting_scheme: str  # also picks the distribution of u for the sigma method
+    logit_mean: float
+    logit_std: float
+    mode_scale: float
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TimestepSamplingConfig:
+        return cls(args.timestep_sampling, float(args.discrete_flow_shift), float(args.sigmoid_scale),
+                   args.weighting_scheme, float(args.logit_mean), float(args.logit_std), float(args.mode_scale))
+
+
+@dataclass(frozen=True)
+class InputPerturbation:
+    """--ip_noise_gamma: extra noise ``gamma * xi`` on the noisy input (0 = off); with ``random_strength`` gamma is
+    drawn uniformly from [0, gamma] at every step."""
+
+    gamma: float = 0.0
+    random_strength: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> InputPerturbation:
+        return cls(float(args.ip_noise_gamma or 0.0), bool(args.ip_noise_gamma_random_strength))
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """--loss_type and the Huber threshold schedule of huber / smooth_l1."""
+
+    loss_type: str
+    huber_schedule: str
+    huber_c: float
+    huber_scale: float
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LossConfig:
+        return cls(args.loss_type, args.huber_schedule, float(args.huber_c), float(args.huber_scale))
+
+
+@dataclass(frozen=True)
+class ShowTimestepsConfig:
+    """--show_timesteps: the sampling to show, console or image, the assumed resolution and offset."""
+
+    sampling: TimestepSamplingConfig
+    mode: str  # console or image
+    resolution: int
+    offset: float
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ShowTimestepsConfig:
+        return cls(TimestepSamplingConfig.from_args(args), args.show_timesteps or "console",
+                   int(args.show_timesteps_resolution), float(args.show_timesteps_offset))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -208,13 +269,13 @@ def time_shift(mu: float, sigmas: torch.Tensor) -> torch.Tensor:
     return shift_sigmas(sigmas, math.exp(mu))
 
 
-def _draw(kind: str, n: int, generator: Optional[torch.Generator]) -> torch.Tensor:
+def _draw(kind: str, n: int, generator: torch.Generator | None) -> torch.Tensor:
     device = generator.device if generator is not None else torch.device("cpu")
     fn = torch.rand if kind == "uniform" else torch.randn
     return fn((n,), generator=generator, device=device, dtype=torch.float32).cpu()
 
 
-def _offset_tensor(offset: OffsetLike, batch_size: int) -> Optional[torch.Tensor]:
+def _offset_tensor(offset: OffsetLike, batch_size: int) -> torch.Tensor | None:
     if offset is None:
         return None
     t = torch.as_tensor(offset, dtype=torch.float32).detach().cpu().flatten()
@@ -232,7 +293,7 @@ def _offset_tensor(offset: OffsetLike, batch_size: int) -> Optional[torch.Tensor
     return t.clone()
 
 
-def apply_logit_offset(s: torch.Tensor, offset: Optional[torch.Tensor]) -> torch.Tensor:
+def apply_logit_offset(s: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
     """``sigmoid(logit(s) + offset)`` where the offset is non-zero, clamped to [OFFSET_EPS, 1 - OFFSET_EPS].
 
     The clamp never moves a sample against the offset: a positive offset never lowers a sample, a negative one
@@ -251,7 +312,7 @@ def compute_density_for_timestep_sampling(
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
     mode_scale: float = 1.29,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """u in [0, 1] for --timestep_sampling sigma (SD3): logit-normal, mode, or uniform. Small u = more noise."""
     if weighting_scheme == "logit_normal":
@@ -262,7 +323,7 @@ def compute_density_for_timestep_sampling(
     return u
 
 
-def _sigma_grid_indices(u: torch.Tensor, offset: Optional[torch.Tensor], num_train_timesteps: int) -> torch.Tensor:
+def _sigma_grid_indices(u: torch.Tensor, offset: torch.Tensor | None, num_train_timesteps: int) -> torch.Tensor:
     # the grid position of u is s = 1 - u (index 0 is sigma 1); the offset moves s, as in the other modes
     if offset is not None:
         u = 1.0 - apply_logit_offset(1.0 - u, offset)
@@ -270,48 +331,46 @@ def _sigma_grid_indices(u: torch.Tensor, offset: Optional[torch.Tensor], num_tra
 
 
 def sample_sigmas(
-    args: argparse.Namespace,
+    sampling: TimestepSamplingConfig,
     batch_size: int,
-    latent_hw: Optional[Sequence[int]] = None,
-    device: Optional[Union[str, torch.device]] = None,
-    generator: Optional[torch.Generator] = None,
+    latent_hw: Sequence[int] | None = None,
+    device: str | torch.device | None = None,
+    generator: torch.Generator | None = None,
     offset: OffsetLike = None,
-    scheduler: Optional[FlowMatchEulerDiscreteScheduler] = None,
+    scheduler: FlowMatchEulerDiscreteScheduler | None = None,
 ) -> torch.Tensor:
-    """Draw ``batch_size`` noise levels (float32 [B]) per ``args.timestep_sampling``.
+    """Draw ``batch_size`` noise levels (float32 [B]) per ``sampling.method`` (--timestep_sampling).
 
     ``latent_hw`` (the DiT grid, H/16 x W/16) is needed by flux_shift only. ``offset`` is the per-sample
     timestep_sampling offset (scalar or [B]; see the module docstring). Random numbers are drawn on the generator's
     device (CPU without a generator) so that a seed gives the same draws on any device.
     """
-    sigmas, _ = sample_sigmas_and_timesteps(args, batch_size, latent_hw, device, generator, offset, scheduler)
+    sigmas, _ = sample_sigmas_and_timesteps(sampling, batch_size, latent_hw, device, generator, offset, scheduler)
     return sigmas
 
 
 def sample_sigmas_and_timesteps(
-    args: argparse.Namespace,
+    sampling: TimestepSamplingConfig,
     batch_size: int,
-    latent_hw: Optional[Sequence[int]] = None,
-    device: Optional[Union[str, torch.device]] = None,
-    generator: Optional[torch.Generator] = None,
+    latent_hw: Sequence[int] | None = None,
+    device: str | torch.device | None = None,
+    generator: torch.Generator | None = None,
     offset: OffsetLike = None,
-    scheduler: Optional[FlowMatchEulerDiscreteScheduler] = None,
+    scheduler: FlowMatchEulerDiscreteScheduler | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample_sigmas`` and the matching timesteps (float32 [B]): ``sigma * 1000``, taken from the scheduler's grid
     for --timestep_sampling sigma (exact integers there when the shift is 1)."""
-    mode = _arg(args, "timestep_sampling", "sigmoid")
+    mode = sampling.method
     timesteps = None
     off = _offset_tensor(offset, batch_size)
-    sigmoid_scale = float(_arg(args, "sigmoid_scale", 1.0))
     if mode == "sigma":
-        shift = float(_arg(args, "discrete_flow_shift", 1.0))
-        scheduler = scheduler if scheduler is not None else get_scheduler(shift)
+        scheduler = scheduler if scheduler is not None else get_scheduler(sampling.discrete_flow_shift)
         u = compute_density_for_timestep_sampling(
-            _arg(args, "weighting_scheme", "uniform"),
+            sampling.weighting_scheme,
             batch_size,
-            float(_arg(args, "logit_mean", 0.0)),
-            float(_arg(args, "logit_std", 1.0)),
-            float(_arg(args, "mode_scale", 1.29)),
+            sampling.logit_mean,
+            sampling.logit_std,
+            sampling.mode_scale,
             generator,
         )
         indices = _sigma_grid_indices(u, off, scheduler.num_train_timesteps)
@@ -319,10 +378,10 @@ def sample_sigmas_and_timesteps(
     elif mode == "uniform":
         sigmas = apply_logit_offset(_draw("uniform", batch_size, generator), off)
     elif mode in ("sigmoid", "shift", "flux_shift"):
-        logits = _draw("normal", batch_size, generator) * sigmoid_scale
+        logits = _draw("normal", batch_size, generator) * sampling.sigmoid_scale
         sigmas = apply_logit_offset(torch.sigmoid(logits), off)
         if mode == "shift":
-            shift = float(_arg(args, "discrete_flow_shift", 1.0))
+            shift = sampling.discrete_flow_shift
             if not shift > 0:
                 raise UserError(f"--discrete_flow_shift must be positive, got {shift}; use 1.0 for no shift.")
             sigmas = shift_sigmas(sigmas, shift)
@@ -357,30 +416,31 @@ def _broadcastable(v: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 def get_noisy_model_input_and_timesteps(
-    args: argparse.Namespace,
+    sampling: TimestepSamplingConfig,
     latents: torch.Tensor,
     noise: torch.Tensor,
-    device: Optional[Union[str, torch.device]] = None,
-    dtype: Optional[torch.dtype] = None,
-    generator: Optional[torch.Generator] = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    generator: torch.Generator | None = None,
     timestep_sampling_offset: OffsetLike = None,
-    sigmas: Optional[torch.Tensor] = None,
-    apply_ip_noise: bool = True,
-    noise_scheduler: Optional[FlowMatchEulerDiscreteScheduler] = None,
+    sigmas: torch.Tensor | None = None,
+    ip_noise: InputPerturbation | None = None,
+    noise_scheduler: FlowMatchEulerDiscreteScheduler | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Noise a batch of latents ``[B, C, h, w]`` for one training step.
 
     Returns ``(noisy_model_input, timesteps, sigmas)``: the noisy input in ``dtype`` (default: latents' dtype),
     ``timesteps = sigma * 1000`` float32 ``[B]`` for the DiT, and ``sigmas`` float32 shaped ``[B, 1, 1, 1]`` (one
     per sample, broadcastable against the latents, as sd-scripts returns them). Pass ``sigmas`` (one value or [B]) to
-    use fixed noise levels instead of sampling (validation). With ``--ip_noise_gamma`` the input gets extra noise
-    ``gamma * xi`` scaled by sigma; the training target ``noise - latents`` is unchanged.
+    use fixed noise levels instead of sampling (validation). With ``ip_noise`` (--ip_noise_gamma; None for none, as
+    in validation) the input gets extra noise ``gamma * xi`` scaled by sigma; the training target ``noise - latents``
+    is unchanged.
     """
     bsz = latents.shape[0]
     device = torch.device(device) if device is not None else latents.device
     if sigmas is None:
         flat, timesteps = sample_sigmas_and_timesteps(
-            args, bsz, latents.shape[-2:], None, generator, timestep_sampling_offset, noise_scheduler
+            sampling, bsz, latents.shape[-2:], None, generator, timestep_sampling_offset, noise_scheduler
         )
     else:
         flat = torch.as_tensor(sigmas, dtype=torch.float32).detach().cpu().flatten()
@@ -394,10 +454,10 @@ def get_noisy_model_input_and_timesteps(
 
     latents = latents.to(device)
     noise = noise.to(device)
-    gamma = _arg(args, "ip_noise_gamma", 0.0)
-    if apply_ip_noise and gamma:
+    gamma = ip_noise.gamma if ip_noise is not None else 0.0
+    if gamma:
         xi = _ip_noise_like(latents, generator)
-        if getattr(args, "ip_noise_gamma_random_strength", False):
+        if ip_noise.random_strength:
             gamma = float(_draw("uniform", 1, generator)[0]) * gamma
         noisy = (1.0 - s) * latents.float() + s * (noise.float() + gamma * xi.float())
     else:
@@ -405,7 +465,7 @@ def get_noisy_model_input_and_timesteps(
     return noisy.to(dtype if dtype is not None else latents.dtype), timesteps, s
 
 
-def _ip_noise_like(latents: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+def _ip_noise_like(latents: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     if generator is None:
         return torch.randn_like(latents, dtype=torch.float32)
     xi = torch.randn(latents.shape, generator=generator, device=generator.device, dtype=torch.float32)
@@ -434,22 +494,20 @@ def compute_loss_weighting(weighting_scheme: str, sigmas: torch.Tensor) -> torch
     )
 
 
-def get_huber_threshold(args: argparse.Namespace, timesteps: torch.Tensor) -> Optional[torch.Tensor]:
+def get_huber_threshold(loss: LossConfig, timesteps: torch.Tensor) -> torch.Tensor | None:
     """Per-sample Huber threshold c (float32 [B]) for huber / smooth_l1, None for l1 / l2.
 
     With h = --huber_c, k = --huber_scale, sigma = t / 1000: constant ``h * k``; exponential ``k * h^(t/1000)``
     (k at t=0 down to h*k at t=1000); snr ``k * ((1 - h) * (1 - sigma)^2 + h)`` (the flow-matching form of
     sd-scripts' DDPM schedule, see the module docstring).
     """
-    loss_type = _arg(args, "loss_type", "l2")
-    if loss_type not in ("huber", "smooth_l1"):
+    if loss.loss_type not in ("huber", "smooth_l1"):
         return None
-    h = float(_arg(args, "huber_c", 0.1))
-    k = float(_arg(args, "huber_scale", 1.0))
+    h, k = loss.huber_c, loss.huber_scale
     if not h > 0:
         raise UserError(f"--huber_c must be positive, got {h}.")
     t = timesteps.detach().float().flatten()
-    schedule = _arg(args, "huber_schedule", "snr")
+    schedule = loss.huber_schedule
     if schedule == "constant":
         return torch.full_like(t, h * k)
     if schedule == "exponential":
@@ -464,7 +522,7 @@ def conditional_loss(
     model_pred: torch.Tensor,
     target: torch.Tensor,
     loss_type: str = "l2",
-    huber_c: Optional[Union[float, torch.Tensor]] = None,
+    huber_c: float | torch.Tensor | None = None,
     reduction: str = "none",
 ) -> torch.Tensor:
     """Element-wise loss (reduction none, mean or sum). ``huber_c`` is a float or one value per sample [B].
@@ -499,17 +557,17 @@ def conditional_loss(
 # reporting: the one-line summary and --show_timesteps
 
 
-def describe_timestep_sampling(args: argparse.Namespace) -> str:
+def describe_timestep_sampling(sampling: TimestepSamplingConfig) -> str:
     """One line describing the sampling, whether --discrete_flow_shift applies, and the loss weighting."""
-    mode = _arg(args, "timestep_sampling", "sigmoid")
-    shift = float(_arg(args, "discrete_flow_shift", 1.0))
-    scale = float(_arg(args, "sigmoid_scale", 1.0))
-    scheme = _arg(args, "weighting_scheme", "uniform")
+    mode = sampling.method
+    shift = sampling.discrete_flow_shift
+    scale = sampling.sigmoid_scale
+    scheme = sampling.weighting_scheme
     if mode == "sigma":
         if scheme == "logit_normal":
-            dist = f"logit-normal u (mean {_arg(args, 'logit_mean', 0.0)}, std {_arg(args, 'logit_std', 1.0)})"
+            dist = f"logit-normal u (mean {sampling.logit_mean}, std {sampling.logit_std})"
         elif scheme == "mode":
-            dist = f"mode u (mode_scale {_arg(args, 'mode_scale', 1.29)})"
+            dist = f"mode u (mode_scale {sampling.mode_scale})"
         else:
             dist = "uniform u"
         what = f"sigma: {dist} on the {NUM_TRAIN_TIMESTEPS}-step grid"
@@ -536,9 +594,9 @@ def describe_timestep_sampling(args: argparse.Namespace) -> str:
     )
 
 
-def log_timestep_sampling_info(args: argparse.Namespace) -> str:
+def log_timestep_sampling_info(sampling: TimestepSamplingConfig) -> str:
     """Log (and return) the one-line summary of the timestep sampling configuration."""
-    line = describe_timestep_sampling(args)
+    line = describe_timestep_sampling(sampling)
     logger.info(line)
     return line
 
@@ -548,34 +606,32 @@ SHOW_TIMESTEPS_BINS = 20
 SHOW_TIMESTEPS_BAR = 50
 
 
-def _show_timesteps_data(args: argparse.Namespace, num_samples: int, seed: int) -> tuple[torch.Tensor, str]:
-    resolution = int(_arg(args, "show_timesteps_resolution", 1024))
+def _show_timesteps_data(show: ShowTimestepsConfig, num_samples: int, seed: int) -> tuple[torch.Tensor, str]:
+    resolution = show.resolution
     if resolution < IMAGE_TO_LATENT or resolution % IMAGE_TO_LATENT:
         raise UserError(
             f"--show_timesteps_resolution must be a positive multiple of {IMAGE_TO_LATENT}, got {resolution}."
         )
     hw = (resolution // IMAGE_TO_LATENT, resolution // IMAGE_TO_LATENT)
-    offset = float(_arg(args, "show_timesteps_offset", 0.0))
+    offset = show.offset
     gen = torch.Generator().manual_seed(seed)
-    sigmas = sample_sigmas(args, num_samples, hw, generator=gen, offset=offset if offset else None)
+    sigmas = sample_sigmas(show.sampling, num_samples, hw, generator=gen, offset=offset if offset else None)
     note = f"resolution {resolution}x{resolution} ({hw[0] * hw[1]} image tokens)"
     if offset:
         note += f", offset {offset:+g}"
     return sigmas * NUM_TRAIN_TIMESTEPS, note
 
 
-def format_timestep_histogram(
-    args: argparse.Namespace, num_samples: int = SHOW_TIMESTEPS_SAMPLES, seed: int = 0
-) -> str:
+def format_timestep_histogram(show: ShowTimestepsConfig, num_samples: int = SHOW_TIMESTEPS_SAMPLES, seed: int = 0) -> str:
     """The console form of --show_timesteps: an ASCII histogram of real samples with the loss weight per bin."""
-    timesteps, note = _show_timesteps_data(args, num_samples, seed)
+    timesteps, note = _show_timesteps_data(show, num_samples, seed)
     edges = torch.linspace(0, NUM_TRAIN_TIMESTEPS, SHOW_TIMESTEPS_BINS + 1, dtype=torch.float64)
     counts = torch.histc(timesteps.double(), bins=SHOW_TIMESTEPS_BINS, min=0, max=NUM_TRAIN_TIMESTEPS)
     centres = ((edges[:-1] + edges[1:]) / 2 / NUM_TRAIN_TIMESTEPS).float()
-    weights = compute_loss_weighting(_arg(args, "weighting_scheme", "uniform"), centres)
+    weights = compute_loss_weighting(show.sampling.weighting_scheme, centres)
     peak = max(float(counts.max()), 1.0)
     lines = [
-        describe_timestep_sampling(args),
+        describe_timestep_sampling(show.sampling),
         f"{num_samples} samples, {note}; mean t {timesteps.mean():.1f}, median t {timesteps.median():.1f}",
         f"{'t range':>11} | {'share':>6} | {'weight':>8} | histogram",
     ]
@@ -586,7 +642,7 @@ def format_timestep_histogram(
     return "\n".join(lines)
 
 
-def _plot_timesteps(args: argparse.Namespace, num_samples: int, seed: int) -> Optional[str]:
+def _plot_timesteps(show: ShowTimestepsConfig, num_samples: int, seed: int) -> str | None:
     try:
         import matplotlib
         import matplotlib.pyplot as plt
@@ -595,20 +651,21 @@ def _plot_timesteps(args: argparse.Namespace, num_samples: int, seed: int) -> Op
             "--show_timesteps image needs matplotlib, which is not installed; run `pip install matplotlib` or use"
             " --show_timesteps console."
         ) from e
-    timesteps, note = _show_timesteps_data(args, num_samples, seed)
+    timesteps, note = _show_timesteps_data(show, num_samples, seed)
+    method, scheme = show.sampling.method, show.sampling.weighting_scheme
     t_axis = torch.linspace(0.5, NUM_TRAIN_TIMESTEPS - 0.5, 400)
-    weights = compute_loss_weighting(_arg(args, "weighting_scheme", "uniform"), t_axis / NUM_TRAIN_TIMESTEPS)
+    weights = compute_loss_weighting(scheme, t_axis / NUM_TRAIN_TIMESTEPS)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax1.hist(timesteps.numpy(), bins=100, range=(0, NUM_TRAIN_TIMESTEPS), density=True)
-    ax1.set_title(f"sampled timesteps ({args.timestep_sampling}, {note})")
+    ax1.set_title(f"sampled timesteps ({method}, {note})")
     ax1.set_xlabel("timestep (sigma * 1000)")
     ax2.plot(t_axis.numpy(), weights.numpy())
-    ax2.set_title(f"loss weight ({_arg(args, 'weighting_scheme', 'uniform')})")
+    ax2.set_title(f"loss weight ({scheme})")
     ax2.set_xlabel("timestep (sigma * 1000)")
-    fig.suptitle(describe_timestep_sampling(args), fontsize=8)
+    fig.suptitle(describe_timestep_sampling(show.sampling), fontsize=8)
     fig.tight_layout()
     if matplotlib.get_backend().lower() == "agg":  # no display: save instead of showing nothing
-        path = os.path.abspath(f"show_timesteps_{args.timestep_sampling}.png")
+        path = os.path.abspath(f"show_timesteps_{method}.png")
         fd, tmp = tempfile.mkstemp(suffix=".png", dir=os.path.dirname(path))
         os.close(fd)
         try:
@@ -625,19 +682,19 @@ def _plot_timesteps(args: argparse.Namespace, num_samples: int, seed: int) -> Op
 
 
 def show_timesteps(
-    args: argparse.Namespace,
-    out: Optional[TextIO] = None,
+    show: ShowTimestepsConfig,
+    out: TextIO | None = None,
     num_samples: int = SHOW_TIMESTEPS_SAMPLES,
     seed: int = 0,
-) -> Optional[str]:
+) -> str | None:
     """--show_timesteps: console writes the ASCII histogram to ``out`` (the log when None) and returns it; image
     shows a matplotlib figure (saved to ``show_timesteps_<mode>.png`` when there is no display; returns the path)."""
-    mode = _arg(args, "show_timesteps", "console")
+    mode = show.mode
     if mode == "image":
-        return _plot_timesteps(args, num_samples, seed)
+        return _plot_timesteps(show, num_samples, seed)
     if mode != "console":
         raise UserError(f"--show_timesteps {mode!r} is not supported; choose console or image.")
-    text = format_timestep_histogram(args, num_samples, seed)
+    text = format_timestep_histogram(show, num_samples, seed)
     if out is None:
         for line in text.splitlines():
             logger.info(line)
@@ -650,6 +707,10 @@ def show_timesteps(
 __all__ = [
     "NUM_TRAIN_TIMESTEPS",
     "FlowMatchEulerDiscreteScheduler",
+    "InputPerturbation",
+    "LossConfig",
+    "ShowTimestepsConfig",
+    "TimestepSamplingConfig",
     "add_flow_matching_arguments",
     "apply_logit_offset",
     "compute_density_for_timestep_sampling",

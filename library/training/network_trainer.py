@@ -206,9 +206,6 @@ class NetworkTrainer(abc.ABC):
         if args.network_module in ("networks.loha", "networks.lokr"):
             raise UserError(f"--network_module {args.network_module} is not available in this version: use"
                             " networks.lora_generic.")
-        from library.training import optimizers
-
-        optimizers.verify_optimizer_arguments(args)
 
     # -------------------------------------------------------------------------------------------- phases
     def _prepare_accelerator(self, args: argparse.Namespace, log_with: str | None) -> Any:
@@ -284,7 +281,7 @@ class NetworkTrainer(abc.ABC):
         te_lr = args.text_encoder_lr[0] if args.text_encoder_lr else None
         params, descriptions = run.network.prepare_optimizer_params_with_multiple_te_lrs(te_lr, args.unet_lr, args.learning_rate)
         run.lr_descriptions = descriptions
-        name, desc, run.optimizer = optimizers.get_optimizer(args, params)
+        name, desc, run.optimizer = optimizers.get_optimizer(run.options.optimizer, params)
         run.optimizer_name = f"{name}({desc})" if desc else name
 
     def _dataloaders(self, run: RunState) -> None:
@@ -322,6 +319,7 @@ class NetworkTrainer(abc.ABC):
         self.resolve_args(args)
         self.verify_args(args)
         options = RunOptions.from_args(args, self.is_train_text_encoder(args))
+        flow_matching.log_timestep_sampling_info(options.timestep_sampling)
         if args.cuda_expandable_segments:
             from library.runtime.compile import enable_expandable_segments
 
@@ -359,7 +357,8 @@ class NetworkTrainer(abc.ABC):
         self._steps_and_epochs(run)
         from library.training import optimizers
 
-        run.lr_scheduler = optimizers.get_scheduler(args, run.optimizer, run.accelerator.num_processes, run.max_train_steps)
+        run.lr_scheduler = optimizers.get_scheduler(run.options.scheduler, run.optimizer, run.accelerator.num_processes,
+                                                    run.max_train_steps)
         self._place_models(run)
         run.optimizer, run.train_dataloader, run.lr_scheduler = run.accelerator.prepare(
             run.optimizer, run.train_dataloader, run.lr_scheduler
@@ -377,14 +376,14 @@ class NetworkTrainer(abc.ABC):
     def _install_fused_backward_pass(self, run: RunState) -> None:
         from library.training import optimizers
 
-        args = run.args
-        optimizers.check_fused_backward_pass(args, run.optimizer)
-        if args.fused_backward_pass:
+        config = run.options.optimizer
+        optimizers.check_fused_backward_pass(config, run.optimizer, run.args.gradient_accumulation_steps)
+        if config.fused_backward_pass:
             if run.accelerator.num_processes > 1:
                 raise UserError("--fused_backward_pass steps each parameter inside backward, before gradients are"
                                 " averaged across processes: use it with one process only.")
             run.fused_backward_pass = True
-            optimizers.install_fused_backward_pass(run.optimizer, args.max_grad_norm or 0.0)
+            optimizers.install_fused_backward_pass(run.optimizer, config.max_grad_norm)
         run.optimizer_train_fn, run.optimizer_eval_fn = optimizers.get_optimizer_train_eval_fn(run.optimizer)
         run.optimizer_train_fn()
 
@@ -539,8 +538,8 @@ class NetworkTrainer(abc.ABC):
         pred, target, timesteps, weighting = self.get_noise_pred_and_target(
             run, latents, text_conds, batch, is_train, fixed_sigmas, generator
         )
-        huber_c = flow_matching.get_huber_threshold(args, timesteps)
-        loss = flow_matching.conditional_loss(pred.float(), target.float(), args.loss_type, huber_c)
+        huber_c = flow_matching.get_huber_threshold(run.options.loss, timesteps)
+        loss = flow_matching.conditional_loss(pred.float(), target.float(), run.options.loss.loss_type, huber_c)
         if weighting is not None:
             loss = loss * weighting.to(loss.device, loss.dtype)
         masks = batch.get("alpha_masks")

@@ -20,7 +20,10 @@ import ast
 import importlib
 import logging
 import math
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -72,14 +75,14 @@ _OPTIONAL_OPTIMIZERS = {
     "sgdschedulefree": ("schedulefree", "SGDScheduleFree", "schedulefree"),
 }
 
-ParamGroups = Union[Iterable[torch.nn.Parameter], list[dict[str, Any]]]
+ParamGroups = Iterable[torch.nn.Parameter] | list[dict[str, Any]]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # arguments
 
 
-def parse_step_count(value: str) -> Union[int, float]:
+def parse_step_count(value: str) -> int | float:
     """argparse type of --lr_warmup_steps / --lr_decay_steps: an int (steps), a float below 1 (a ratio of the
     run) or ``N%``."""
     text = str(value).strip()
@@ -198,7 +201,7 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_kwargs_args(values: Optional[Iterable[str]], option: str) -> dict[str, Any]:
+def parse_kwargs_args(values: Iterable[str] | None, option: str) -> dict[str, Any]:
     """``key=value`` strings to a dict; values are Python literals (``0.01``, ``True``, ``0.9,0.999`` -> a tuple),
     anything that is not a literal stays a string (``step_rules=1:10,0.1``)."""
     kwargs: dict[str, Any] = {}
@@ -213,6 +216,65 @@ def parse_kwargs_args(values: Optional[Iterable[str]], option: str) -> dict[str,
         except (ValueError, SyntaxError, MemoryError, RecursionError):
             kwargs[key] = raw
     return kwargs
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the typed settings: built from the parsed options in one place (`from_args`, which also parses the key=value
+# lists); the factories below take these
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer of a run: its name (legacy flags resolved), --optimizer_args, learning rate and clipping."""
+
+    optimizer_type: str  # "AdamW" when no --optimizer_type was given
+    optimizer_args: Mapping[str, Any]  # --optimizer_args as values (each optimizer gets a copy)
+    learning_rate: float
+    max_grad_norm: float
+    fused_backward_pass: bool
+    lr_scheduler: str  # only for Adafactor's advice on the usual scheduler
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> OptimizerConfig:
+        return cls(
+            optimizer_type=resolve_optimizer_type(args.optimizer_type, args.use_8bit_adam, args.use_lion_optimizer),
+            optimizer_args=MappingProxyType(parse_kwargs_args(args.optimizer_args, "--optimizer_args")),
+            learning_rate=float(args.learning_rate),
+            max_grad_norm=float(args.max_grad_norm or 0.0),
+            fused_backward_pass=bool(args.fused_backward_pass),
+            lr_scheduler=args.lr_scheduler,
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The LR schedule of a run (--lr_scheduler or --lr_scheduler_type with their options)."""
+
+    lr_scheduler: str  # e.g. "cosine", "adafactor:1e-3"
+    warmup_steps: int | float  # --lr_warmup_steps: steps, or a ratio of the run (float below 1)
+    decay_steps: int | float  # --lr_decay_steps, the same forms
+    num_cycles: int
+    power: float
+    timescale: int | None
+    min_lr_ratio: float | None
+    scheduler_type: str  # --lr_scheduler_type: a custom class ("" for none)
+    scheduler_args: Mapping[str, Any]  # --lr_scheduler_args as values
+    learning_rate: float  # the initial LR (adafactor's schedule, polynomial's fallback)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SchedulerConfig:
+        return cls(
+            lr_scheduler=(args.lr_scheduler or "constant").strip(),
+            warmup_steps=args.lr_warmup_steps,
+            decay_steps=args.lr_decay_steps,
+            num_cycles=int(args.lr_scheduler_num_cycles or 1),
+            power=float(args.lr_scheduler_power),
+            timescale=args.lr_scheduler_timescale,
+            min_lr_ratio=args.lr_scheduler_min_lr_ratio,
+            scheduler_type=args.lr_scheduler_type or "",
+            scheduler_args=MappingProxyType(parse_kwargs_args(args.lr_scheduler_args, "--lr_scheduler_args")),
+            learning_rate=float(args.learning_rate),
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -240,7 +302,7 @@ class Lion(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -274,25 +336,25 @@ class Lion(torch.optim.Optimizer):
 # optimizers
 
 
-def resolve_optimizer_type(args: argparse.Namespace) -> str:
+def resolve_optimizer_type(optimizer_type: str, use_8bit_adam: bool, use_lion_optimizer: bool) -> str:
     """The optimizer name after the legacy --use_8bit_adam / --use_lion_optimizer flags ("" means AdamW)."""
-    optimizer_type = getattr(args, "optimizer_type", "") or ""
-    if getattr(args, "use_8bit_adam", False):
-        if getattr(args, "use_lion_optimizer", False):
+    optimizer_type = optimizer_type or ""
+    if use_8bit_adam:
+        if use_lion_optimizer:
             raise UserError(
                 "--use_8bit_adam and --use_lion_optimizer were both given; keep one, or use --optimizer_type."
             )
         if optimizer_type:
             raise UserError(f"--use_8bit_adam and --optimizer_type {optimizer_type} were both given; keep one.")
         return "AdamW8bit"
-    if getattr(args, "use_lion_optimizer", False):
+    if use_lion_optimizer:
         if optimizer_type:
             raise UserError(f"--use_lion_optimizer and --optimizer_type {optimizer_type} were both given; keep one.")
         return "Lion"
     return optimizer_type or "AdamW"
 
 
-def _import_class(module_name: str, class_name: str, what: str, pip_name: Optional[str] = None) -> type:
+def _import_class(module_name: str, class_name: str, what: str, pip_name: str | None = None) -> type:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -330,7 +392,7 @@ def _bitsandbytes_class(class_name: str, needs_cuda: bool, optimizer_type: str) 
     return cls
 
 
-def _group_lrs(param_groups: ParamGroups) -> list[Optional[float]]:
+def _group_lrs(param_groups: ParamGroups) -> list[float | None]:
     return [g.get("lr") for g in param_groups if isinstance(g, dict)]
 
 
@@ -342,7 +404,7 @@ def _without_group_lrs(param_groups: ParamGroups) -> ParamGroups:
     return param_groups
 
 
-def _adafactor_kwargs(args: argparse.Namespace, kwargs: dict[str, Any], lr: float) -> Optional[float]:
+def _adafactor_kwargs(config: OptimizerConfig, kwargs: dict[str, Any], lr: float) -> float | None:
     """sd-scripts' Adafactor defaults and advice; returns the lr to pass (None with relative_step)."""
     kwargs.setdefault("relative_step", True)
     if not kwargs["relative_step"] and kwargs.get("warmup_init", False):
@@ -352,9 +414,9 @@ def _adafactor_kwargs(args: argparse.Namespace, kwargs: dict[str, Any], lr: floa
         if lr:
             logger.info(f"Adafactor with relative_step: --learning_rate {lr} is only the initial LR shown in the logs")
         return None
-    if getattr(args, "max_grad_norm", 0.0):
+    if config.max_grad_norm:
         logger.info("Adafactor: gradients are clipped because --max_grad_norm is set; --max_grad_norm 0 is usual")
-    if getattr(args, "lr_scheduler", "constant") != "constant_with_warmup":
+    if config.lr_scheduler != "constant_with_warmup":
         logger.info("Adafactor without relative_step: --lr_scheduler constant_with_warmup is usual")
     if kwargs.get("clip_threshold", 1.0) != 1.0:
         logger.info("Adafactor: clip_threshold=1.0 is usual")
@@ -371,20 +433,20 @@ def _check_adaptive_lr(optimizer_type: str, lr: float, param_groups: ParamGroups
         logger.warning(f"{optimizer_type}: different learning rates per parameter group scale its adapted step size")
 
 
-def get_optimizer(args: argparse.Namespace, param_groups: ParamGroups) -> tuple[str, str, torch.optim.Optimizer]:
+def get_optimizer(config: OptimizerConfig, param_groups: ParamGroups) -> tuple[str, str, torch.optim.Optimizer]:
     """Build the optimizer of --optimizer_type for ``param_groups`` (parameters or dicts with "params" / "lr").
 
     Returns ``(name, description, optimizer)``: name is ``module.Class`` and description is the optimizer arguments
     as ``k=v,k=v`` (together they make sd-scripts' ``ss_optimizer`` metadata).
     """
-    optimizer_type = resolve_optimizer_type(args)
+    optimizer_type = config.optimizer_type
     key = optimizer_type.lower()
-    lr = float(getattr(args, "learning_rate", 2.0e-6))
-    kwargs = parse_kwargs_args(getattr(args, "optimizer_args", None), "--optimizer_args")
+    lr = config.learning_rate
+    kwargs = dict(config.optimizer_args)
     param_groups = list(param_groups)
     if not param_groups:
         raise UserError("There are no trainable parameters for the optimizer; check the network options.")
-    lr_arg: Optional[float] = lr
+    lr_arg: float | None = lr
 
     if key == "adamw":
         cls: type = torch.optim.AdamW
@@ -402,7 +464,7 @@ def get_optimizer(args: argparse.Namespace, param_groups: ParamGroups) -> tuple[
             kwargs["nesterov"] = True
     elif key == "adafactor":
         cls = _import_class("transformers.optimization", "Adafactor", "--optimizer_type Adafactor", "transformers")
-        lr_arg = _adafactor_kwargs(args, kwargs, lr)
+        lr_arg = _adafactor_kwargs(config, kwargs, lr)
         if lr_arg is None:
             param_groups = _without_group_lrs(param_groups)
     elif key in _OPTIONAL_OPTIMIZERS:
@@ -460,16 +522,18 @@ def _is_relative_step_adafactor(optimizer: torch.optim.Optimizer) -> bool:
 # fused backward pass (Adafactor)
 
 
-def check_fused_backward_pass(args: argparse.Namespace, optimizer: torch.optim.Optimizer) -> None:
+def check_fused_backward_pass(
+    config: OptimizerConfig, optimizer: torch.optim.Optimizer, gradient_accumulation_steps: int
+) -> None:
     """Reject --fused_backward_pass where it cannot work: other optimizers, or gradient accumulation."""
-    if not getattr(args, "fused_backward_pass", False):
+    if not config.fused_backward_pass:
         return
     if type(_unwrap(optimizer)).__name__ != "Adafactor":
         raise UserError(
-            f"--fused_backward_pass works with --optimizer_type Adafactor only (got {resolve_optimizer_type(args)});"
+            f"--fused_backward_pass works with --optimizer_type Adafactor only (got {config.optimizer_type});"
             " drop the option or switch to Adafactor."
         )
-    if int(getattr(args, "gradient_accumulation_steps", 1) or 1) != 1:
+    if gradient_accumulation_steps != 1:
         raise UserError(
             "--fused_backward_pass steps the optimizer during every backward pass, so it cannot be combined with"
             " --gradient_accumulation_steps above 1."
@@ -489,7 +553,7 @@ def step_single_param(optimizer: torch.optim.Optimizer, param: torch.nn.Paramete
 def install_fused_backward_pass(
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float = 0.0,
-    clip_grad_norm: Optional[Callable[[torch.Tensor, float], Any]] = None,
+    clip_grad_norm: Callable[[torch.Tensor, float], Any] | None = None,
 ) -> list[Any]:
     """Step each parameter as soon as its gradient is ready, then free the gradient (--fused_backward_pass).
 
@@ -586,7 +650,7 @@ def polynomial_schedule(
     return fn
 
 
-def inverse_sqrt_schedule(warmup: int, timescale: Optional[int] = None) -> Callable[[int], float]:
+def inverse_sqrt_schedule(warmup: int, timescale: int | None = None) -> Callable[[int], float]:
     scale = timescale if timescale else (warmup or 10_000)
 
     def fn(step: int) -> float:
@@ -683,7 +747,7 @@ def piecewise_constant_schedule(step_rules: str) -> Callable[[int], float]:
 
 
 def resolve_step_count(
-    value: Union[int, float, str, None], total: Optional[int], num_processes: int, option: str
+    value: int | float | str | None, total: int | None, num_processes: int, option: str
 ) -> int:
     """Scheduler ticks of a warmup / decay option: a ratio (float below 1) of ``total``, or steps x num_processes."""
     if value is None:
@@ -711,8 +775,7 @@ def _pop_known(kwargs: dict[str, Any], allowed: tuple[str, ...], name: str) -> d
     return dict(kwargs)
 
 
-def _custom_scheduler(args: argparse.Namespace, optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> Any:
-    type_name = args.lr_scheduler_type
+def _custom_scheduler(type_name: str, optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> Any:
     module_name, _, class_name = type_name.rpartition(".")
     cls = _import_class(module_name or "torch.optim.lr_scheduler", class_name, f"--lr_scheduler_type {type_name}")
     logger.info(f"use {type_name} | {kwargs} as lr_scheduler")
@@ -724,7 +787,7 @@ def _custom_scheduler(args: argparse.Namespace, optimizer: torch.optim.Optimizer
         ) from e
 
 
-def _adafactor_scheduler(name: str, optimizer: torch.optim.Optimizer, lr: Optional[float], warmup: int) -> Any:
+def _adafactor_scheduler(name: str, optimizer: torch.optim.Optimizer, lr: float | None, warmup: int) -> Any:
     if not _is_relative_step_adafactor(optimizer):
         raise UserError(
             "--lr_scheduler adafactor only works with --optimizer_type Adafactor and relative_step=True; use"
@@ -746,35 +809,33 @@ def _adafactor_scheduler(name: str, optimizer: torch.optim.Optimizer, lr: Option
 
 
 def get_scheduler(
-    args: argparse.Namespace,
+    config: SchedulerConfig,
     optimizer: torch.optim.Optimizer,
     num_processes: int = 1,
-    max_train_steps: Optional[int] = None,
+    max_train_steps: int | None = None,
 ) -> Any:
     """Build the LR scheduler of --lr_scheduler (or --lr_scheduler_type) for ``optimizer``.
 
-    ``max_train_steps`` defaults to ``args.max_train_steps``; the schedule is ``max_train_steps * num_processes``
-    ticks long (see the module docstring). Adafactor with relative_step always gets the adafactor scheduler (it sets
-    its own LR); schedule-free optimizers get a constant one.
+    The schedule is ``max_train_steps * num_processes`` ticks long (see the module docstring); schedules that need
+    the length refuse ``max_train_steps`` None. Adafactor with relative_step always gets the adafactor scheduler (it
+    sets its own LR); schedule-free optimizers get a constant one.
     """
-    name = (getattr(args, "lr_scheduler", None) or "constant").strip()
+    name = config.lr_scheduler
     base = name.split(":", 1)[0].lower()
-    if max_train_steps is None:
-        max_train_steps = getattr(args, "max_train_steps", None)
     total = int(max_train_steps) * num_processes if max_train_steps else None
-    warmup = resolve_step_count(getattr(args, "lr_warmup_steps", 0), total, num_processes, "--lr_warmup_steps")
-    decay = resolve_step_count(getattr(args, "lr_decay_steps", 0), total, num_processes, "--lr_decay_steps")
-    kwargs = parse_kwargs_args(getattr(args, "lr_scheduler_args", None), "--lr_scheduler_args")
+    warmup = resolve_step_count(config.warmup_steps, total, num_processes, "--lr_warmup_steps")
+    decay = resolve_step_count(config.decay_steps, total, num_processes, "--lr_decay_steps")
+    kwargs = dict(config.scheduler_args)
     inner = _unwrap(optimizer)
 
-    if getattr(args, "lr_scheduler_type", ""):
-        return _custom_scheduler(args, optimizer, kwargs)
+    if config.scheduler_type:
+        return _custom_scheduler(config.scheduler_type, optimizer, kwargs)
     if _is_relative_step_adafactor(inner) or base == "adafactor":
         if base != "adafactor":
             logger.info(f"Adafactor with relative_step sets its own LR: the adafactor scheduler replaces {name}")
         _pop_known(kwargs, (), "adafactor")
         adafactor_name = name if base == "adafactor" else "adafactor"
-        return _adafactor_scheduler(adafactor_name, optimizer, getattr(args, "learning_rate", None), warmup)
+        return _adafactor_scheduler(adafactor_name, optimizer, config.learning_rate, warmup)
     if is_schedulefree_optimizer(inner):
         if base != "constant" or warmup:
             raise UserError(
@@ -784,14 +845,14 @@ def get_scheduler(
         return LambdaLR(inner, constant_schedule())
     if base not in LR_SCHEDULERS:
         raise UserError(f"--lr_scheduler {name!r} is not supported; choose one of {', '.join(LR_SCHEDULERS)}.")
-    return LambdaLR(inner, _schedule_lambda(args, base, inner, total, warmup, decay, kwargs))
+    return LambdaLR(inner, _schedule_lambda(config, base, inner, total, warmup, decay, kwargs))
 
 
 def _schedule_lambda(
-    args: argparse.Namespace,
+    config: SchedulerConfig,
     name: str,
     optimizer: torch.optim.Optimizer,
-    total: Optional[int],
+    total: int | None,
     warmup: int,
     decay: int,
     kwargs: dict[str, Any],
@@ -813,13 +874,13 @@ def _schedule_lambda(
         return constant_with_warmup_schedule(warmup)
     if name == "inverse_sqrt":
         kw = _pop_known(kwargs, ("timescale",), name)
-        return inverse_sqrt_schedule(warmup, kw.get("timescale", getattr(args, "lr_scheduler_timescale", None)))
+        return inverse_sqrt_schedule(warmup, kw.get("timescale", config.timescale))
     if total is None:
         raise UserError(f"--lr_scheduler {name} needs the number of training steps (--max_train_steps or epochs).")
     if warmup > total:
         raise UserError(f"--lr_warmup_steps ({warmup} scheduler steps) is longer than the run ({total} steps).")
-    cycles = int(getattr(args, "lr_scheduler_num_cycles", 1) or 1)
-    min_ratio = getattr(args, "lr_scheduler_min_lr_ratio", None)
+    cycles = config.num_cycles
+    min_ratio = config.min_lr_ratio
     if name == "linear":
         _pop_known(kwargs, (), name)
         return linear_schedule(warmup, total)
@@ -831,13 +892,12 @@ def _schedule_lambda(
         return cosine_with_restarts_schedule(warmup, total, cycles)
     if name == "polynomial":
         kw = _pop_known(kwargs, ("lr_end",), name)
-        lr_init = float(optimizer.defaults.get("lr") or getattr(args, "learning_rate", 0.0))
-        power = float(getattr(args, "lr_scheduler_power", 1.0))
-        return polynomial_schedule(warmup, total, lr_init, kw.get("lr_end", 1e-7), power)
+        lr_init = float(optimizer.defaults.get("lr") or config.learning_rate)
+        return polynomial_schedule(warmup, total, lr_init, kw.get("lr_end", 1e-7), config.power)
     if name == "cosine_with_min_lr":
         kw = _pop_known(kwargs, ("min_lr", "min_lr_rate"), name)
         if "min_lr" in kw:
-            lr0 = float(optimizer.defaults.get("lr") or getattr(args, "learning_rate", 0.0))
+            lr0 = float(optimizer.defaults.get("lr") or config.learning_rate)
             min_ratio = float(kw["min_lr"]) / lr0
         min_ratio = kw.get("min_lr_rate", min_ratio)
         if min_ratio is None:
@@ -857,22 +917,23 @@ def _schedule_lambda(
     )
 
 
-def verify_optimizer_arguments(args: argparse.Namespace) -> None:
-    """Cheap checks to run before any model is loaded: names, legacy flags and key=value options."""
-    resolve_optimizer_type(args)
-    parse_kwargs_args(getattr(args, "optimizer_args", None), "--optimizer_args")
-    parse_kwargs_args(getattr(args, "lr_scheduler_args", None), "--lr_scheduler_args")
-    name = (getattr(args, "lr_scheduler", None) or "constant").split(":", 1)[0].lower()
-    if not getattr(args, "lr_scheduler_type", "") and name not in LR_SCHEDULERS:
-        raise UserError(
-            f"--lr_scheduler {args.lr_scheduler!r} is not supported; choose one of {', '.join(LR_SCHEDULERS)}."
-        )
-    if getattr(args, "fused_backward_pass", False):
-        if resolve_optimizer_type(args).lower() != "adafactor":
+def verify_optimizer_arguments(config: OptimizerConfig, gradient_accumulation_steps: int) -> None:
+    """Cheap checks to run before any model is loaded (the names and key=value lists were parsed by `from_args`)."""
+    if config.fused_backward_pass:
+        if config.optimizer_type.lower() != "adafactor":
             raise UserError(
                 "--fused_backward_pass works with --optimizer_type Adafactor only; drop it or use Adafactor."
             )
-        if int(getattr(args, "gradient_accumulation_steps", 1) or 1) != 1:
+        if gradient_accumulation_steps != 1:
             raise UserError("--fused_backward_pass cannot be combined with --gradient_accumulation_steps above 1.")
-    if float(getattr(args, "max_grad_norm", 0.0) or 0.0) < 0:
+    if config.max_grad_norm < 0:
         raise UserError("--max_grad_norm must be 0 (off) or positive.")
+
+
+def verify_scheduler_arguments(config: SchedulerConfig) -> None:
+    """The scheduler name, before any model is loaded."""
+    name = config.lr_scheduler.split(":", 1)[0].lower()
+    if not config.scheduler_type and name not in LR_SCHEDULERS:
+        raise UserError(
+            f"--lr_scheduler {config.lr_scheduler!r} is not supported; choose one of {', '.join(LR_SCHEDULERS)}."
+        )

@@ -1,5 +1,6 @@
 """`RunOptions`: what the trainer derives from its options, once, right after parsing and the implications
-(`library.options.implications`); the training loop reads these values instead of deriving them again."""
+(`library.options.implications`); the training loop reads these values instead of deriving them again, and the math
+modules (flow matching, optimizers, schedulers) get their typed settings from here rather than from `args`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import argparse
 from dataclasses import dataclass
 
 import torch
+
+from library.training import optimizers
+from library.training.flow_matching import InputPerturbation, LossConfig, TimestepSamplingConfig
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}
 
@@ -19,7 +23,7 @@ def dtype_of(name: str | None, fallback: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class RunOptions:
     """Derived, frozen: which networks train, whether the text encoder is needed during the loop, the dtypes of the
-    base models (weight) and of the saved LoRA, and the logging backend."""
+    base models (weight) and of the saved LoRA, the logging backend, and the settings of the math modules."""
 
     train_unet: bool
     train_text_encoder: bool
@@ -27,6 +31,11 @@ class RunOptions:
     weight_dtype: torch.dtype  # --mixed_precision: the dtype the DiT is loaded in
     save_dtype: torch.dtype  # --save_precision, else the LoRA's own precision (fp32 unless --full_fp16/--full_bf16)
     log_with: str | None  # --log_with, tensorboard when only --logging_dir is given
+    timestep_sampling: TimestepSamplingConfig
+    ip_noise: InputPerturbation
+    loss: LossConfig
+    optimizer: optimizers.OptimizerConfig
+    scheduler: optimizers.SchedulerConfig
 
     @property
     def text_encoder_needed(self) -> bool:
@@ -36,9 +45,14 @@ class RunOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace, train_text_encoder: bool) -> RunOptions:
         """The derived options of parsed `args` (after the implications); `train_text_encoder` is the trainer's
-        `is_train_text_encoder(args)`."""
+        `is_train_text_encoder(args)`. The optimizer and scheduler options are checked here (UserError), before any
+        model is loaded."""
         weight = dtype_of(args.mixed_precision, torch.float32)
         lora = weight if (args.full_fp16 or args.full_bf16) else torch.float32
+        optimizer = optimizers.OptimizerConfig.from_args(args)
+        scheduler = optimizers.SchedulerConfig.from_args(args)
+        optimizers.verify_optimizer_arguments(optimizer, args.gradient_accumulation_steps)
+        optimizers.verify_scheduler_arguments(scheduler)
         return cls(
             train_unet=not args.network_train_text_encoder_only,
             train_text_encoder=train_text_encoder,
@@ -46,4 +60,9 @@ class RunOptions:
             weight_dtype=weight,
             save_dtype=dtype_of(args.save_precision, lora),  # as sd-scripts: the LoRA's own precision by default
             log_with=args.log_with or ("tensorboard" if args.logging_dir else None),
+            timestep_sampling=TimestepSamplingConfig.from_args(args),
+            ip_noise=InputPerturbation.from_args(args),
+            loss=LossConfig.from_args(args),
+            optimizer=optimizer,
+            scheduler=scheduler,
         )
