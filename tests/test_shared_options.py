@@ -75,3 +75,18 @@ def test_dit_path_has_both_names_and_each_script_keeps_its_own():
 
     assert trainer.setup_parser().parse_args(["--dit", "x"]).pretrained_model_name_or_path == "x"
     assert inference.setup_parser().parse_args(["--pretrained_model_name_or_path", "x"]).dit == "x"
+
+
+def test_one_device_option_each_script_checks_what_it_can_use():
+    import moss_image_minimal_inference as inference
+    from library.caching.tool_common import check_tool_device
+    from library.errors import UserError
+    from tools import cache_latents
+
+    assert inference.setup_parser().parse_args(["--device", "cuda:1"]).device == "cuda:1"
+    args = cache_latents.setup_parser().parse_args(["--moss_image", "--cache_latents_to_disk", "--vae", "v",
+                                                    "--device", "cuda:1"])
+    with pytest.raises(UserError, match="cpu or cuda"):
+        cache_latents.check_args(args)
+    for ok in (None, "cpu", "cuda"):
+        check_tool_device(ok)
