@@ -85,11 +85,11 @@ def add_convrot_arguments(parser: argparse.ArgumentParser, dit: bool, text_encod
     if dit:
         g.add_argument("--convrot_int8", action="store_true",
                        help="quantise the DiT block Linears to ConvRot INT8 at load time, after any LoRA merge"
-                            " (pre-quantised files are detected without it)")
+                            " (pre-quantised checkpoints are detected without it)")
     if text_encoder:
         g.add_argument("--convrot_int8_text_encoder", action="store_true",
-                       help="quantise the text encoder to ConvRot INT8 at load time (pre-quantised files are detected"
-                            " without it)")
+                       help="quantise the text encoder to ConvRot INT8 at load time (pre-quantised checkpoints are"
+                            " detected without it)")
     if backward:
         g.add_argument("--convrot_int8_bwd", type=str, default="bf16", choices=["bf16", "int8"],
                        help="backward of the ConvRot INT8 layers: bf16 (default, exact) or int8 (fused GEMM, needs"
