@@ -32,7 +32,7 @@ from library.datasets.preflight_caches import CacheReport
 from library.datasets.preflight_report import DatasetReport, Report, SubsetReport, inspect_datasets
 from library.errors import UserError
 from library.moss_image.loaders import fill_paths_from_snapshot
-from library.text_encoder.quant import add_text_encoder_memory_arguments
+from library.options.groups import add_text_encoder_memory_arguments
 
 logger = logging.getLogger("check_dataset")
 
