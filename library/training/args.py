@@ -230,7 +230,7 @@ def write_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
     except ImportError as e:
         raise UserError("--output_config needs the 'toml' package: pip install toml (it is in requirements.txt).") from e
 
-    if Path(path).exists() and not getattr(args, "overwrite_config", False):
+    if Path(path).exists() and not args.overwrite_config:
         raise UserError(f"--output_config would overwrite '{path}', which exists: give another --config_file, remove"
                         " the file, or add --overwrite_config.")
     defaults = {a.dest: a.default for a in parser._actions}
