@@ -33,16 +33,28 @@ import torch
 from torch import nn
 
 from library.errors import UserError
+from library.files.model_spec import add_hashes, stringify
+from library.files.safetensors_io import load_safetensors, save_file_atomic
+from library.lora.conventions import (
+    ALPHA,
+    LORA_DOWN,
+    LORA_PREFIX_TEXT_ENCODER,
+    LORA_PREFIX_UNET,
+    LORA_UP,
+    effective_alpha,
+    lora_name_for,
+    prefix_for,
+)
+from library.lora.convert import to_sd_scripts
+from library.lora.merge import merged_weight, reject_quantized_weight
+from library.moss_image.lora_targets import (
+    DIT_BLOCK_CLASSES,
+    DIT_TEXT_EMBEDDER_CLASSES,
+    TEXT_ENCODER_DEFAULT_EXCLUDE,
+    TEXT_ENCODER_TARGET_CLASSES,
+)
 
 logger = logging.getLogger(__name__)
-
-LORA_PREFIX_UNET = "lora_unet"
-LORA_PREFIX_TEXT_ENCODER = "lora_te"
-
-DIT_BLOCK_CLASSES = ("MossImageBlock",)
-DIT_TEXT_EMBEDDER_CLASSES = ("MossImageTextEmbedder",)
-TEXT_ENCODER_TARGET_CLASSES = ("Qwen3_5Attention", "Qwen3_5GatedDeltaNet", "Qwen3_5MLP")
-TEXT_ENCODER_DEFAULT_EXCLUDE = (r".*in_proj_[ab]",)
 
 DEFAULT_NETWORK_DIM = 4
 DEFAULT_NETWORK_ALPHA = 1.0
@@ -236,11 +248,6 @@ def is_linear_like(module: nn.Module) -> bool:
     return isinstance(in_features, int) and isinstance(out_features, int)
 
 
-def lora_name_for(prefix: str, original_name: str) -> str:
-    """`("lora_unet", "layers.3.proj.q")` -> `"lora_unet_layers_3_proj_q"`."""
-    return f"{prefix}_{original_name}".replace(".", "_")
-
-
 def _linear_modules_under(root: nn.Module, class_names: Sequence[str]) -> dict[str, nn.Module]:
     """Linear-like modules that have an ancestor whose class name is in `class_names`. A Linear-like module inside
     another one (a replacement that keeps the original Linear as a child) is not a second target."""
@@ -321,9 +328,7 @@ class LoRAModule(nn.Module):
         self.lora_up = nn.Linear(self.lora_dim, out_dim, bias=False)
         nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_up.weight)
-        if isinstance(alpha, torch.Tensor):
-            alpha = float(alpha.detach().float().item())
-        alpha = float(self.lora_dim) if alpha is None or alpha == 0 else float(alpha)
+        alpha = effective_alpha(alpha, self.lora_dim)
         self.register_buffer("alpha", torch.tensor(alpha, dtype=torch.float32))
         self.scale = alpha / self.lora_dim
         self.multiplier = float(multiplier)
@@ -443,7 +448,7 @@ class LoRANetwork(nn.Module):
     ) -> None:
         """Create LoRA modules for the candidates that survive the exclude/include filters, with regex ranks."""
         opts = self.options
-        prefix = LORA_PREFIX_UNET if is_unet else LORA_PREFIX_TEXT_ENCODER
+        prefix = prefix_for(is_unet)
         excludes = [re.compile(p) for p in (*default_excludes, *opts.exclude_patterns)]
         includes = [re.compile(p) for p in opts.include_patterns]
         for name, module in candidates.items():
@@ -519,8 +524,6 @@ class LoRANetwork(nn.Module):
 
     def load_weights(self, file: str | os.PathLike) -> Any:
         """Load a LoRA file (continue training); missing/unexpected modules are logged, a rank mismatch is an error."""
-        from library.files.safetensors_io import load_safetensors
-
         weights_sd = normalize_lora_state_dict(load_safetensors(file))
         own = {k: tuple(v.shape) for k, v in self.state_dict().items()}
         unexpected = sorted(k for k in weights_sd if k not in own)
@@ -623,9 +626,6 @@ class LoRANetwork(nn.Module):
         self, file: str | os.PathLike, dtype: torch.dtype | None, metadata: Mapping[str, Any] | None
     ) -> None:
         """Write the LoRA as .safetensors atomically; with metadata, the sshs_* hashes are added first."""
-        from library.files.model_spec import add_hashes, stringify
-        from library.files.safetensors_io import save_file_atomic
-
         if os.path.splitext(str(file))[1].lower() != ".safetensors":
             raise UserError(
                 f"Cannot save the LoRA as '{file}': only .safetensors is written; use --save_model_as safetensors."
@@ -673,18 +673,16 @@ class LoRANetwork(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         """Merge `weights_sd` into the base weights of the modules this network was built on (inference)."""
-        from library.lora.merge import merged_weight, reject_quantized_weight
-
         weights_sd = normalize_lora_state_dict(weights_sd)
         merged = 0
         for lora in self.text_encoder_loras + self.unet_loras:
-            down = weights_sd.get(f"{lora.lora_name}.lora_down.weight")
-            up = weights_sd.get(f"{lora.lora_name}.lora_up.weight")
+            down = weights_sd.get(f"{lora.lora_name}.{LORA_DOWN}")
+            up = weights_sd.get(f"{lora.lora_name}.{LORA_UP}")
             if down is None or up is None:
                 continue
-            alpha = weights_sd.get(f"{lora.lora_name}.alpha")
+            alpha = weights_sd.get(f"{lora.lora_name}.{ALPHA}")
             weight = lora.org_module.weight
-            prefix = LORA_PREFIX_UNET if lora.lora_name.startswith(LORA_PREFIX_UNET + "_") else LORA_PREFIX_TEXT_ENCODER
+            prefix = prefix_for(lora.lora_name.startswith(LORA_PREFIX_UNET + "_"))
             reject_quantized_weight(lora.original_name + ".weight", weight, prefix)
             target = weight.data.to(device) if device is not None else weight.data
             new = merged_weight(target, [(down, up, alpha, lora.multiplier)])
@@ -710,8 +708,6 @@ def _single_lr(value: float | Sequence[float] | None, default: float | None) -> 
 
 def normalize_lora_state_dict(weights_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our sd-scripts keys (diffusers / ComfyUI PEFT keys converted to them, fused qkv modules split)."""
-    from networks.convert_moss_image_lora import to_sd_scripts
-
     return to_sd_scripts(weights_sd)
 
 
@@ -773,9 +769,9 @@ def _weights_modules(weights_sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, 
     alphas: dict[str, torch.Tensor] = {}
     for key, value in weights_sd.items():
         name, _, suffix = key.partition(".")
-        if suffix == "lora_down.weight":
+        if suffix == LORA_DOWN:
             dims[name] = int(value.shape[0])
-        elif suffix == "alpha":
+        elif suffix == ALPHA:
             alphas[name] = value
     return dims, alphas
 
@@ -798,8 +794,6 @@ def create_network_from_weights(
             "--network_args %s ignored: the modules and ranks come from the weights file", ", ".join(ignored)
         )
     if weights_sd is None:
-        from library.files.safetensors_io import load_safetensors
-
         if file is None:
             raise ValueError("create_network_from_weights needs a file or weights_sd")
         weights_sd = load_safetensors(file)
@@ -824,7 +818,7 @@ def create_network_from_weights(
             unmatched.append(lora_name)
             continue
         name, module, is_unet = available[lora_name]
-        prefix = LORA_PREFIX_UNET if is_unet else LORA_PREFIX_TEXT_ENCODER
+        prefix = prefix_for(is_unet)
         network.add_lora(network._make_lora(prefix, name, module, dim, alphas.get(lora_name)), is_unet)
     _report_unmatched(file, unmatched, text_encoder is not None, unet is not None)
     if dims and not network.unet_loras and not network.text_encoder_loras:

@@ -33,21 +33,31 @@ import torch
 from torch import nn
 
 from library.errors import UserError
+from library.files.safetensors_io import check_safetensors_path, load_safetensors
+from library.lora.conventions import (
+    ALPHA,
+    LORA_DOWN,
+    LORA_PREFIX_TEXT_ENCODER,
+    LORA_PREFIX_UNET,
+    LORA_PREFIXES,
+    LORA_UP,
+    alpha_scale,
+    group_modules,
+    lora_name_for_weight,
+)
+from library.lora.convert import to_sd_scripts
 
 logger = logging.getLogger(__name__)
 
-PREFIXES = ("lora_unet", "lora_te")
+PREFIXES = LORA_PREFIXES
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED_KEY_SUFFIXES = (".weight_scale", ".comfy_quant", ".scale_weight")
-_QUANT_OPTION = {"lora_unet": ("DiT", "--convrot_int8"), "lora_te": ("text encoder", "--convrot_int8_text_encoder")}
+_QUANT_OPTION = {
+    LORA_PREFIX_UNET: ("DiT", "--convrot_int8"),
+    LORA_PREFIX_TEXT_ENCODER: ("text encoder", "--convrot_int8_text_encoder"),
+}
 
 LoraFactor = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | float | None", float]  # (down, up, alpha, multiplier)
-
-
-def _alpha_float(alpha: torch.Tensor | float | None, rank: int) -> float:
-    if isinstance(alpha, torch.Tensor):
-        alpha = float(alpha.detach().float().item())
-    return float(rank) if alpha is None or alpha == 0 else float(alpha)
 
 
 def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactor], key: str = "weight") -> torch.Tensor:
@@ -68,7 +78,7 @@ def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactor], key: str 
                 f"LoRA for '{key}' has up {tuple(up.shape)} / down {tuple(down.shape)}, which does not fit the weight"
                 f" {tuple(weight.shape)}: the LoRA was trained for another model size."
             )
-        scale = float(multiplier) * _alpha_float(alpha, rank) / rank
+        scale = float(multiplier) * alpha_scale(alpha, rank)
         up32 = up.to(result.device, torch.float32)
         down32 = down.to(result.device, torch.float32)
         result.addmm_(up32, down32, alpha=scale)
@@ -106,21 +116,9 @@ class _Module:
 
 
 def _lora_modules(sd: Mapping[str, torch.Tensor], name: str) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
-    from networks.convert_moss_image_lora import split_sd_key, to_sd_scripts
-
     if not sd:
         raise UserError(f"The LoRA {name} has no tensors: it is empty or not a LoRA file.")
-    sd = to_sd_scripts(sd)
-    groups: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    for key, value in sd.items():
-        prefix, module, suffix = split_sd_key(key)
-        groups.setdefault((prefix, module), {})[suffix] = value
-    for (prefix, module), parts in groups.items():
-        if "lora_down.weight" not in parts or "lora_up.weight" not in parts:
-            raise UserError(
-                f"The LoRA {name}: module '{prefix}_{module}' lacks lora_down or lora_up (incomplete file)."
-            )
-    return groups
+    return group_modules(to_sd_scripts(sd), name)
 
 
 class LoraMergePlan:
@@ -142,9 +140,7 @@ class LoraMergePlan:
             for (module_prefix, module), parts in _lora_modules(sd, label).items():
                 if module_prefix != prefix:
                     continue
-                entry = _Module(
-                    parts["lora_down.weight"], parts["lora_up.weight"], parts.get("alpha"), float(multiplier), index
-                )
+                entry = _Module(parts[LORA_DOWN], parts[LORA_UP], parts.get(ALPHA), float(multiplier), index)
                 self._modules.setdefault(f"{prefix}_{module}", []).append(entry)
         self._matched: set[str] = set()
 
@@ -157,9 +153,7 @@ class LoraMergePlan:
 
     def lora_name(self, model_key: str) -> str | None:
         """`layers.3.proj.q.weight` -> `lora_unet_layers_3_proj_q` (None for keys that are not a weight)."""
-        if not model_key.endswith(".weight"):
-            return None
-        return f"{self.prefix}_{model_key[: -len('.weight')]}".replace(".", "_")
+        return lora_name_for_weight(self.prefix, model_key)
 
     def targets(self, model_key: str) -> bool:
         name = self.lora_name(model_key)
@@ -204,7 +198,7 @@ class LoraMergePlan:
                 "%d %s LoRA modules matched no weight of the model and were not merged (e.g. %s): the LoRA was trained"
                 " for another model or another module layout",
                 len(missing),
-                "DiT" if self.prefix == "lora_unet" else "text encoder",
+                "DiT" if self.prefix == LORA_PREFIX_UNET else "text encoder",
                 ", ".join(missing[:5]),
             )
         else:
@@ -216,8 +210,6 @@ def load_lora_files(
     paths: Sequence[str | os.PathLike], multipliers: Sequence[float] | None = None
 ) -> list[tuple[dict[str, torch.Tensor], float]]:
     """Read `--lora_weight` files with their `--lora_multiplier` (none given: 1.0 each; else one per file)."""
-    from library.files.safetensors_io import check_safetensors_path, load_safetensors
-
     multipliers = list(multipliers or [])
     if multipliers and len(multipliers) != len(paths):
         raise UserError(

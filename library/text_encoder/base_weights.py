@@ -28,10 +28,11 @@ import os
 from collections.abc import Sequence
 
 from library.errors import UserError
+from library.lora.conventions import TEXT_ENCODER_KEY_PREFIXES
 
 logger = logging.getLogger(__name__)
 
-TE_KEY_PREFIXES = ("lora_te_", "text_encoder.")  # sd-scripts and PEFT naming of a text-encoder LoRA module
+TE_KEY_PREFIXES = TEXT_ENCODER_KEY_PREFIXES  # sd-scripts and PEFT naming of a text-encoder LoRA module
 _CHUNK = 1 << 24
 
 

@@ -1,0 +1,156 @@
+"""The LoRA file conventions, written once: prefixes, module names, the alpha rule, key splitting, q/k/v, PEFT names.
+
+Every part that reads or writes a LoRA file imports these facts from here: the network modules (`networks/`), the
+load-time merge (`library.lora.merge`), the converter (`library.lora.convert`) and the identity of the text-encoder
+part of `--base_weights` (`library.text_encoder.base_weights`).
+
+sd-scripts naming (what the trainer writes; ComfyUI loads it directly):
+
+- a module is named `<prefix>_<module path with "." as "_">`: `lora_unet_layers_3_proj_q` for the DiT's
+  `layers.3.proj.q`, `lora_te_layers_3_self_attn_q_proj` for the Qwen3.5 text encoder (sd-scripts' single
+  text-encoder naming, no index after `lora_te`);
+- its tensors are `<name>.lora_down.weight` (rank x in), `<name>.lora_up.weight` (out x rank) and `<name>.alpha`.
+
+The alpha rule: a module's scale is alpha / rank, and an alpha that is missing or 0 means alpha = rank (scale 1), as
+sd-scripts, LyCORIS and ComfyUI read it.
+
+PEFT naming (diffusers / ComfyUI): `diffusion_model.<path>` (ComfyUI) or `transformer.<path>` (diffusers) for the DiT,
+`text_encoder.<path>` for the text encoder, with `.lora_A.weight` (= lora_down), `.lora_B.weight` (= lora_up) and an
+optional `.alpha`.
+
+q / k / v: the trainer's modules are separate `proj.q`, `proj.k`, `proj.v`; ComfyUI's single-file DiT fuses them into
+`proj.qkv` (rows q | k | v). A LoRA made for the fused module splits exactly into the three: they share lora_down and
+alpha, and lora_up is cut into three row blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from library.errors import UserError
+
+LORA_PREFIX_UNET = "lora_unet"  # the DiT (sd-scripts calls the denoiser "unet")
+LORA_PREFIX_TEXT_ENCODER = "lora_te"  # the Qwen3.5 text encoder
+LORA_PREFIXES = (LORA_PREFIX_UNET, LORA_PREFIX_TEXT_ENCODER)
+
+LORA_DOWN = "lora_down.weight"
+LORA_UP = "lora_up.weight"
+ALPHA = "alpha"
+LORA_SUFFIXES = (LORA_DOWN, LORA_UP, ALPHA)
+
+PEFT_DIT_PREFIXES = {"comfyui": "diffusion_model.", "diffusers": "transformer."}
+PEFT_TEXT_ENCODER_PREFIX = "text_encoder."
+PEFT_SUFFIXES = {".lora_A.weight": LORA_DOWN, ".lora_B.weight": LORA_UP, ".alpha": ALPHA}
+
+# the keys of a text-encoder module in either naming (sd-scripts, PEFT)
+TEXT_ENCODER_KEY_PREFIXES = (LORA_PREFIX_TEXT_ENCODER + "_", PEFT_TEXT_ENCODER_PREFIX)
+
+FUSED_QKV = "qkv"
+QKV_PARTS = ("q", "k", "v")
+
+ModuleKey = tuple[str, str]  # (prefix, module name after the prefix), e.g. ("lora_unet", "layers_0_proj_q")
+
+
+def prefix_for(is_unet: bool) -> str:
+    """`lora_unet` for a DiT module, `lora_te` for a text-encoder module."""
+    return LORA_PREFIX_UNET if is_unet else LORA_PREFIX_TEXT_ENCODER
+
+
+def lora_name_for(prefix: str, module_path: str) -> str:
+    """`("lora_unet", "layers.3.proj.q")` -> `"lora_unet_layers_3_proj_q"`."""
+    return f"{prefix}_{module_path}".replace(".", "_")
+
+
+def lora_name_for_weight(prefix: str, model_key: str) -> str | None:
+    """`("lora_unet", "layers.3.proj.q.weight")` -> `"lora_unet_layers_3_proj_q"`; None for a key that is no weight."""
+    if not model_key.endswith(".weight"):
+        return None
+    return lora_name_for(prefix, model_key[: -len(".weight")])
+
+
+def effective_alpha(alpha: torch.Tensor | float | None, rank: int) -> float:
+    """The alpha a module means: its own, or the rank when it is missing or 0."""
+    if isinstance(alpha, torch.Tensor):
+        alpha = float(alpha.detach().float().item())
+    return float(rank) if alpha is None or alpha == 0 else float(alpha)
+
+
+def alpha_scale(alpha: torch.Tensor | float | None, rank: int) -> float:
+    """alpha / rank with the rule above."""
+    return effective_alpha(alpha, rank) / rank
+
+
+def is_sd_scripts_state_dict(sd: Mapping[str, torch.Tensor]) -> bool:
+    """True when every key is an sd-scripts LoRA key (`lora_unet_...` / `lora_te_...`)."""
+    return all(k.startswith(tuple(p + "_" for p in LORA_PREFIXES)) for k in sd)
+
+
+def split_sd_key(key: str) -> tuple[str, str, str]:
+    """`lora_unet_layers_0_proj_q.lora_down.weight` -> ("lora_unet", "layers_0_proj_q", "lora_down.weight")."""
+    name, _, suffix = key.partition(".")
+    for prefix in LORA_PREFIXES:
+        if name.startswith(prefix + "_") and suffix in LORA_SUFFIXES:
+            return prefix, name[len(prefix) + 1 :], suffix
+    raise UserError(
+        f"LoRA key '{key}' is not an sd-scripts LoRA key (lora_unet_/lora_te_ + .lora_down.weight / .lora_up.weight /"
+        " .alpha): only plain LoRA files (networks.lora_generic) are supported, not LoHa / LoKr or other adapters."
+    )
+
+
+def group_modules(
+    sd: Mapping[str, torch.Tensor], source: str | None = None
+) -> dict[ModuleKey, dict[str, torch.Tensor]]:
+    """sd-scripts keys grouped by module: {(prefix, name): {suffix: tensor}}; an incomplete module is a UserError."""
+    groups: dict[ModuleKey, dict[str, torch.Tensor]] = {}
+    for key, value in sd.items():
+        prefix, name, suffix = split_sd_key(key)
+        groups.setdefault((prefix, name), {})[suffix] = value
+    of = f" of the LoRA {source}" if source else ""
+    for (prefix, name), parts in groups.items():
+        if LORA_DOWN not in parts or LORA_UP not in parts:
+            raise UserError(f"LoRA module '{prefix}_{name}'{of} lacks lora_down or lora_up: the file is incomplete.")
+    return groups
+
+
+def split_peft_key(key: str) -> tuple[str, str, str]:
+    """`diffusion_model.layers.0.proj.q.lora_A.weight` -> ("lora_unet", "layers.0.proj.q", "lora_down.weight")."""
+    for peft_suffix, sd_suffix in PEFT_SUFFIXES.items():
+        if not key.endswith(peft_suffix):
+            continue
+        head = key[: -len(peft_suffix)]
+        for peft_prefix, sd_prefix in (
+            *((p, LORA_PREFIX_UNET) for p in PEFT_DIT_PREFIXES.values()),
+            (PEFT_TEXT_ENCODER_PREFIX, LORA_PREFIX_TEXT_ENCODER),
+        ):
+            if head.startswith(peft_prefix) and len(head) > len(peft_prefix):
+                return sd_prefix, head[len(peft_prefix) :], sd_suffix
+    raise UserError(
+        f"LoRA key '{key}' is neither sd-scripts (lora_unet_/lora_te_) nor PEFT (diffusion_model./transformer./"
+        "text_encoder. + .lora_A.weight / .lora_B.weight / .alpha): this file is not a MOSS-Image LoRA this tool knows."
+    )
+
+
+def split_fused_qkv(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """sd-scripts keys with any `..._proj_qkv` DiT module split into `_proj_q`, `_proj_k`, `_proj_v` (same math)."""
+    out = dict(sd)
+    names = {k.partition(".")[0] for k in sd}
+    fused = sorted(n for n in names if n.startswith(LORA_PREFIX_UNET + "_") and n.endswith("_proj_" + FUSED_QKV))
+    for name in fused:
+        down = out.pop(f"{name}.{LORA_DOWN}", None)
+        up = out.pop(f"{name}.{LORA_UP}", None)
+        alpha = out.pop(f"{name}.{ALPHA}", None)
+        if down is None or up is None:
+            raise UserError(f"LoRA module '{name}' lacks lora_down or lora_up: the file is incomplete.")
+        if up.shape[0] % len(QKV_PARTS):
+            raise UserError(
+                f"LoRA module '{name}' has {up.shape[0]} output rows, not a multiple of 3: it is not a fused q/k/v."
+            )
+        stem = name[: -len(FUSED_QKV)]
+        for part, piece in zip(QKV_PARTS, up.chunk(len(QKV_PARTS), dim=0)):
+            out[f"{stem}{part}.{LORA_DOWN}"] = down.clone()
+            out[f"{stem}{part}.{LORA_UP}"] = piece.clone()
+            if alpha is not None:
+                out[f"{stem}{part}.{ALPHA}"] = alpha.clone()
+    return out
