@@ -142,6 +142,8 @@ def test_bad_lora_inputs(tmp_path):
     with pytest.raises(UserError, match="empty"):
         LoraMergePlan([({}, 1.0)], "lora_unet")
     with pytest.raises(UserError, match="not an sd-scripts LoRA key.*not LoHa"):
+        LoraMergePlan([({"lora_unet_x.oft_blocks": torch.zeros(1)}, 1.0)], "lora_unet")
+    with pytest.raises(UserError, match="lacks one of hada_w1_a"):  # LoHa files merge (test_lora_lycoris_family)
         LoraMergePlan([({"lora_unet_x.hada_w1_a": torch.zeros(1)}, 1.0)], "lora_unet")
     with pytest.raises(UserError, match="lacks lora_down or lora_up"):
         LoraMergePlan([({"lora_unet_x.lora_up.weight": torch.zeros(2, 2)}, 1.0)], "lora_unet")

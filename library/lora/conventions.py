@@ -9,10 +9,15 @@ sd-scripts naming (what the trainer writes; ComfyUI loads it directly):
 - a module is named `<prefix>_<module path with "." as "_">`: `lora_unet_layers_3_proj_q` for the DiT's
   `layers.3.proj.q`, `lora_te_layers_3_self_attn_q_proj` for the Qwen3.5 text encoder (sd-scripts' single
   text-encoder naming, no index after `lora_te`);
-- its tensors are `<name>.lora_down.weight` (rank x in), `<name>.lora_up.weight` (out x rank) and `<name>.alpha`.
+- its tensors are `<name>.lora_down.weight` (rank x in), `<name>.lora_up.weight` (out x rank) and `<name>.alpha`;
+- a LoHa module (`networks.loha`, LyCORIS' key names) has `<name>.hada_w1_a` (out x rank), `.hada_w1_b` (rank x in),
+  `.hada_w2_a`, `.hada_w2_b` and `.alpha`; a LoKr module (`networks.lokr`) has `<name>.lokr_w1` or
+  `.lokr_w1_a` / `.lokr_w1_b`, `<name>.lokr_w2` or `.lokr_w2_a` / `.lokr_w2_b`, and `.alpha`
+  (`library.lora.weights` has the math of each). ComfyUI and LyCORIS read all three.
 
 The alpha rule: a module's scale is alpha / rank, and an alpha that is missing or 0 means alpha = rank (scale 1), as
-sd-scripts, LyCORIS and ComfyUI read it.
+sd-scripts, LyCORIS and ComfyUI read it. (A LoKr module whose two factors are both full matrices has no rank: its
+scale is 1.)
 
 PEFT naming (diffusers / ComfyUI): `diffusion_model.<path>` (ComfyUI) or `transformer.<path>` (diffusers) for the DiT,
 `text_encoder.<path>` for the text encoder, with `.lora_A.weight` (= lora_down), `.lora_B.weight` (= lora_up) and an
@@ -20,7 +25,8 @@ optional `.alpha`.
 
 q / k / v: the trainer's modules are separate `proj.q`, `proj.k`, `proj.v`; ComfyUI's single-file DiT fuses them into
 `proj.qkv` (rows q | k | v). A LoRA made for the fused module splits exactly into the three: they share lora_down and
-alpha, and lora_up is cut into three row blocks.
+alpha, and lora_up is cut into three row blocks (a LoHa likewise: hada_w1_a and hada_w2_a are cut, the rest shared).
+A LoKr of a fused module does not split into three LoKr modules.
 """
 
 from __future__ import annotations
@@ -39,6 +45,13 @@ LORA_DOWN = "lora_down.weight"
 LORA_UP = "lora_up.weight"
 ALPHA = "alpha"
 LORA_SUFFIXES = (LORA_DOWN, LORA_UP, ALPHA)
+LOHA_TENSORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+LOKR_TENSORS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+MODULE_SUFFIXES = (*LORA_SUFFIXES, *LOHA_TENSORS, *LOKR_TENSORS)
+
+# the algorithms a module file can hold: its tensors (without alpha) and the name users know it by
+ALGORITHM_TENSORS = {"lora": (LORA_DOWN, LORA_UP), "loha": LOHA_TENSORS, "lokr": LOKR_TENSORS}
+ALGORITHM_LABELS = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr"}
 
 PEFT_DIT_PREFIXES = {"comfyui": "diffusion_model.", "diffusers": "transformer."}
 PEFT_TEXT_ENCODER_PREFIX = "text_encoder."
@@ -91,12 +104,36 @@ def split_sd_key(key: str) -> tuple[str, str, str]:
     """`lora_unet_layers_0_proj_q.lora_down.weight` -> ("lora_unet", "layers_0_proj_q", "lora_down.weight")."""
     name, _, suffix = key.partition(".")
     for prefix in LORA_PREFIXES:
-        if name.startswith(prefix + "_") and suffix in LORA_SUFFIXES:
+        if name.startswith(prefix + "_") and suffix in MODULE_SUFFIXES:
             return prefix, name[len(prefix) + 1 :], suffix
     raise UserError(
         f"LoRA key '{key}' is not an sd-scripts LoRA key (lora_unet_/lora_te_ + .lora_down.weight / .lora_up.weight /"
-        " .alpha): only plain LoRA files (networks.lora_generic) are supported, not LoHa / LoKr or other adapters."
+        " .alpha), not LoHa (.hada_w1_a ...) and not LoKr (.lokr_w1 ...): other adapters (LoCon convolutions, Tucker,"
+        " DoRA, OFT, IA3 ...) are not supported."
     )
+
+
+def module_algorithm(parts: Mapping[str, object], name: str, source: str | None = None) -> str:
+    """"lora", "loha" or "lokr" for the tensors of one module (suffix -> tensor); a mixed or incomplete module is a
+    UserError naming it."""
+    of = f" of the LoRA {source}" if source else ""
+    found = [a for a, tensors in ALGORITHM_TENSORS.items() if any(t in parts for t in tensors)]
+    if len(found) != 1:
+        what = " and ".join(ALGORITHM_LABELS[a] for a in found) if found else "only an alpha"
+        raise UserError(f"LoRA module '{name}'{of} has {what} tensors: the file is damaged or not a LoRA file.")
+    algorithm = found[0]
+    if algorithm == "lora":
+        complete = LORA_DOWN in parts and LORA_UP in parts
+        needed = "lora_down or lora_up"
+    elif algorithm == "loha":
+        complete = all(t in parts for t in LOHA_TENSORS)
+        needed = "one of hada_w1_a / hada_w1_b / hada_w2_a / hada_w2_b"
+    else:
+        complete = all("lokr_" + w in parts or all(f"lokr_{w}_{ab}" in parts for ab in "ab") for w in ("w1", "w2"))
+        needed = "lokr_w1 (or lokr_w1_a and _b) or lokr_w2 (or lokr_w2_a and _b)"
+    if not complete:
+        raise UserError(f"LoRA module '{name}'{of} lacks {needed}: the file is incomplete.")
+    return algorithm
 
 
 def group_modules(
@@ -107,10 +144,8 @@ def group_modules(
     for key, value in sd.items():
         prefix, name, suffix = split_sd_key(key)
         groups.setdefault((prefix, name), {})[suffix] = value
-    of = f" of the LoRA {source}" if source else ""
     for (prefix, name), parts in groups.items():
-        if LORA_DOWN not in parts or LORA_UP not in parts:
-            raise UserError(f"LoRA module '{prefix}_{name}'{of} lacks lora_down or lora_up: the file is incomplete.")
+        module_algorithm(parts, f"{prefix}_{name}", source)
     return groups
 
 
@@ -132,25 +167,32 @@ def split_peft_key(key: str) -> tuple[str, str, str]:
     )
 
 
+# per algorithm: the tensors cut into row blocks when a fused q/k/v module is split (the others are shared)
+_QKV_ROW_TENSORS = {"lora": (LORA_UP,), "loha": ("hada_w1_a", "hada_w2_a")}
+
+
 def split_fused_qkv(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """sd-scripts keys with any `..._proj_qkv` DiT module split into `_proj_q`, `_proj_k`, `_proj_v` (same math)."""
     out = dict(sd)
     names = {k.partition(".")[0] for k in sd}
     fused = sorted(n for n in names if n.startswith(LORA_PREFIX_UNET + "_") and n.endswith("_proj_" + FUSED_QKV))
     for name in fused:
-        down = out.pop(f"{name}.{LORA_DOWN}", None)
-        up = out.pop(f"{name}.{LORA_UP}", None)
-        alpha = out.pop(f"{name}.{ALPHA}", None)
-        if down is None or up is None:
-            raise UserError(f"LoRA module '{name}' lacks lora_down or lora_up: the file is incomplete.")
-        if up.shape[0] % len(QKV_PARTS):
+        parts = {k.partition(".")[2]: out.pop(k) for k in [k for k in out if k.partition(".")[0] == name]}
+        algorithm = module_algorithm(parts, name)
+        if algorithm not in _QKV_ROW_TENSORS:
             raise UserError(
-                f"LoRA module '{name}' has {up.shape[0]} output rows, not a multiple of 3: it is not a fused q/k/v."
+                f"LoRA module '{name}' is a {ALGORITHM_LABELS[algorithm]} of a fused q/k/v module, which does not split"
+                " into q / k / v modules: train it for the separate proj.q / proj.k / proj.v modules instead."
+            )
+        rows = _QKV_ROW_TENSORS[algorithm]
+        if any(parts[r].shape[0] % len(QKV_PARTS) for r in rows):
+            raise UserError(
+                f"LoRA module '{name}' has {parts[rows[0]].shape[0]} output rows, not a multiple of 3: it is not a"
+                " fused q/k/v."
             )
         stem = name[: -len(FUSED_QKV)]
-        for part, piece in zip(QKV_PARTS, up.chunk(len(QKV_PARTS), dim=0)):
-            out[f"{stem}{part}.{LORA_DOWN}"] = down.clone()
-            out[f"{stem}{part}.{LORA_UP}"] = piece.clone()
-            if alpha is not None:
-                out[f"{stem}{part}.{ALPHA}"] = alpha.clone()
+        for i, part in enumerate(QKV_PARTS):
+            for suffix, tensor in parts.items():
+                piece = tensor.chunk(len(QKV_PARTS), dim=0)[i] if suffix in rows else tensor
+                out[f"{stem}{part}.{suffix}"] = piece.clone()
     return out

@@ -16,6 +16,9 @@ loaders may reject the extra key). Going back to sd-scripts, a missing `.alpha` 
 q / k / v stay separate in every direction (ComfyUI maps separate q / k / v LoRA keys onto its fused qkv weight
 itself); a LoRA made for a fused `<block>.proj.qkv` module is split exactly into q / k / v on the way in.
 
+LoHa and LoKr files (`networks.loha`, `networks.lokr`) have no PEFT form here: `to_sd_scripts` passes them through
+(a fused q/k/v LoHa is split), `to_peft` refuses them with a sentence (ComfyUI and LyCORIS read them as they are).
+
 The sd-scripts -> PEFT direction needs the dotted module path back from the underscored name; it uses the name table
 of the MOSS-Image targets (`library.moss_image.lora_targets`), and `module_names=` extends it with any model's names.
 """
@@ -33,10 +36,13 @@ from library.errors import UserError
 from library.files.model_spec import add_hashes
 from library.files.safetensors_io import load_safetensors, read_metadata, save_file_atomic
 from library.lora.conventions import (
+    ALGORITHM_LABELS,
+    ALGORITHM_TENSORS,
     ALPHA,
     LORA_DOWN,
     LORA_PREFIX_TEXT_ENCODER,
     LORA_PREFIX_UNET,
+    LORA_SUFFIXES,
     LORA_UP,
     PEFT_DIT_PREFIXES,
     PEFT_TEXT_ENCODER_PREFIX,
@@ -46,6 +52,7 @@ from library.lora.conventions import (
     lora_name_for,
     split_fused_qkv,
     split_peft_key,
+    split_sd_key,
 )
 from library.moss_image.lora_targets import DIT_MODULE_PATHS, TEXT_ENCODER_MODULE_PATHS
 
@@ -85,6 +92,7 @@ def to_peft(
     """sd-scripts keys -> PEFT keys (`diffusion_model.` or `transformer.` for the DiT, `text_encoder.` for the TE)."""
     if target not in PEFT_DIT_PREFIXES:
         raise UserError(f"Unknown PEFT target '{target}': choose comfyui or diffusers.")
+    _refuse_other_algorithms(sd)
     names = list(module_names)
     out: dict[str, torch.Tensor] = {}
     for (prefix, name), parts in group_modules(sd).items():
@@ -99,6 +107,17 @@ def to_peft(
         else:
             out[f"{head}.lora_B.weight"] = (up.float() * (alpha / down.shape[0])).to(up.dtype)
     return out
+
+
+def _refuse_other_algorithms(sd: Mapping[str, torch.Tensor]) -> None:
+    for key in sd:
+        suffix = split_sd_key(key)[2]
+        if suffix not in LORA_SUFFIXES:
+            label = next(ALGORITHM_LABELS[a] for a, names in ALGORITHM_TENSORS.items() if suffix in names)
+            raise UserError(
+                f"LoRA key '{key}' is not an sd-scripts LoRA key but a {label} one: the PEFT naming is written for LoRA"
+                f" only; ComfyUI and LyCORIS read {label} files as they are, no conversion is needed."
+            )
 
 
 def to_sd_scripts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

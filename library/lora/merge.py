@@ -1,4 +1,8 @@
-"""Merge LoRA weights into base weights at load time: W' = W + multiplier * (alpha / rank) * up @ down.
+"""Merge LoRA weights into base weights at load time: W' = W + multiplier * dW.
+
+dW is the module's weight change (`library.lora.weights`): (alpha / rank) * up @ down for a LoRA, the Hadamard
+product of two low-rank pairs for a LoHa (`networks.loha`), a Kronecker product for a LoKr (`networks.lokr`); one file
+may mix them, as LyCORIS files can.
 
 The math runs in fp32 and the result is cast back to the weight's dtype once, whatever the number of LoRAs.
 
@@ -35,17 +39,19 @@ from torch import nn
 from library.errors import UserError
 from library.files.safetensors_io import check_safetensors_path, load_safetensors
 from library.lora.conventions import (
+    ALGORITHM_LABELS,
     ALPHA,
     LORA_DOWN,
     LORA_PREFIX_TEXT_ENCODER,
     LORA_PREFIX_UNET,
     LORA_PREFIXES,
     LORA_UP,
-    alpha_scale,
     group_modules,
     lora_name_for_weight,
+    module_algorithm,
 )
 from library.lora.convert import to_sd_scripts
+from library.lora.weights import delta_shape, delta_weight, module_scale
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +64,26 @@ _QUANT_OPTION = {
 }
 
 LoraFactor = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | float | None", float]  # (down, up, alpha, multiplier)
+ModuleParts = Mapping[str, torch.Tensor]  # one module's tensors by suffix (lora_down.weight / hada_w1_a / ...)
 
 
 def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactor], key: str = "weight") -> torch.Tensor:
     """weight + sum(multiplier * alpha / rank * up @ down), computed in fp32 on the weight's device, cast back once."""
-    active = [f for f in factors if f[3] != 0]
+    modules = []
+    for down, up, alpha, multiplier in factors:
+        parts = {LORA_DOWN: down, LORA_UP: up}
+        if alpha is not None:
+            parts[ALPHA] = alpha if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha))
+        modules.append((parts, multiplier))
+    return merged_modules(weight, modules, key)
+
+
+def merged_modules(
+    weight: torch.Tensor, modules: Sequence[tuple[ModuleParts, float]], key: str = "weight"
+) -> torch.Tensor:
+    """weight + sum(multiplier * dW) over LoRA / LoHa / LoKr modules (`library.lora.weights`), in fp32 on the weight's
+    device, cast back once; the same tensor when every multiplier is 0."""
+    active = [(parts, float(m)) for parts, m in modules if m != 0]
     if not active:
         return weight
     if weight.dim() != 2:
@@ -70,19 +91,35 @@ def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactor], key: str 
             f"LoRA targets '{key}' of shape {tuple(weight.shape)}: only Linear (2-D) weights can be merged."
         )
     result = weight.to(dtype=torch.float32, copy=True)
-    for down, up, alpha, multiplier in active:
-        rank = down.shape[0]
-        fits = up.dim() == 2 and down.dim() == 2 and up.shape[1] == rank
+    for parts, multiplier in active:
+        algorithm = module_algorithm(parts, key)
+        _check_fits(algorithm, parts, weight, key)
+        if algorithm == "lora":  # one fused multiply-add, no full-size temporary
+            up32 = parts[LORA_UP].to(result.device, torch.float32)
+            down32 = parts[LORA_DOWN].to(result.device, torch.float32)
+            result.addmm_(up32, down32, alpha=multiplier * module_scale(algorithm, parts))
+        else:
+            result.add_(delta_weight(parts, algorithm, result.device), alpha=multiplier)
+    return result.to(weight.dtype)
+
+
+def _check_fits(algorithm: str, parts: ModuleParts, weight: torch.Tensor, key: str) -> None:
+    if algorithm == "lora":
+        up, down = parts[LORA_UP], parts[LORA_DOWN]
+        fits = up.dim() == 2 and down.dim() == 2 and up.shape[1] == down.shape[0]
         if not fits or (up.shape[0], down.shape[1]) != tuple(weight.shape):
             raise UserError(
                 f"LoRA for '{key}' has up {tuple(up.shape)} / down {tuple(down.shape)}, which does not fit the weight"
                 f" {tuple(weight.shape)}: the LoRA was trained for another model size."
             )
-        scale = float(multiplier) * alpha_scale(alpha, rank)
-        up32 = up.to(result.device, torch.float32)
-        down32 = down.to(result.device, torch.float32)
-        result.addmm_(up32, down32, alpha=scale)
-    return result.to(weight.dtype)
+        return
+    shape = delta_shape(algorithm, parts)
+    if shape != tuple(weight.shape):
+        label = ALGORITHM_LABELS[algorithm]
+        raise UserError(
+            f"{label} for '{key}' makes a change of shape {shape}, which does not fit the weight {tuple(weight.shape)}:"
+            f" the {label} was trained for another model size."
+        )
 
 
 def is_quantized_key(key: str) -> bool:
@@ -108,9 +145,7 @@ def reject_quantized_weight(
 
 @dataclass(frozen=True)
 class _Module:
-    down: torch.Tensor
-    up: torch.Tensor
-    alpha: torch.Tensor | None
+    parts: ModuleParts
     multiplier: float
     source: int
 
@@ -140,7 +175,7 @@ class LoraMergePlan:
             for (module_prefix, module), parts in _lora_modules(sd, label).items():
                 if module_prefix != prefix:
                     continue
-                entry = _Module(parts[LORA_DOWN], parts[LORA_UP], parts.get(ALPHA), float(multiplier), index)
+                entry = _Module(parts, float(multiplier), index)
                 self._modules.setdefault(f"{prefix}_{module}", []).append(entry)
         self._matched: set[str] = set()
 
@@ -183,8 +218,7 @@ class LoraMergePlan:
         if name is None or name not in self._modules:
             return tensor
         self._matched.add(name)
-        factors = [(m.down, m.up, m.alpha, m.multiplier) for m in self._modules[name]]
-        return merged_weight(tensor, factors, model_key)
+        return merged_modules(tensor, [(m.parts, m.multiplier) for m in self._modules[name]], model_key)
 
     def unmatched(self) -> list[str]:
         """LoRA modules (of this prefix) that no merged key matched so far."""

@@ -203,9 +203,6 @@ class NetworkTrainer(abc.ABC):
             raise UserError("--initial_epoch counts from 1.")
         if args.skip_until_initial_step and args.initial_step is None and args.initial_epoch is None:
             raise UserError("--skip_until_initial_step needs --initial_step or --initial_epoch.")
-        if args.network_module in ("networks.loha", "networks.lokr"):
-            raise UserError(f"--network_module {args.network_module} is not available in this version: use"
-                            " networks.lora_generic.")
 
     # -------------------------------------------------------------------------------------------- phases
     def _prepare_accelerator(self, args: argparse.Namespace, log_with: str | None) -> Any:
@@ -255,20 +252,26 @@ class NetworkTrainer(abc.ABC):
                 raise UserError(f"--network_args entry '{item}' is not key=value: write it as key=value.")
             k, v = item.split("=", 1)
             net_kwargs[k.strip()] = v.strip()
+        # the one text encoder, or None when it is not loaded (outputs cached): modules that iterate a list (LyCORIS)
+        # must not meet a None in it
+        present = [te for te in run.text_encoders if te is not None]
+        text_encoder = present[0] if len(present) == 1 else (present or None)
         if args.dim_from_weights:
             if not args.network_weights:
                 raise UserError("--dim_from_weights needs --network_weights.")
             network, _ = module.create_network_from_weights(
-                args.network_multiplier, args.network_weights, run.vae, run.text_encoders, run.unet, **net_kwargs
+                args.network_multiplier, args.network_weights, run.vae, text_encoder, run.unet, **net_kwargs
             )
         else:
+            if "dropout" not in net_kwargs:  # as sd-scripts: modules that read no neuron_dropout (LyCORIS) get it here
+                net_kwargs["dropout"] = args.network_dropout
             network = module.create_network(
-                args.network_multiplier, args.network_dim, args.network_alpha, run.vae, run.text_encoders, run.unet,
+                args.network_multiplier, args.network_dim, args.network_alpha, run.vae, text_encoder, run.unet,
                 neuron_dropout=args.network_dropout, **net_kwargs,
             )
         if network is None:
             raise UserError(f"--network_module '{args.network_module}' created no network for this model.")
-        network.apply_to(run.text_encoders, run.unet, run.train_text_encoder, run.train_unet)
+        network.apply_to(text_encoder, run.unet, run.train_text_encoder, run.train_unet)
         if args.network_weights and not args.dim_from_weights:
             info = network.load_weights(args.network_weights)
             logger.info("loaded network weights from %s: %s", args.network_weights, info)
@@ -279,7 +282,10 @@ class NetworkTrainer(abc.ABC):
 
         args = run.args
         te_lr = args.text_encoder_lr[0] if args.text_encoder_lr else None
-        params, descriptions = run.network.prepare_optimizer_params_with_multiple_te_lrs(te_lr, args.unet_lr, args.learning_rate)
+        # networks of the older contract (LyCORIS) have only prepare_optimizer_params, which may return params alone
+        prepare = getattr(run.network, "prepare_optimizer_params_with_multiple_te_lrs", None)
+        result = (prepare or run.network.prepare_optimizer_params)(te_lr, args.unet_lr, args.learning_rate)
+        params, descriptions = result if isinstance(result, tuple) else (result, None)
         run.lr_descriptions = descriptions
         name, desc, run.optimizer = optimizers.get_optimizer(run.options.optimizer, params)
         run.optimizer_name = f"{name}({desc})" if desc else name
@@ -642,6 +648,7 @@ class NetworkTrainer(abc.ABC):
         run.accelerator.wait_for_everyone()
         run.optimizer_eval_fn()  # schedule-free optimizers hold the evaluation weights only in eval mode
         if run.accelerator.is_main_process:
+            out.parent.mkdir(parents=True, exist_ok=True)  # a third-party network's save_weights does not make it
             run.network.save_weights(str(out), run.save_dtype, self._lora_metadata(run, epoch, out, final))
         run.optimizer_train_fn()
         return out
