@@ -508,3 +508,14 @@ def test_real_moss_image_dit_targets_and_forward():
         randomize(net)
         out = model(x, t, text)
     assert out.shape == base.shape and not torch.allclose(out, base)
+
+
+def test_networks_lora_is_lora_generic(caplog):
+    from networks import lora
+
+    with caplog.at_level(logging.INFO, logger="networks.lora"):
+        net = lora.create_network(1.0, 4, 1.0, None, None, dit())
+    assert isinstance(net, lora_generic.LoRANetwork) and len(net.unet_loras) == 18
+    assert "networks.lora is networks.lora_generic" in caplog.text
+    again, _ = lora.create_network_from_weights(1.0, None, None, None, dit(), weights_sd=net.state_dict())
+    assert {m.lora_name for m in again.unet_loras} == {m.lora_name for m in net.unet_loras}

@@ -115,3 +115,23 @@ def test_third_party_network_with_the_lycoris_interface(tiny_snapshot, toy_data,
     assert run.global_step == 2 and run.lr_descriptions == ["unet"]
     sd = load_safetensors(out / "toy.safetensors")
     assert len(sd) == 3 * LAYERS * 6 and any(v.abs().max() > 0 for k, v in sd.items() if "lora_up" in k)
+
+
+def test_real_lycoris_with_the_moss_image_preset(tiny_snapshot, toy_data, tmp_path):
+    """The LyCORIS package itself (optional test dependency: pip install lycoris-lora), text encoder trained too."""
+    pytest.importorskip("lycoris.kohya")
+    out = tmp_path / "new" / "out"
+    argv = base_args(tiny_snapshot, toy_data, out, "--max_train_steps", "2", "--learning_rate", "1e-2",
+                     "--text_encoder_lr", "1e-2", "--network_dropout", "0.1", "--network_args", "algo=lokr",
+                     "preset=networks/lycoris_moss_image.toml")
+    argv[argv.index("networks.lora_generic")] = "lycoris.kohya"
+    argv.remove("--network_train_unet_only")
+    argv.remove("--cache_text_encoder_outputs")
+    run = train(argv)
+    assert run.network.dropout == 0.1
+    sd = load_safetensors(out / "toy.safetensors")
+    names = {k.partition(".")[0] for k in sd}
+    assert len([n for n in names if n.startswith("lora_unet_layers_")]) == LAYERS * 6 and len(names) == LAYERS * 6 + 25
+    for prefix, count in (("lora_unet", LAYERS * 6), ("lora_te", 25)):
+        plan = LoraMergePlan([(sd, 1.0)], prefix)
+        assert len(plan) == count
