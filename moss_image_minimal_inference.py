@@ -37,8 +37,10 @@ from library.options.checks import check_attention_args
 from library.options.implications import ATTENTION_IMPLICATIONS, apply_implications
 from library.runtime.compile import check_compile_args
 from library.sampling.sampler import check_image_size, parse_uncond_skip_layers
+from library.text_encoder.encoding import encode_captions
+from library.text_encoder.loading import TextEncoderOptions, load_text_encoder
 from library.text_encoder.quant import check_text_encoder_memory_args
-from library.text_encoder.qwen35 import check_max_token_length
+from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
 
 logger = logging.getLogger("moss_image_minimal_inference")
 
@@ -62,7 +64,7 @@ def setup_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("device")
     groups.add_device_argument(g)
     g.add_argument("--dtype", type=str, default=None, choices=["bf16", "fp16", "fp32"],
-                   help="DiT / text encoder dtype (default bf16 on CUDA, fp32 on CPU)")
+                   help="DiT dtype (default bf16 on CUDA, fp32 on CPU); the text encoder always runs in bf16")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", type=str, default=None, help="the prompt (\\n becomes a line break)")
     g.add_argument("--negative_prompt", type=str, default="", help="negative prompt (default empty, as official)")
@@ -167,35 +169,18 @@ def _lora_plan(args: argparse.Namespace, prefix: str) -> Any:
     return None if plan.is_empty else plan
 
 
-def load_text_encoder_for(args: argparse.Namespace, device: Any, dtype: Any) -> tuple[Any, Any]:
+def load_text_encoder_for(args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
     """The text encoder (LoRA merged, --te_quant / ConvRot applied, on its run device) and the tokenizer."""
-    import torch
-
-    from library.moss_image.loaders import load_text_encoder
-    from library.text_encoder.qwen35 import load_tokenizer
-    from library.text_encoder.quant import loading_device, prepare_text_encoder, te_on_cpu
-
-    te_device = torch.device("cpu") if te_on_cpu(args) else device
-    te_dtype = torch.float32 if te_device.type == "cpu" else dtype
     plan = _lora_plan(args, "lora_te")
-    load_on = loading_device(args.te_quant, te_on_cpu(args), te_device)  # the CPU when --te_quant may quantise
-    te = load_text_encoder(args.text_encoder, dtype=te_dtype, device=load_on,
-                           disable_mmap=args.disable_mmap_load_safetensors, tensor_hook=plan.merge if plan else None,
-                           convrot_int8=args.convrot_int8_text_encoder, calc_device=device)
-    te.to(prepare_text_encoder(te, args.te_quant, te_device, te_on_cpu(args)).device)  # --te_quant: quantised here
+    loaded = load_text_encoder(TextEncoderOptions.from_args(args), device, tensor_hook=plan.merge if plan else None)
     if plan:
         plan.finish()
-    return te, load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
+    return loaded.model, load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
 
 
 def encode_texts(args: argparse.Namespace, te: Any, tokenizer: Any, texts: list[str]) -> dict[str, Any]:
-    """Each text encoded once (one at a time, no padding), kept on the CPU."""
-    import torch
-
-    from library.text_encoder.qwen35 import encode_prompts as encode
-
-    with torch.no_grad():
-        outputs = encode(te, tokenizer, texts, args.moss_max_token_length)
+    """Each text encoded once, kept on the CPU."""
+    outputs = encode_captions(te, tokenizer, texts, args.moss_max_token_length)
     return {t: (e.cpu(), m.cpu()) for t, (e, m) in zip(texts, outputs)}
 
 
@@ -310,7 +295,7 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
     timer = PhaseTimer(device)
     texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
     with timer.phase("text_encoder_load"):
-        te, tokenizer = load_text_encoder_for(args, device, dtype)
+        te, tokenizer = load_text_encoder_for(args, device)
     with timer.phase("encode"):
         outputs = encode_texts(args, te, tokenizer, texts)
     del te  # freed before the DiT is read
@@ -357,7 +342,7 @@ def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]
             break
         settings = _settings(args, parse_prompt_line(line.strip(), cli_defaults(args)), skip, index)
         if te is None:
-            te, tokenizer = load_text_encoder_for(args, device, dtype)
+            te, tokenizer = load_text_encoder_for(args, device)
             dit = load_dit_for_sampling(args, device, dtype)
         outputs = encode_texts(args, te, tokenizer, list(dict.fromkeys([settings.prompt, settings.negative_prompt])))
         results = denoise_all(dit, [settings], outputs, device, first_index=index)

@@ -10,6 +10,7 @@ training time; the target is the flow velocity noise - x0 with timesteps sigma *
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -25,8 +26,11 @@ from library.moss_image.loaders import fill_paths_from_snapshot
 from library.options.checks import check_attention_args
 from library.quant.convrot_kernels import HAS_TRITON
 from library.runtime.compile import check_compile_args, check_cpu_compiler
+from library.text_encoder.encoding import LazyEncoder, encode_captions, pad_and_stack
+from library.text_encoder.loading import TextEncoderOptions, load_text_encoder, predict_text_encoder_variant
 from library.text_encoder.quant import check_text_encoder_memory_args
-from library.text_encoder.qwen35 import check_max_token_length
+from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
+from library.text_encoder.variant import check_predicted_variant
 from library.training import flow_matching
 from library.training.args import add_common_arguments, parse_args_with_config, write_config_file
 from library.training.network_trainer import NetworkTrainer, RunState
@@ -108,7 +112,6 @@ class MossImageNetworkTrainer(NetworkTrainer):
     # --------------------------------------------------------------------------------------------- models
     def load_target_model(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any) -> tuple:
         from library.moss_image.vae import load_flux2_vae
-        from library.text_encoder.qwen35 import load_tokenizer
 
         self.tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
         self.deferred_te_variant = self._deferrable_te_variant(args, accelerator)
@@ -117,7 +120,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         else:  # read only if some cache file must be made (cache_text_encoder_outputs_if_needed)
             text_encoder = None
             self.text_encoder_variant = self.deferred_te_variant
-            self.text_encoder_convrot_int8 = self.deferred_te_variant == "convrot_int8"
+            self.text_encoder_convrot_int8 = self.deferred_te_variant.startswith("convrot_int8")
             logger.info("the text encoder (%s) is read only if some text-encoder cache file must be made",
                         self.deferred_te_variant)
         # --lowram: straight to the GPU (little CPU RAM); otherwise kept on the CPU until it is needed
@@ -135,38 +138,21 @@ class MossImageNetworkTrainer(NetworkTrainer):
             return None
         if args.sample_prompts:
             return None
-        from library.text_encoder.variant import predict_text_encoder_variant
-
-        return predict_text_encoder_variant(args, accelerator.device)
+        return predict_text_encoder_variant(TextEncoderOptions.from_args(args), accelerator.device)
 
     def _load_text_encoder(self, args: argparse.Namespace, accelerator: Any) -> Any:
         """Read the text encoder (LoRA --base_weights merged, ConvRot INT8 / --te_quant applied) and note its device
-        and variant; kept on the CPU (the GPU with --lowram) until it is used."""
-        from library.quant.convrot import is_convrot_int8_model
-        from library.moss_image.loaders import load_text_encoder
-        from library.caching.strategies import text_encoder_variant
-        from library.text_encoder.quant import prepare_text_encoder, te_on_cpu
-
-        logger.info("loading the Qwen3.5 text encoder (bf16)")
-        te_dtype = torch.bfloat16 if accelerator.device.type != "cpu" or args.mixed_precision == "bf16" else torch.float32
+        and variant; kept on the CPU (placed directly with --lowram) until it is used."""
         plan = self._base_weights_plan(args, "lora_te")
-        home = accelerator.device if args.lowram else "cpu"
-        # building the model draws random numbers: the run's RNG must not depend on whether the encoder was read
-        cuda = [accelerator.device] if accelerator.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-            text_encoder = load_text_encoder(
-                args.text_encoder, dtype=te_dtype, device=home, disable_mmap=args.disable_mmap_load_safetensors,
-                convrot_int8=args.convrot_int8_text_encoder, convrot_int8_bwd=args.convrot_int8_bwd,
-                calc_device=accelerator.device,  # quantised on the GPU
-                tensor_hook=plan.merge if plan else None,
-            )
-            if plan:
-                plan.finish()
-            self.te_device = prepare_text_encoder(text_encoder, args.te_quant, accelerator.device, te_on_cpu(args),
-                                                  frozen=not self.is_train_text_encoder(args)).device
-        self.text_encoder_convrot_int8 = is_convrot_int8_model(text_encoder)
-        self.text_encoder_variant = text_encoder_variant(text_encoder)
-        return text_encoder
+        loaded = load_text_encoder(TextEncoderOptions.from_args(args), accelerator.device,
+                                   tensor_hook=plan.merge if plan else None,
+                                   frozen=not self.is_train_text_encoder(args), home=None if args.lowram else "cpu")
+        if plan:
+            plan.finish()
+        self.te_device = loaded.device
+        self.text_encoder_convrot_int8 = loaded.convrot_int8
+        self.text_encoder_variant = loaded.variant
+        return loaded.model
 
     @staticmethod
     def _base_weights_plan(args: argparse.Namespace, prefix: str) -> Any:
@@ -181,8 +167,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     def load_unet_lazily(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any,
                          text_encoders: list) -> tuple:
-        from library.quant.convrot import is_convrot_int8_model
         from library.moss_image.loaders import load_moss_image_model
+        from library.quant.convrot import is_convrot_int8_model
 
         # with --convrot_int8 the bf16 weights are read to the CPU and quantised on the GPU, one layer at a time
         loading_device = "cpu" if args.convrot_int8 or args.blocks_to_swap else accelerator.device
@@ -262,13 +248,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
             run.vae.to("cpu")
         acc.wait_for_everyone()
 
-    def _encode_fn(self, text_encoder: Any, max_length: int) -> Any:
-        from library.caching.strategies import make_text_encode_fn
-
-        return make_text_encode_fn(text_encoder, self.tokenizer, max_length)
-
     def cache_text_encoder_outputs_if_needed(self, run: RunState) -> None:
-        from library.caching.strategies import LazyEncoder, cache_text_encoder_outputs
+        from library.caching.strategies import cache_text_encoder_outputs
 
         args, acc = run.args, run.accelerator
         if not args.cache_text_encoder_outputs:
@@ -278,8 +259,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
             if run.text_encoders[0] is None:
                 run.text_encoders[0] = self._load_deferred_text_encoder(args, acc)
             te = run.text_encoders[0]
-            te.to(self.te_device or acc.device)
-            return self._encode_fn(te, args.moss_max_token_length)
+            te.to(self.te_device)
+            return functools.partial(encode_captions, te, self.tokenizer, max_length=args.moss_max_token_length)
 
         encode = LazyEncoder(make_encode, loads_model=run.text_encoders[0] is None)
         cache_text_encoder_outputs([run.train_group, run.val_group], encode,
@@ -296,8 +277,6 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     def _load_deferred_text_encoder(self, args: argparse.Namespace, accelerator: Any) -> Any:
         """The text encoder whose loading was deferred, checked against the variant the caches were checked with."""
-        from library.text_encoder.variant import check_predicted_variant
-
         text_encoder = self._load_text_encoder(args, accelerator)
         if self.deferred_te_variant is not None:
             check_predicted_variant(self.deferred_te_variant, self.text_encoder_variant)
@@ -328,13 +307,11 @@ class MossImageNetworkTrainer(NetworkTrainer):
                                  self.bn_running_var.to(acc.device))
 
     def get_text_conds(self, run: RunState, batch: dict[str, Any], is_train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        from library.text_encoder.qwen35 import pad_and_stack
-
         outputs = batch.get("text_encoder_outputs")
-        if outputs is None:
+        if outputs is None:  # gradients flow when the text encoder LoRA is trained (the caller sets the grad mode)
             te = run.text_encoders[0]
-            te.to(self.te_device or run.accelerator.device)
-            outputs = _encode_grad(te, self.tokenizer, batch["captions"], run.args.moss_max_token_length)
+            te.to(self.te_device)
+            outputs = encode_captions(te, self.tokenizer, batch["captions"], run.args.moss_max_token_length, grad=True)
         embeds, mask = pad_and_stack([(e.to(run.accelerator.device), m.to(run.accelerator.device)) for e, m in outputs])
         return embeds, mask
 
@@ -390,13 +367,6 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     def update_metadata(self, metadata: dict[str, Any], args: argparse.Namespace) -> None:
         metadata.update(model_spec.moss_image_metadata(args, self.dit_convrot_int8, self.text_encoder_convrot_int8))
-
-
-def _encode_grad(te: Any, tokenizer: Any, captions: list[str], max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Encode captions one at a time; gradients flow when the text encoder LoRA is trained."""
-    from library.text_encoder.qwen35 import encode_tokens, tokenize
-
-    return [encode_tokens(te, tokenize(tokenizer, c, max_length)) for c in captions]
 
 
 def setup_parser() -> argparse.ArgumentParser:

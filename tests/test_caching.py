@@ -352,3 +352,64 @@ def test_processes_cache_disjoint_shares_whatever_the_order(tmp_path):
         assert (n_te, n_lat) == ((3, 3) if process == 0 else (2, 2))
     assert not written[0] & written[1]
     assert len(list(folder.glob("*_moss_te.npz"))) == 5 and len(list(folder.glob("*_0096x0064_moss.npz"))) == 5
+
+
+class Bf16TextEncoder(FakeTextEncoder):
+    """FakeTextEncoder's outputs rounded to bf16, as a bf16 encoder gives them (widened to fp32 in the files)."""
+
+    @staticmethod
+    def outputs(caption: str) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, mask = FakeTextEncoder.outputs(caption)
+        return embeds.bfloat16().float(), mask
+
+
+def as_earlier_version(path: Path) -> None:
+    """Rewrite a TE cache file as the versions before `encoder_dtype` wrote it."""
+    data = sm.load_npz(path)
+    del data["encoder_dtype"]
+    sm.save_npz_atomic(path, data)
+
+
+def test_te_cache_records_the_dtype_and_reads_no_embedding_to_check_it(tmp_path, monkeypatch):
+    folder = image_folder(tmp_path / "a", ["one", "two"])
+    assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), variant="none_fp32")[0] == 2
+    data = sm.load_npz(folder / "img0_moss_te.npz")
+    assert (str(data["encoder"]), str(data["encoder_dtype"])) == ("none_fp32", "fp32")
+    monkeypatch.setattr(sm, "_first_values", lambda *a: pytest.fail("an embedding was read"))
+    assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), variant="none_fp32")[0] == 0
+    assert cache_te(te_groups(tmp_path, folder), FakeTextEncoder(), variant="none")[0] == 2  # bf16 now
+
+
+def test_te_cache_files_of_earlier_versions_are_valid_when_made_in_the_same_dtype(tmp_path):
+    """Earlier versions recorded `none` for bf16 (trainer, tool on a GPU) and for fp32 (the tool on the CPU): the
+    values tell them apart, so a bf16 file stays valid for the bf16 encoder and an fp32 one is re-made."""
+    bf16_folder = image_folder(tmp_path / "bf16", ["one", "two"])
+    fp32_folder = image_folder(tmp_path / "fp32", ["one", "two"])
+    for folder, encoder in ((bf16_folder, Bf16TextEncoder()), (fp32_folder, FakeTextEncoder())):
+        cache_te(te_groups(tmp_path, folder), encoder, variant="none")
+        for path in folder.glob("*_moss_te.npz"):
+            as_earlier_version(path)
+    assert cache_te(te_groups(tmp_path, bf16_folder), Bf16TextEncoder(), variant="none")[0] == 0
+    assert cache_te(te_groups(tmp_path, bf16_folder), Bf16TextEncoder(), variant="none_fp32")[0] == 2
+    assert cache_te(te_groups(tmp_path, fp32_folder), FakeTextEncoder(), variant="none")[0] == 2
+    for path in fp32_folder.glob("*_moss_te.npz"):  # re-made: now with the record
+        assert str(sm.load_npz(path)["encoder_dtype"]) == "bf16"
+
+    older = image_folder(tmp_path / "older", ["one"])  # no `encoder` at all: the dtype alone decides
+    cache_te(te_groups(tmp_path, older), FakeTextEncoder(), variant="convrot_int8")
+    path = older / "img0_moss_te.npz"
+    data = sm.load_npz(path)
+    del data["encoder"], data["encoder_dtype"]
+    sm.save_npz_atomic(path, data)
+    assert cache_te(te_groups(tmp_path, older), FakeTextEncoder(), variant="convrot_int8_fp32")[0] == 0
+    assert cache_te(te_groups(tmp_path, older), FakeTextEncoder(), variant="convrot_int8")[0] == 1
+
+
+def test_single_candidate_files_of_0_12_1_are_checked_for_their_dtype(tmp_path):
+    folder = image_folder(tmp_path / "a", ["a cat"])
+    path = folder / "img0_moss_te.npz"
+    for encoder, valid_for_bf16 in ((Bf16TextEncoder, True), (FakeTextEncoder, False)):
+        old = encoder.outputs("made by 0.12.1")
+        sm.save_npz_atomic(path, {"prompt_embeds": old[0].numpy(), "attn_mask": old[1].numpy()})
+        count = cache_te(te_groups(tmp_path, folder), Bf16TextEncoder(), variant="none")[0]
+        assert count == (0 if valid_for_bf16 else 1)

@@ -8,7 +8,8 @@ import torch
 
 from library.quant.convrot import ConvRotInt8Embedding, ConvRotInt8Linear, is_convrot_int8_model
 from library.errors import UserError
-from library.moss_image.loaders import load_moss_image_model, load_text_encoder
+from library.moss_image.loaders import load_moss_image_model
+from library.text_encoder.qwen35 import load_qwen35_text_model
 from library.files.safetensors_io import load_safetensors, read_metadata, save_file_atomic
 
 INT8_DIT = "moss_image_base_int8_convrot.safetensors"
@@ -48,9 +49,9 @@ def test_dtype_cast_keeps_int8_codes_and_fp32_scales(tiny_snapshot):
 
 
 def test_text_encoder_quantised_at_load_equals_the_comfy_file(tiny_snapshot):
-    dynamic = load_text_encoder(tiny_snapshot / "text_encoder", dtype=torch.float32, convrot_int8=True)
-    comfy = load_text_encoder(tiny_snapshot / INT8_TE, dtype=torch.float32)
-    base = load_text_encoder(tiny_snapshot / "text_encoder", dtype=torch.float32)
+    dynamic = load_qwen35_text_model(tiny_snapshot / "text_encoder", dtype=torch.float32, convrot_int8=True)
+    comfy = load_qwen35_text_model(tiny_snapshot / INT8_TE, dtype=torch.float32)
+    base = load_qwen35_text_model(tiny_snapshot / "text_encoder", dtype=torch.float32)
     assert isinstance(dynamic.embed_tokens, ConvRotInt8Embedding)
     linears = [n for n, m in dynamic.named_modules() if isinstance(m, ConvRotInt8Linear)]
     assert len(linears) == 3 * 6 + 1 * 7  # GDN: qkv, z, out + MLP 3; full attention: q, k, v, o + MLP 3
@@ -66,7 +67,7 @@ def test_lora_merge_into_a_prequantised_file_is_refused(tiny_snapshot):
     with pytest.raises(UserError, match="use the bf16 checkpoint with --convrot_int8"):
         load_moss_image_model("cpu", tiny_snapshot / INT8_DIT, tensor_hook=lambda k, t: t)
     with pytest.raises(UserError, match="--convrot_int8_text_encoder"):
-        load_text_encoder(tiny_snapshot / INT8_TE, tensor_hook=lambda k, t: t)
+        load_qwen35_text_model(tiny_snapshot / INT8_TE, tensor_hook=lambda k, t: t)
 
 
 def test_w4a8_and_gptq_files_are_refused_naming_the_format(tiny_snapshot, tmp_path):
@@ -131,8 +132,8 @@ def test_inference_merges_lora_before_quantising(tiny_snapshot, tmp_path):
 def test_prequantised_text_encoder_runs_in_bf16_like_quantise_at_load(tiny_snapshot):
     # regression: the ComfyUI file built its int8 layers in the meta model's float32, so the embedding fed float32
     # into the bf16 layers left in float (in_proj_a/b) and a bf16 run failed
-    comfy = load_text_encoder(tiny_snapshot / INT8_TE, dtype=torch.bfloat16)
-    dynamic = load_text_encoder(tiny_snapshot / "text_encoder", dtype=torch.bfloat16, convrot_int8=True)
+    comfy = load_qwen35_text_model(tiny_snapshot / INT8_TE, dtype=torch.bfloat16)
+    dynamic = load_qwen35_text_model(tiny_snapshot / "text_encoder", dtype=torch.bfloat16, convrot_int8=True)
     assert comfy.embed_tokens.compute_dtype == torch.bfloat16
     ids = torch.tensor([[1, 5, 6, 7, 8, 2, 201]])
     with torch.no_grad():

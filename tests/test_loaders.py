@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from library.errors import UserError
-from library.moss_image.loaders import load_moss_image_model, load_text_encoder, open_dit_source, resolve_snapshot
+from library.files.safetensors_io import load_safetensors, save_file_atomic
+from library.moss_image.loaders import load_moss_image_model, open_dit_source, resolve_snapshot
+from library.text_encoder.encoding import encode_captions, pad_and_stack
 from library.text_encoder.qwen35 import (
-    encode_prompts,
     format_prompt,
+    load_qwen35_text_model,
     load_tokenizer,
     open_text_encoder_source,
-    pad_and_stack,
     tokenize,
 )
-from library.files.safetensors_io import load_safetensors, save_file_atomic
 
 FIRST_DIT = "transformer/diffusion_pytorch_model-00001-of-00003.safetensors"
 FIRST_TE = "text_encoder/model-00001-of-00004.safetensors"
@@ -88,13 +88,13 @@ def test_dit_wrong_files(tiny_snapshot, tmp_path):
 def test_text_encoder_matches_transformers_exactly(tiny_snapshot):
     from transformers import Qwen3_5TextModel
 
-    ours = load_text_encoder(tiny_snapshot / FIRST_TE, dtype=torch.float32)
+    ours = load_qwen35_text_model(tiny_snapshot / FIRST_TE, dtype=torch.float32)
     ref = Qwen3_5TextModel.from_pretrained(str(tiny_snapshot / "text_encoder"), dtype=torch.float32)
     tok = load_tokenizer(text_encoder_path=str(tiny_snapshot / FIRST_TE))
     ids = tokenize(tok, "A photo of a cat.\nSecond line.")[None]
     with torch.no_grad():
         assert torch.equal(ours(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
-    bf = load_text_encoder(tiny_snapshot / "text_encoder", dtype=torch.bfloat16)
+    bf = load_qwen35_text_model(tiny_snapshot / "text_encoder", dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in bf.parameters())
 
 
@@ -128,17 +128,17 @@ def test_text_encoder_single_file_without_config_uses_bundled_9b(tiny_snapshot, 
         sd.update(load_safetensors(tiny_snapshot / f"text_encoder/model-0000{i}-of-00004.safetensors"))
     save_file_atomic(sd, tmp_path / "qwen.safetensors")
     with pytest.raises(UserError, match="does not match its weights|does not match the model"):
-        load_text_encoder(tmp_path / "qwen.safetensors")
+        load_qwen35_text_model(tmp_path / "qwen.safetensors")
 
 
 def test_encode_one_caption_at_a_time(tiny_snapshot):
-    te = load_text_encoder(tiny_snapshot / FIRST_TE, dtype=torch.float32)
+    te = load_qwen35_text_model(tiny_snapshot / FIRST_TE, dtype=torch.float32)
     tok = load_tokenizer(str(tiny_snapshot / "tokenizer"))
     caps = ["A red cube.", "A much longer caption about a watercolor painting of mountains."]
     with torch.no_grad():
-        enc = encode_prompts(te, tok, caps)
+        enc = encode_captions(te, tok, caps)
         emb, mask = pad_and_stack(enc)
-        alone = encode_prompts(te, tok, caps[:1])[0][0]
+        alone = encode_captions(te, tok, caps[:1])[0][0]
     assert emb.shape[0] == 2 and mask[0].sum() < mask[1].sum() == emb.shape[1]
     assert torch.equal(emb[0, : alone.shape[0]], alone)  # no padding effects: encoded alone
     assert (emb[0, alone.shape[0] :] == 0).all()

@@ -16,7 +16,8 @@ from bench.make_full_snapshot import make_snapshot, parse_args
 from library.quant.convrot import ConvRotInt8Embedding, ConvRotInt8Linear
 from library.errors import UserError
 from library.moss_image.vae import load_flux2_vae
-from library.moss_image.loaders import load_moss_image_model, load_text_encoder
+from library.moss_image.loaders import load_moss_image_model
+from library.text_encoder.qwen35 import load_qwen35_text_model
 from library.files.safetensors_io import TensorSource, discover_shards
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,10 +92,10 @@ def test_text_encoder_shards_carry_the_vl_extras(snapshot):
 
 def test_text_encoder_shards_and_int8_file_load(snapshot):
     out, _ = snapshot
-    base = load_text_encoder(out / TE_FIRST, dtype=torch.float32)
+    base = load_qwen35_text_model(out / TE_FIRST, dtype=torch.float32)
     assert base.config.hidden_size == 256 and base.embed_tokens.weight.shape == (2048, 256)
-    dynamic = load_text_encoder(out / "text_encoder", dtype=torch.float32, convrot_int8=True)
-    comfy = load_text_encoder(out / INT8_TE, dtype=torch.float32)
+    dynamic = load_qwen35_text_model(out / "text_encoder", dtype=torch.float32, convrot_int8=True)
+    comfy = load_qwen35_text_model(out / INT8_TE, dtype=torch.float32)
     assert isinstance(comfy.embed_tokens, ConvRotInt8Embedding) and comfy.embed_tokens.group_size == 256
     assert sum(isinstance(m, ConvRotInt8Linear) for m in comfy.modules()) == 3 * 6 + 7
     assert _equal_state(dynamic, comfy)  # bit for bit

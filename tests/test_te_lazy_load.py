@@ -13,32 +13,35 @@ import numpy as np
 import pytest
 import torch
 
-import library.moss_image.loaders as mu
 import library.caching.strategies as sm
+import library.text_encoder.loading as te_loading
 from library.errors import UserError
 from library.files.safetensors_io import SafetensorsFile, load_safetensors
-from library.text_encoder.variant import check_predicted_variant, predict_text_encoder_variant
+from library.text_encoder.encoding import LazyEncoder
+from library.text_encoder.loading import TextEncoderOptions, predict_text_encoder_variant
+from library.text_encoder.qwen35 import load_qwen35_text_model
+from library.text_encoder.variant import check_predicted_variant, weights_variant
 from tests.test_caching import FakeTextEncoder, all_batches, image_folder, te_groups
 from tests.test_trainer import base_args, make_toy_dataset, train
 
 
-
 class LoadSpy:
-    """Counts the reads of the text encoder (`library.moss_image.loaders.load_text_encoder`) and passes them on."""
+    """Counts the reads of the text encoder (the weights reader `library.text_encoder.loading` calls) and passes them
+    on."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        real = mu.load_text_encoder
+        real = te_loading.load_qwen35_text_model
 
         def spy(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(mu, "load_text_encoder", spy)
+        monkeypatch.setattr(te_loading, "load_qwen35_text_model", spy)
 
 
-def lazy(encoder: FakeTextEncoder) -> sm.LazyEncoder:
-    return sm.LazyEncoder(lambda: encoder)
+def lazy(encoder: FakeTextEncoder) -> LazyEncoder:
+    return LazyEncoder(lambda: encoder)
 
 
 # ------------------------------------------------------------------------------------------------ the driver
@@ -118,16 +121,16 @@ def test_an_encoder_in_memory_says_nothing_to_encode(tmp_path, caplog):
     sm.cache_text_encoder_outputs([te_groups(tmp_path, folder)], FakeTextEncoder(),
                                   sm.MossImageTextEncoderOutputsCachingStrategy(True), show_progress=False)
     with caplog.at_level(logging.INFO):
-        sm.cache_text_encoder_outputs([te_groups(tmp_path, folder)], sm.LazyEncoder(FakeTextEncoder, False),
+        sm.cache_text_encoder_outputs([te_groups(tmp_path, folder)], LazyEncoder(FakeTextEncoder, False),
                                       sm.MossImageTextEncoderOutputsCachingStrategy(True), show_progress=False)
     assert "all 1 text-encoder cache files are valid: nothing to encode" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------ variant prediction
-def te_args(path: Path, **kw) -> argparse.Namespace:
+def te_args(path: Path, **kw) -> TextEncoderOptions:
     base = {"text_encoder": str(path), "te_quant": "none", "te_device": None, "text_encoder_cpu": False,
             "convrot_int8_text_encoder": False}
-    return argparse.Namespace(**{**base, **kw})
+    return TextEncoderOptions.from_args(argparse.Namespace(**{**base, **kw}))
 
 
 def test_the_predicted_variant_is_the_loaded_one(tiny_snapshot, monkeypatch):
@@ -138,9 +141,8 @@ def test_the_predicted_variant_is_the_loaded_one(tiny_snapshot, monkeypatch):
              (te_args(int8_file), "convrot_int8")]
     for args, expected in cases:
         assert predict_text_encoder_variant(args, "cpu") == expected
-        model = mu.load_text_encoder(args.text_encoder, dtype=torch.float32,
-                                     convrot_int8=args.convrot_int8_text_encoder)
-        assert sm.text_encoder_variant(model) == expected
+        model = load_qwen35_text_model(args.path, dtype=torch.float32, convrot_int8=args.convrot_int8)
+        assert weights_variant(model) == expected
 
     def no_weights(self, key):
         raise AssertionError(f"a weight was read: {key}")
@@ -263,10 +265,10 @@ def test_caption_dropout_with_a_never_read_text_encoder(tiny_snapshot, tmp_path,
 
 
 def test_a_wrong_prediction_is_an_internal_error(tiny_snapshot, tmp_path, monkeypatch):
-    import library.text_encoder.variant as tv
+    import moss_image_train_network as m
 
     data = make_toy_dataset(tmp_path / "data", n=2)
-    monkeypatch.setattr(tv, "predict_text_encoder_variant", lambda args, device: "bnb_nf4")
+    monkeypatch.setattr(m, "predict_text_encoder_variant", lambda options, device: "bnb_nf4")
     with pytest.raises(RuntimeError, match="internal error.*'bnb_nf4' but loaded as 'none'"):
         train(te_disk_args(tiny_snapshot, data, tmp_path / "out", "--max_train_steps", "1"))
 

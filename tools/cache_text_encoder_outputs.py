@@ -11,18 +11,20 @@ options) and the files are written by the trainer's caching driver, so `moss_ima
 image with every caption candidate (after caption_prefix / caption_suffix) and the unconditional (empty-prompt)
 embedding. A file is re-made when its candidate count or texts differ from the current captions, unless
 --skip_cache_check. When every file is valid the text encoder is not read at all (except with --te_quant auto on a
-GPU, where its variant depends on the free VRAM). The text encoder runs in bf16 on a GPU and in fp32 on the CPU, one
-caption at a time.
+GPU, where its variant depends on the free VRAM). The text encoder is read and run by `library.text_encoder`, as in
+the trainer: in bf16 (or ConvRot INT8) on the GPU or the CPU, so the files made here are valid for training.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+from library.caching.strategies import MossImageTextEncoderOutputsCachingStrategy, cache_text_encoder_outputs
 from library.caching.tool_common import (
     add_cache_tool_arguments,
     check_tool_device,
@@ -30,12 +32,17 @@ from library.caching.tool_common import (
     tool_main,
     total_over_processes,
 )
+from library.datasets import build_dataset_groups, debug_dataset
 from library.datasets.args import add_dataset_arguments
+from library.datasets.preflight import quick_check
 from library.errors import UserError
 from library.moss_image.loaders import fill_paths_from_snapshot
 from library.options import groups
+from library.text_encoder.encoding import EncodeFn, LazyEncoder, encode_captions
+from library.text_encoder.loading import TextEncoderOptions, load_text_encoder, predict_text_encoder_variant
 from library.text_encoder.quant import check_text_encoder_memory_args
-from library.text_encoder.qwen35 import check_max_token_length
+from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
+from library.text_encoder.variant import check_predicted_variant
 
 logger = logging.getLogger("cache_text_encoder_outputs")
 
@@ -90,41 +97,25 @@ def check_args(args: argparse.Namespace) -> None:
                         " (text_encoder/model-00001-of-00004.safetensors) or --snapshot.")
 
 
-def load_encode_fn(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
-    """(captions -> outputs, encoder variant) with the tokenizer and the text encoder of `args` (bf16 on a GPU, fp32
-    on the CPU; --te_quant / --te_device / --convrot_int8_text_encoder applied)."""
-    import torch
-
-    from library.moss_image.loaders import load_text_encoder
-    from library.text_encoder.qwen35 import load_tokenizer
-    from library.caching.strategies import make_text_encode_fn, text_encoder_variant
-    from library.text_encoder.quant import loading_device, prepare_text_encoder, te_on_cpu
-
+def load_encode_fn(args: argparse.Namespace, device: Any) -> tuple[EncodeFn, str]:
+    """(captions -> outputs, cache variant) with the tokenizer and the text encoder of `args` (read now, placed on the
+    device it runs on)."""
     tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
-    run_device = torch.device("cpu") if te_on_cpu(args) else device
-    dtype = torch.float32 if run_device.type == "cpu" else torch.bfloat16
-    logger.info("loading the Qwen3.5 text encoder (%s) for %s", str(dtype).replace("torch.", ""), run_device)
-    model = load_text_encoder(args.text_encoder, dtype=dtype,
-                              device=loading_device(args.te_quant, te_on_cpu(args), run_device),
-                              disable_mmap=args.disable_mmap_load_safetensors,
-                              convrot_int8=args.convrot_int8_text_encoder, calc_device=run_device)
-    model.to(prepare_text_encoder(model, args.te_quant, run_device, te_on_cpu(args)).device)
-    model.eval().requires_grad_(False)
-    return make_text_encode_fn(model, tokenizer, args.moss_max_token_length), text_encoder_variant(model)
+    loaded = load_text_encoder(TextEncoderOptions.from_args(args), device)
+    encode = functools.partial(encode_captions, loaded.model, tokenizer, max_length=args.moss_max_token_length)
+    return encode, loaded.variant
 
 
-def encoder_for(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
-    """(captions -> outputs, encoder variant). When the variant can be known without the model (see
-    `library.text_encoder.variant`), the encoder is read on the first call only, so a run that finds every file valid never
-    reads it; with --te_quant auto on a GPU it is read now (the variant depends on the free VRAM)."""
-    from library.caching.strategies import LazyEncoder
-    from library.text_encoder.variant import check_predicted_variant, predict_text_encoder_variant
-
-    predicted = predict_text_encoder_variant(args, device)
+def encoder_for(args: argparse.Namespace, device: Any) -> tuple[EncodeFn, str]:
+    """(captions -> outputs, cache variant). When the variant can be known without the model (see
+    `library.text_encoder.loading.predict_text_encoder_variant`), the encoder is read on the first call only, so a run
+    that finds every file valid never reads it; with --te_quant auto on a GPU it is read now (the variant depends on
+    the free VRAM)."""
+    predicted = predict_text_encoder_variant(TextEncoderOptions.from_args(args), device)
     if predicted is None:
         return load_encode_fn(args, device)
 
-    def load() -> Any:
+    def load() -> EncodeFn:
         encode, variant = load_encode_fn(args, device)
         check_predicted_variant(predicted, variant)
         return encode
@@ -135,10 +126,6 @@ def encoder_for(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
 def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
     """Cache the text-encoder outputs of the datasets of `args` and print a summary (None with --debug_dataset,
     which only shows the batches)."""
-    from library.datasets import build_dataset_groups, debug_dataset
-    from library.datasets.preflight import quick_check
-    from library.caching.strategies import MossImageTextEncoderOutputsCachingStrategy, cache_text_encoder_outputs
-
     resolve_args(args)
     check_args(args)
     train, val = build_dataset_groups(args)

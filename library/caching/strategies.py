@@ -7,10 +7,14 @@ the image was cached at, under keys suffixed `_<h>x<w>` (latent size): `latents`
 
 Text-encoder cache `<stem>_moss_te.npz`: `num_candidates`, and for each caption candidate k `prompt_embeds_{k}`,
 `attn_mask_{k}`, `caption_{k}` (the text after prefix/suffix), plus the unconditional (empty-prompt) `uncond_embeds`,
-`uncond_mask`, the prompt template id, the token limit, the encoder variant and `te_base_weights` (the identity of
-what --base_weights merge into the text encoder, `library.text_encoder.base_weights`; "" for none). A file is re-made when its
-candidate count, caption texts, template, token limit, variant or base-weights identity differ from the current ones
-(unless --skip_cache_check); a file without `te_base_weights` (older versions) counts as made without base weights.
+`uncond_mask`, the prompt template id, the token limit, the encoder's cache variant (`encoder`, with its compute dtype
+in `encoder_dtype`; `library.text_encoder.variant`) and `te_base_weights` (the identity of what --base_weights merge
+into the text encoder, `library.text_encoder.base_weights`; "" for none). A file is re-made when its candidate count,
+caption texts, template, token limit, variant or base-weights identity differ from the current ones (unless
+--skip_cache_check); a file without `te_base_weights` (older versions) counts as made without base weights.
+Files of earlier versions have no `encoder_dtype`: they were made in bf16 or (the cache tool on the CPU) in fp32, and
+the values tell which (bf16 outputs widened to fp32 have 16 zero low bits; fp32 outputs practically never all do), so
+their variant is known without a record and only those whose numbers match the current encoder's stay valid.
 Files of the older single-candidate format (`prompt_embeds`, `attn_mask`) stay valid for images with one candidate.
 Every cache file is written to a temp file and renamed: never half-written. Checks and per-step reads open only the
 entries they need (an npz member is read lazily), and a damaged file is re-made by the caching drivers.
@@ -35,10 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from library.datasets import prepare_image_for_cache
 from library.datasets.image_info import ImageInfo
 from library.errors import UserError
-from library.text_encoder.qwen35 import PROMPT_TEMPLATE_ID
 from library.files.safetensors_io import write_atomic
+from library.text_encoder.encoding import EncodeFn, LazyEncoder, TextOutputs
+from library.text_encoder.qwen35 import PROMPT_TEMPLATE_ID
+from library.text_encoder.variant import BF16, cache_variant, variant_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +56,7 @@ _SIZE_RE = re.compile(r"_(\d{4,})x(\d{4,})" + re.escape(LATENTS_SUFFIX) + "$")
 _CANDIDATE_RE = re.compile(r"prompt_embeds_\d+")
 CACHE_MISSING = "missing"  # the reasons `*_cache_problem` give for a file that is not there or cannot be read
 CACHE_UNREADABLE = "unreadable (a damaged file)"
-
-TextOutputs = tuple[torch.Tensor, torch.Tensor]  # (embeds [T, D], mask [T] bool)
+_DTYPE_PROBE_VALUES = 4096  # values read to tell a bf16-made file of an earlier version from an fp32-made one
 
 
 # ------------------------------------------------------------------------------------------------ npz files
@@ -258,7 +264,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
         (None when it does); ignores --skip_cache_check and reads only the small entries."""
         if not os.path.exists(npz_path):
             return CACHE_MISSING
-        small = {"num_candidates", "template", "max_token_length", "encoder", "te_base_weights"}
+        small = {"num_candidates", "template", "max_token_length", "encoder", "encoder_dtype", "te_base_weights"}
         small |= {f"caption_{k}" for k in range(len(captions))}
         names: list[str] = []
 
@@ -275,7 +281,9 @@ class MossImageTextEncoderOutputsCachingStrategy:
         if "num_candidates" not in data:  # older single-candidate format
             if len(captions) != 1:
                 return f"older single-caption format, but the image has {len(captions)} caption candidates"
-            return None if "prompt_embeds" in names and "attn_mask" in names else "no prompt_embeds entry"
+            if "prompt_embeds" not in names or "attn_mask" not in names:
+                return "no prompt_embeds entry"
+            return self._variant_problem(npz_path, data, names)
         if str(data.get("template", "")) != PROMPT_TEMPLATE_ID:
             return f"prompt template '{data.get('template', '')}' (now '{PROMPT_TEMPLATE_ID}')"
         if int(data["num_candidates"]) != len(captions):
@@ -283,8 +291,6 @@ class MossImageTextEncoderOutputsCachingStrategy:
         if self.max_token_length is not None and "max_token_length" in data \
                 and int(data["max_token_length"]) != self.max_token_length:
             return f"--moss_max_token_length {int(data['max_token_length'])} (now {self.max_token_length})"
-        if self.encoder_variant is not None and "encoder" in data and str(data["encoder"]) != self.encoder_variant:
-            return f"text encoder variant {data['encoder']} (now {self.encoder_variant})"  # differently quantised
         arrays = ["uncond_embeds", "uncond_mask"]
         arrays += [f"{kind}_{k}" for k in range(len(captions)) for kind in ("prompt_embeds", "attn_mask")]
         absent = [n for n in arrays if n not in names]
@@ -293,6 +299,24 @@ class MossImageTextEncoderOutputsCachingStrategy:
         for k, caption in enumerate(captions):
             if f"caption_{k}" not in data or str(data[f"caption_{k}"]) != caption:
                 return f"caption {k} changed (now '{caption[:60]}{'...' if len(caption) > 60 else ''}')"
+        return self._variant_problem(npz_path, data, names)  # last: a file of an earlier version reads a few values
+
+    def _variant_problem(self, npz_path: str, data: dict[str, np.ndarray], names: list[str]) -> str | None:
+        """Why the file was not made by an encoder of the current cache variant (None when it was, or when the
+        current variant is unknown)."""
+        if self.encoder_variant is None:
+            return None
+        if "encoder_dtype" in data:
+            made = str(data["encoder"])
+        elif "encoder" in data:  # an earlier version: bf16 or fp32, as its values tell
+            made = cache_variant(str(data["encoder"]), _dtype_made_in(npz_path, names))
+        else:  # older still: no record of the weights either, only the dtype can be told
+            dtype = _dtype_made_in(npz_path, names)
+            if dtype == variant_dtype(self.encoder_variant):
+                return None
+            made = f"made in {dtype}"
+        if made != self.encoder_variant:
+            return f"text encoder variant {made} (now {self.encoder_variant})"  # another quantisation or dtype
         return None
 
     # reading ----------------------------------------------------------------------------------------------
@@ -356,6 +380,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
             "template": np.array(PROMPT_TEMPLATE_ID),
             "max_token_length": np.array(self.max_token_length or -1, dtype=np.int64),
             "encoder": np.array(self.encoder_variant or "unknown"),
+            **({} if self.encoder_variant is None else {"encoder_dtype": np.array(variant_dtype(self.encoder_variant))}),
             "te_base_weights": np.array(self.te_base_weights),
             "uncond_embeds": self.uncond[0].numpy(),
             "uncond_mask": self.uncond[1].numpy(),
@@ -370,6 +395,29 @@ class MossImageTextEncoderOutputsCachingStrategy:
         self.uncond = (outputs[0].float().cpu(), outputs[1].bool().cpu())
 
 
+def _first_values(path: str, name: str, count: int) -> np.ndarray:
+    """The first `count` values of the array `name` of an npz, reading only those (np.savez members are stored)."""
+    with zipfile.ZipFile(path) as archive, archive.open(f"{name}.npy") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(f)
+        n = min(count, int(np.prod(shape)))
+        return np.frombuffer(f.read(n * dtype.itemsize), dtype=dtype, count=n)
+
+
+def _dtype_made_in(path: str, names: list[str]) -> str:
+    """bf16 or fp32: the dtype a text-encoder cache file of an earlier version was made in, from its embeddings
+    (stored as fp32; those of a bf16 encoder are bf16 values, whose 16 low bits are zero)."""
+    for member in (n for n in ("uncond_embeds", "prompt_embeds_0", "prompt_embeds") if n in names):
+        try:
+            values = _first_values(path, member, _DTYPE_PROBE_VALUES)
+        except _NPZ_ERRORS + (KeyError,):
+            return "unreadable"  # matches no variant: the file is re-made
+        if values.dtype != np.float32 or np.any(values.view(np.uint32) & 0xFFFF):
+            return "fp32"
+    return BF16
+
+
 # -------------------------------------------------------------------------------------- caching drivers
 def my_share(items: Sequence[Any], process_index: int, num_processes: int) -> list[Any]:
     """The items process `process_index` caches in a multi-process run (every num_processes-th)."""
@@ -378,39 +426,6 @@ def my_share(items: Sequence[Any], process_index: int, num_processes: int) -> li
 
 def batched(items: Sequence[Any], size: int) -> list[list[Any]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
-
-
-def make_text_encode_fn(
-    text_model: Any, tokenizer: Any, max_length: int
-) -> Callable[[Sequence[str]], list[TextOutputs]]:
-    """captions -> outputs, one caption at a time without padding (as the official pipeline)."""
-    from library.text_encoder.qwen35 import encode_prompts
-
-    def encode(captions: Sequence[str]) -> list[TextOutputs]:
-        with torch.no_grad():
-            return encode_prompts(text_model, tokenizer, list(captions), max_length)
-
-    return encode
-
-
-class LazyEncoder:
-    """An encode function (captions -> outputs) made by `factory` on its first call, so that the text encoder is read
-    (or placed on the GPU) only when something is encoded. `loads_model`: the factory reads the encoder from disk
-    (False when it is in memory already); it only changes what the caching driver logs."""
-
-    def __init__(self, factory: Callable[[], Callable[[Sequence[str]], list[TextOutputs]]], loads_model: bool = True):
-        self._factory = factory
-        self._encode: Callable[[Sequence[str]], list[TextOutputs]] | None = None
-        self.loads_model = loads_model
-
-    @property
-    def loaded(self) -> bool:
-        return self._encode is not None
-
-    def __call__(self, captions: Sequence[str]) -> list[TextOutputs]:
-        if self._encode is None:
-            self._encode = self._factory()
-        return self._encode(captions)
 
 
 def _progress(items: Sequence[Any], desc: str, enabled: bool) -> Any:
@@ -444,8 +459,6 @@ def cache_latents(
     processes each caches the images of its share of the disk files. Returns the number of images (entries of
     the groups) this process encoded.
     """
-    from library.datasets import prepare_image_for_cache
-
     infos: list[ImageInfo] = []
     for group in groups:
         if group is not None:
@@ -498,7 +511,7 @@ def _captions_per_file(groups: Sequence[Any]) -> dict[str, tuple[ImageInfo, list
 
 def cache_text_encoder_outputs(
     groups: Sequence[Any],
-    encode: Callable[[Sequence[str]], list[TextOutputs]],
+    encode: EncodeFn,
     strategy: MossImageTextEncoderOutputsCachingStrategy,
     process_index: int = 0,
     num_processes: int = 1,
@@ -554,15 +567,3 @@ def _log_all_valid(encode: Any, count: int, num_processes: int) -> None:
         logger.info("all %d text-encoder cache files%s are valid: the text encoder is not loaded", count, where)
     else:
         logger.info("all %d text-encoder cache files%s are valid: nothing to encode", count, where)
-
-
-def text_encoder_variant(model: Any) -> str:
-    """How the text encoder's weights are stored, for the TE cache: none (float), convrot_int8, bnb_int8, bnb_nf4."""
-    names = {type(m).__name__ for m in model.modules()}
-    if "ConvRotInt8Linear" in names:
-        return "convrot_int8"
-    if "Linear8bitLt" in names:
-        return "bnb_int8"
-    if "Linear4bit" in names:
-        return "bnb_nf4"
-    return "none"

@@ -44,7 +44,7 @@ from library.text_encoder.qwen35 import (
     load_tokenizer,
     tokenize,
 )
-from library.text_encoder.variant import predict_text_encoder_variant
+from library.text_encoder.loading import TextEncoderOptions, predict_text_encoder_variant
 
 # Caching speed on one H200 (docs/benchmarks.md, "Caching"): the FLUX.2 VAE in fp32 encoded 16 images of 1024x1024
 # in 2.37 s; Qwen3.5-9B in bf16 encoded 17 captions of about 40 tokens (16 and the empty prompt) in 10.8 s.
@@ -135,7 +135,8 @@ def _encoder_variant(args: argparse.Namespace, notes: list[str]) -> str | None:
         notes.append("the text-encoder variant recorded in the TE caches was not checked: give --text_encoder or"
                      " --snapshot")
         return None
-    variant = predict_text_encoder_variant(args, "cuda" if torch.cuda.is_available() else "cpu")
+    variant = predict_text_encoder_variant(TextEncoderOptions.from_args(args),
+                                           "cuda" if torch.cuda.is_available() else "cpu")
     if variant is None:
         notes.append("the text-encoder variant recorded in the TE caches was not checked: --te_quant auto decides"
                      " it from the free VRAM when the encoder is loaded")

@@ -10,7 +10,7 @@ The architecture is inferred from tensor shapes, so the full model, the tiny tes
 checkpoint all load through the same code. The model is built on the meta device and filled tensor by tensor: one
 copy of the weights in memory, never two.
 
-Text encoder (`load_text_encoder`): see `library.text_encoder.qwen35`. VAE: `library.moss_image.vae.load_flux2_vae`.
+The text encoder is loaded by `library.text_encoder` (its own package). VAE: `library.moss_image.vae.load_flux2_vae`.
 """
 
 from __future__ import annotations
@@ -249,23 +249,11 @@ def load_moss_image_model(
 
 
 # ------------------------------------------------------------------------------------------- ConvRot INT8
-def convrot_group_size(model: torch.nn.Module, name_filter: Callable[[str], bool], largest: int = 256) -> int:
-    """The ConvRot group size for a model: the largest power of 4 (at most `largest`, the official 256) that divides
-    the input width of every layer in scope (256 for the full models; smaller for tiny test models)."""
-    widths = [m.in_features if isinstance(m, torch.nn.Linear) else m.embedding_dim
-              for n, m in model.named_modules() if n and name_filter(n)
-              and isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
-    g = largest
-    while g > 4 and any(w % g for w in widths):
-        g //= 4
-    return g
-
-
 def quantize_dit(model: MossImage, bwd: str = "bf16", calc_device: str | torch.device | None = None) -> int:
     """ConvRot INT8 for the block Linears of a loaded DiT (in place, one layer at a time)."""
     from library.quant import convrot as cr
 
-    g = convrot_group_size(model, cr.dit_convrot_filter)
+    g = cr.convrot_group_size(model, cr.dit_convrot_filter)
     return cr.convert_model_to_convrot_int8(model, cr.dit_convrot_filter, calc_device, g, bwd)
 
 
@@ -332,48 +320,3 @@ def _load_prequantized_dit(
     logger.info("loaded the pre-quantised ConvRot INT8 DiT %s: %d int8 layers, %d blocks, %s on %s", checkpoint,
                 len(specs), config.num_layers, dtype, loading_device)
     return model
-
-
-# ------------------------------------------------------------------------------------ text encoder loader
-def load_text_encoder(
-    path: str | os.PathLike,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
-    disable_mmap: bool = False,
-    tensor_hook: TensorHook | None = None,
-    convrot_int8: bool = False,
-    convrot_int8_bwd: str = "bf16",
-    calc_device: str | torch.device | None = None,
-) -> Any:
-    """The Qwen3.5 text model (`transformers.Qwen3_5TextModel`): call it with `input_ids`, read `last_hidden_state`.
-
-    `convrot_int8` quantises the attention / GatedDeltaNet / MLP projections and `embed_tokens` after loading (on
-    `calc_device` when given); a ComfyUI pre-quantised file is detected and loaded as it is."""
-    from library.text_encoder.qwen35 import load_qwen35_text_model
-
-    return load_qwen35_text_model(_text_encoder_path(path), dtype=dtype, device=device, disable_mmap=disable_mmap,
-                                  tensor_hook=tensor_hook, convrot_int8=convrot_int8,
-                                  convrot_int8_bwd=convrot_int8_bwd, calc_device=calc_device)
-
-
-def _text_encoder_path(path: str | os.PathLike) -> Path:
-    """A text encoder file or folder as given, or the text_encoder/ folder of a snapshot root."""
-    p = Path(path)
-    if p.is_dir() and (p / "text_encoder").is_dir():
-        p = p / "text_encoder"
-    if not p.is_dir():
-        check_safetensors_path(p, "text encoder checkpoint")
-    return p
-
-
-def text_encoder_file_is_prequantised(path: str | os.PathLike) -> bool:
-    """True when the text encoder checkpoint is a ComfyUI ConvRot INT8 file (`.comfy_quant` markers or the file's
-    quantisation metadata), as `load_text_encoder` detects it; only the safetensors headers are read."""
-    from library.quant import convrot as cr
-    from library.text_encoder.qwen35 import open_text_encoder_source
-
-    source, _ = open_text_encoder_source(_text_encoder_path(path))
-    try:
-        return cr.is_comfy_quantized_state_dict(source.keys(), source.metadata)
-    finally:
-        source.close()

@@ -543,6 +543,17 @@ def convert_model_to_convrot_int8(
     return converted
 
 
+def convrot_group_size(model: nn.Module, name_filter: Callable[[str], bool], largest: int = 256) -> int:
+    """The ConvRot group size for a model: the largest power of 4 (at most `largest`, the official 256) that divides
+    the input width of every layer in scope (256 for the full models; smaller for tiny test models)."""
+    widths = [m.in_features if isinstance(m, nn.Linear) else m.embedding_dim
+              for n, m in model.named_modules() if n and name_filter(n) and isinstance(m, (nn.Linear, nn.Embedding))]
+    g = largest
+    while g > 4 and any(w % g for w in widths):
+        g //= 4
+    return g
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # ComfyUI pre-quantised files
 # --------------------------------------------------------------------------------------------------------------------

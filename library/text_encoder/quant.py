@@ -1,4 +1,8 @@
-"""Text encoder memory: `--te_quant auto|none|int8|nf4` (bitsandbytes) and `--te_device gpu|cpu` / `--text_encoder_cpu`.
+"""Text encoder quantisation and placement: ConvRot INT8 (`--convrot_int8_text_encoder`), `--te_quant auto|none|int8|nf4`
+(bitsandbytes) and `--te_device gpu|cpu` / `--text_encoder_cpu`.
+
+- ConvRot INT8 (`quantize_text_encoder_convrot`): the attention / GatedDeltaNet / MLP projections and `embed_tokens`
+  (`library.quant.convrot.text_encoder_convrot_filter`), after loading and after any LoRA merge, one layer at a time.
 
 - `none` (default): the Qwen3.5 text encoder runs as loaded (bf16, or ConvRot INT8 when that was asked for).
 - `int8`: the Linear layers of attention, Gated DeltaNet and MLP become bitsandbytes `Linear8bitLt` (LLM.int8(),
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 
 from library.errors import UserError
+from library.quant import convrot as cr
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +204,18 @@ def quantise_linear_layers(model: nn.Module, quant: str) -> int:
     return len(linears)
 
 
+def quantize_text_encoder_convrot(model: nn.Module, bwd: str = "bf16",
+                                  calc_device: str | torch.device | None = None) -> int:
+    """ConvRot INT8 for the text encoder's scope, in place (layer by layer on `calc_device` when given); returns the
+    number of converted modules. A model that is ConvRot INT8 already (a pre-quantised file) is left as it is."""
+    if cr.is_convrot_int8_model(model):
+        return 0
+    group = cr.convrot_group_size(model, cr.text_encoder_convrot_filter)
+    return cr.convert_model_to_convrot_int8(model, cr.text_encoder_convrot_filter, calc_device, group, bwd)
+
+
 def _is_prequantised(model: nn.Module) -> bool:
-    return any(type(m).__name__.startswith("ConvRot") for m in model.modules())
+    return cr.is_convrot_int8_model(model)
 
 
 def free_vram(device: torch.device) -> int | None:

@@ -3,9 +3,12 @@
 - Loading: the official multi-shard VL checkpoint (`text_encoder/model-00001-of-0000N.safetensors`, keys under
   `model.language_model.`) or a single file with the text keys under a known prefix. Only the text-model tensors are
   read: the vision tower (`model.visual.*`), `lm_head` and the MTP draft layer are filtered out before reading.
+  A snapshot root (with a `text_encoder/` folder) is accepted too.
 - Config: `config.json` beside the checkpoint when present, else the bundled `configs/moss_image_qwen35_9b/`.
-- Encoding: one caption at a time, chat template, no padding (the Gated DeltaNet layers are padding-sensitive);
-  the last hidden state [T, hidden] and an all-true mask [T].
+- Tokenizer and prompt template: `load_tokenizer`, `format_prompt`, `tokenize` (the encoding itself is
+  `library.text_encoder.encoding`'s).
+- `load_qwen35_text_model` reads the weights in a given dtype; the rules of a run (dtype, placement, quantisation,
+  cache variant) are `library.text_encoder.loading`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any
 import torch
 
 from library.errors import UserError
-from library.files.safetensors_io import TensorSource, describe_key_mismatch, discover_shards
+from library.files.safetensors_io import TensorSource, check_safetensors_path, describe_key_mismatch, discover_shards
+from library.quant import convrot as cr
+from library.text_encoder.quant import quantize_text_encoder_convrot
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def load_text_config(checkpoint: Path) -> Any:
     """Qwen3_5TextConfig from config.json beside the checkpoint (VL or text-only form), else the bundled 9B one."""
-    from transformers import Qwen3_5TextConfig
+    from transformers import Qwen3_5TextConfig  # heavy import (seconds): only a load needs it
 
     local = checkpoint.parent / "config.json"
     path = local if local.exists() else BUNDLED_CONFIG_DIR / "config.json"
@@ -73,8 +78,18 @@ def load_text_config(checkpoint: Path) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------- loading
-def _find_checkpoint(path: str | os.PathLike) -> Path:
+def text_encoder_path(path: str | os.PathLike) -> Path:
+    """A text encoder file or folder as given, or the text_encoder/ folder of a snapshot root."""
     p = Path(path)
+    if p.is_dir() and (p / "text_encoder").is_dir():
+        p = p / "text_encoder"
+    if not p.is_dir():
+        check_safetensors_path(p, "text encoder checkpoint")
+    return p
+
+
+def _find_checkpoint(path: str | os.PathLike) -> Path:
+    p = text_encoder_path(path)
     if p.is_dir():
         files = sorted(p.glob("*.safetensors"))
         firsts = [f for f in files if "00001-of-" in f.name]
@@ -115,6 +130,16 @@ def open_text_encoder_source(path: str | os.PathLike, disable_mmap: bool = False
     return TensorSource(shards, disable_mmap=disable_mmap, key_filter=keep, key_map=rename), checkpoint
 
 
+def text_encoder_file_is_prequantised(path: str | os.PathLike) -> bool:
+    """True when the text encoder checkpoint is a ComfyUI ConvRot INT8 file (`.comfy_quant` markers or the file's
+    quantisation metadata), as `load_qwen35_text_model` detects it; only the safetensors headers are read."""
+    source, _ = open_text_encoder_source(path)
+    try:
+        return cr.is_comfy_quantized_state_dict(source.keys(), source.metadata)
+    finally:
+        source.close()
+
+
 def load_qwen35_text_model(
     path: str | os.PathLike,
     dtype: torch.dtype = torch.bfloat16,
@@ -125,17 +150,17 @@ def load_qwen35_text_model(
     convrot_int8_bwd: str = "bf16",
     calc_device: str | torch.device | None = None,
 ) -> Any:
-    """Build `transformers.Qwen3_5TextModel` without allocating weights, then fill it tensor by tensor.
+    """Build `transformers.Qwen3_5TextModel` without allocating weights, then fill it tensor by tensor; `path` is a
+    checkpoint file, a text_encoder/ folder or a snapshot root.
 
     `tensor_hook(key, tensor)` may transform each tensor as it is read (LoRA merge at load); it sees the tensor in
     the checkpoint's dtype, before the cast to `dtype`. `convrot_int8` quantises the ComfyUI scope (attention /
     GatedDeltaNet / MLP projections and embed_tokens) after loading; a ComfyUI ConvRot INT8 file (`.comfy_quant`
     markers) is loaded as it is.
     """
+    # heavy imports (seconds): only a load needs them
     from accelerate import init_empty_weights
     from transformers import Qwen3_5TextModel
-
-    from library.quant import convrot as cr
 
     source, checkpoint = open_text_encoder_source(path, disable_mmap)
     config = load_text_config(checkpoint)
@@ -177,11 +202,8 @@ def load_qwen35_text_model(
             state[key] = t.to(device)
     model.load_state_dict(state, strict=True, assign=True)
     del state
-    if convrot_int8 and not cr.is_convrot_int8_model(model):
-        from library.moss_image.loaders import convrot_group_size
-
-        g = convrot_group_size(model, cr.text_encoder_convrot_filter)
-        cr.convert_model_to_convrot_int8(model, cr.text_encoder_convrot_filter, calc_device, g, convrot_int8_bwd)
+    if convrot_int8:
+        quantize_text_encoder_convrot(model, convrot_int8_bwd, calc_device)
     model.to(device)
     model.requires_grad_(False)
     model.eval()
@@ -222,7 +244,7 @@ def load_tokenizer(
        when given: the one documented network access, which HF_HUB_OFFLINE=1 (or `local_files_only`: the
        Hugging Face cache only) turns off.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy import (seconds): only a load needs it
 
     local = _local_tokenizer_dir(tokenizer_cache_dir, text_encoder_path)
     try:
@@ -244,7 +266,7 @@ def load_tokenizer(
         ) from e
 
 
-# ------------------------------------------------------------------------------------------------ encoding
+# -------------------------------------------------------------------------------------------------- tokens
 def check_max_token_length(max_length: int | None) -> int:
     """Validate --moss_max_token_length (default and maximum 4096)."""
     if max_length is None:
@@ -266,30 +288,3 @@ def tokenize(tokenizer: Any, caption: str, max_length: int = DEFAULT_MAX_TOKEN_L
         )
         ids = ids[:max_length]
     return torch.tensor(ids, dtype=torch.long)
-
-
-def encode_tokens(text_model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Last hidden state [T, hidden] of one unpadded sequence, and its all-true mask [T]."""
-    device = next(p.device for p in text_model.parameters())
-    out = text_model(input_ids=input_ids.to(device)[None], use_cache=False)
-    hidden = out.last_hidden_state[0]
-    return hidden, torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-
-
-def encode_prompts(
-    text_model: Any, tokenizer: Any, captions: list[str], max_length: int = DEFAULT_MAX_TOKEN_LENGTH
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Encode captions one at a time (no padding): a list of (hidden [T_i, hidden], mask [T_i])."""
-    return [encode_tokens(text_model, tokenize(tokenizer, c, max_length)) for c in captions]
-
-
-def pad_and_stack(encoded: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad per-caption outputs into a batch: embeds [B, T_max, D] (zeros in the padding), mask [B, T_max]."""
-    t_max = max(e.shape[0] for e, _ in encoded)
-    first = encoded[0][0]
-    embeds = first.new_zeros(len(encoded), t_max, first.shape[-1])
-    mask = torch.zeros(len(encoded), t_max, dtype=torch.bool, device=first.device)
-    for i, (e, m) in enumerate(encoded):
-        embeds[i, : e.shape[0]] = e
-        mask[i, : m.shape[0]] = m.bool()
-    return embeds, mask

@@ -1,51 +1,56 @@
-"""The variant the Qwen3.5 text encoder will have once loaded, known before it is read.
+"""The cache variant of the Qwen3.5 text encoder: what, besides the captions, fixes the numbers of its outputs.
 
-The text-encoder output caches record how the encoder's weights were stored (`strategy_moss_image.text_encoder_variant`:
-none, convrot_int8, bnb_int8, bnb_nf4) and a file made by another variant is re-made. To check the caches without
-reading the 9B encoder, the variant is predicted from the options and the checkpoint's safetensors header:
-- a ConvRot INT8 encoder (`--convrot_int8_text_encoder`, or a pre-quantised ComfyUI file) is convrot_int8 whatever
-  `--te_quant` says (int8/nf4 on it are refused, auto keeps it);
-- otherwise `--te_quant` none/int8/nf4 give none/bnb_int8/bnb_nf4 (the CPU or a missing CUDA gives none with auto).
-`--te_quant auto` on a CUDA device for a float encoder depends on the free VRAM when the encoder is loaded: there is no
-prediction (None), and the caller loads the encoder before checking the caches. The checks that `te_quant.choose_plan`
-makes at load time (int8/nf4 need CUDA and bitsandbytes, ...) raise the same UserErrors here.
+The text-encoder output caches record it (`encoder` in `*_moss_te.npz`) and a file made by another variant is re-made,
+so a cache made by the trainer, the cache tool or any other caller is valid for the others exactly when their numbers
+are the same. A variant is the format of the weights and the dtype the encoder computes in:
+- weights: `none` (float weights), `convrot_int8` (ConvRot INT8, quantised at load or a pre-quantised file),
+  `bnb_int8` / `bnb_nf4` (`--te_quant`); `weights_variant` reads it from a loaded model.
+- dtype: bf16, the one dtype a run computes in (`library.text_encoder.loading.TEXT_ENCODER_DTYPE`), adds nothing to
+  the name. So `none`, `convrot_int8`, ... keep the meaning the files of earlier versions give them: on a GPU the
+  trainer and the cache tool always ran the encoder in bf16. Another dtype is a suffix (`none_fp32`): earlier
+  versions ran it in fp32 in the cache tool on the CPU, and such files are told apart by their values
+  (`library.caching.strategies`).
+- The device is not part of it: bf16 on the CPU and on a GPU compute the same operations in the same format, and
+  differ only by the summation order of their kernels (as two GPUs, or two batch shapes, do).
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
-
 import torch
+from torch import nn
 
-logger = logging.getLogger(__name__)
-
-_BNB_VARIANTS = {"none": "none", "int8": "bnb_int8", "nf4": "bnb_nf4"}
-
-
-def run_device(device: str | torch.device) -> torch.device:
-    """`device`, or the CPU when it names CUDA and there is none (as `te_quant.prepare_text_encoder` does)."""
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return torch.device("cpu")
-    return device
+BF16 = "bf16"
+DTYPE_NAMES = {torch.bfloat16: BF16, torch.float32: "fp32", torch.float16: "fp16"}
+WEIGHTS_VARIANTS = ("none", "convrot_int8", "bnb_int8", "bnb_nf4")
+BNB_VARIANTS = {"none": "none", "int8": "bnb_int8", "nf4": "bnb_nf4"}  # by --te_quant plan
 
 
-def predict_text_encoder_variant(args: argparse.Namespace, device: str | torch.device) -> str | None:
-    """The `text_encoder_variant` of the frozen encoder that `args` will load for `device`, or None when it is
-    decided at load time (--te_quant auto on a CUDA device for a float encoder). Reads no weights."""
-    from library.moss_image.loaders import text_encoder_file_is_prequantised
-    from library.text_encoder.quant import bitsandbytes_available, choose_plan, te_on_cpu
+def weights_variant(model: nn.Module) -> str:
+    """How the text encoder's weights are stored: none (float), convrot_int8, bnb_int8, bnb_nf4."""
+    names = {type(m).__name__ for m in model.modules()}
+    if "ConvRotInt8Linear" in names:
+        return "convrot_int8"
+    if "Linear8bitLt" in names:
+        return "bnb_int8"
+    if "Linear4bit" in names:
+        return "bnb_nf4"
+    return "none"
 
-    device = run_device(device)
-    mode = getattr(args, "te_quant", None) or "none"
-    on_cpu = te_on_cpu(args)
-    convrot = bool(getattr(args, "convrot_int8_text_encoder", False)) \
-        or text_encoder_file_is_prequantised(args.text_encoder)
-    if mode == "auto" and device.type == "cuda" and not on_cpu and not convrot:
-        return None
-    plan = choose_plan(mode, device, None, None, bitsandbytes_available(), on_cpu, frozen=True, prequantised=convrot)
-    return "convrot_int8" if convrot else _BNB_VARIANTS[plan.quant]
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def cache_variant(weights: str, dtype: torch.dtype | str) -> str:
+    """The recorded name: `weights` for bf16, `weights_<dtype>` otherwise (`dtype` as a torch dtype or its name)."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    return weights if name == BF16 else f"{weights}_{name}"
+
+
+def variant_dtype(variant: str) -> str:
+    """The dtype name of a variant made by `cache_variant` (bf16 when it has no dtype suffix)."""
+    weights, _, suffix = variant.rpartition("_")
+    return suffix if weights in WEIGHTS_VARIANTS and suffix in DTYPE_NAMES.values() else BF16
 
 
 def check_predicted_variant(predicted: str, loaded: str) -> None:

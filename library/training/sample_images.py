@@ -2,8 +2,9 @@
 
 Files: `<output_dir>/sample/<output_name>_<e000001|000010>_<i:02d>_<YYYYmmddHHMMSS>_<seed>.png`, each with its prompt,
 seed and settings in the PNG metadata. The text-encoder outputs of the prompts come from the cache made before the
-encoder left the GPU (with --cache_text_encoder_outputs) or from the encoder itself. The RNG states of the run are
-saved and restored around sampling, so sampling never changes the training randomness.
+encoder left the GPU (with --cache_text_encoder_outputs) or from the encoder itself, on the device it runs on (the
+CPU with --te_device cpu). The RNG states of the run are saved and restored around sampling, so sampling never
+changes the training randomness.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from library.errors import UserError
+from library.sampling.generation import GenerationSettings, decode_to_pil, denoise, save_png
+from library.sampling.sampler import load_prompts, parse_uncond_skip_layers
+from library.text_encoder.encoding import encode_captions, model_device
 
 logger = logging.getLogger(__name__)
 
@@ -55,26 +61,19 @@ def _text_outputs(trainer: Any, run: Any, texts: list[str]) -> dict[str, Any]:
         return cached
     te = run.text_encoders[0] if run.text_encoders else None
     if te is None:
-        from library.errors import UserError
-
         raise UserError(
             f"The sample prompt file '{run.args.sample_prompts}' changed during training ({len(missing)} new texts) and"
             " the text encoder is no longer loaded (--cache_text_encoder_outputs): restore the file, or restart the run."
         )
-    from library.caching.strategies import make_text_encode_fn
-
-    te_was = next(te.parameters()).device
-    te.to(run.accelerator.device)
-    encoded = make_text_encode_fn(te, trainer.tokenizer, run.args.moss_max_token_length)(missing)
+    te_was = model_device(te)
+    te.to(trainer.te_device or run.accelerator.device)  # where it runs: the CPU with --te_device cpu
+    encoded = encode_captions(te, trainer.tokenizer, missing, run.args.moss_max_token_length)
     if not trainer.is_train_text_encoder(run.args):
         te.to(te_was)
     return {**cached, **dict(zip(missing, encoded))}
 
 
 def _generate_all(trainer: Any, run: Any, epoch: int | None, step: int) -> list[Path]:
-    from library.sampling.generation import GenerationSettings, decode_to_pil, denoise, save_png
-    from library.sampling.sampler import load_prompts, parse_uncond_skip_layers
-
     args, acc = run.args, run.accelerator
     prompts = load_prompts(args.sample_prompts)
     skip = parse_uncond_skip_layers(args.sample_uncond_skip_layers, run.unet.config.num_layers)
