@@ -37,7 +37,7 @@ from library.options.checks import check_attention_args
 from library.options.implications import ATTENTION_IMPLICATIONS, apply_implications
 from library.runtime.compile import check_compile_args
 from library.sampling.sampler import check_image_size, parse_uncond_skip_layers
-from library.text_encoder.encoding import encode_captions
+from library.text_encoder.encoding import encode_captions, text_encoder_batch_size
 from library.text_encoder.loading import TextEncoderOptions, load_text_encoder
 from library.text_encoder.quant import check_text_encoder_memory_args
 from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
@@ -53,6 +53,7 @@ def setup_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="MOSS-Image minimal inference",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     groups.add_model_file_arguments(p, dit_dest="dit", text_encoder=True, vae=True)
+    groups.add_text_encoder_batch_argument(p.add_argument_group("text encoder"))
     g = p.add_argument_group("LoRA")
     g.add_argument("--lora_weight", type=str, nargs="*", default=[], help="LoRA files merged at load")
     g.add_argument("--lora_multiplier", type=float, nargs="*", default=[], help="one multiplier per LoRA (1.0)")
@@ -110,6 +111,7 @@ def _check_args(args: argparse.Namespace) -> None:
     check_image_size(w, h, "--image_size")
     parse_uncond_skip_layers(args.uncond_skip_layers)
     check_max_token_length(args.moss_max_token_length)
+    text_encoder_batch_size(args.text_encoder_batch_size)
     if args.lora_multiplier and len(args.lora_multiplier) != len(args.lora_weight):
         raise UserError("Give one --lora_multiplier per --lora_weight (or none for 1.0 each).")
     if not args.latent_path and not (args.prompt is not None or args.from_file or args.interactive):
@@ -180,7 +182,8 @@ def load_text_encoder_for(args: argparse.Namespace, device: Any) -> tuple[Any, A
 
 def encode_texts(args: argparse.Namespace, te: Any, tokenizer: Any, texts: list[str]) -> dict[str, Any]:
     """Each text encoded once, kept on the CPU."""
-    outputs = encode_captions(te, tokenizer, texts, args.moss_max_token_length)
+    outputs = encode_captions(te, tokenizer, texts, args.moss_max_token_length,
+                              text_encoder_batch_size(args.text_encoder_batch_size))
     return {t: (e.cpu(), m.cpu()) for t, (e, m) in zip(texts, outputs)}
 
 

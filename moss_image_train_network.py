@@ -26,7 +26,7 @@ from library.moss_image.loaders import fill_paths_from_snapshot
 from library.options.checks import check_attention_args
 from library.quant.convrot_kernels import HAS_TRITON
 from library.runtime.compile import check_compile_args, check_cpu_compiler
-from library.text_encoder.encoding import LazyEncoder, encode_captions, pad_and_stack
+from library.text_encoder.encoding import LazyEncoder, encode_captions, pad_and_stack, text_encoder_batch_size
 from library.text_encoder.loading import TextEncoderOptions, load_text_encoder, predict_text_encoder_variant
 from library.text_encoder.quant import check_text_encoder_memory_args
 from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
@@ -69,6 +69,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
     def assert_extra_args(self, args: argparse.Namespace, train_group: Any, val_group: Any) -> None:
         check_model_paths(args)
         check_max_token_length(args.moss_max_token_length)
+        text_encoder_batch_size(args.text_encoder_batch_size)
         if args.mixed_precision == "fp16":
             logger.warning("mixed_precision fp16 is not recommended for MOSS-Image: the text encoder and the DiT are"
                            " bf16 models. Use bf16.")
@@ -260,7 +261,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
                 run.text_encoders[0] = self._load_deferred_text_encoder(args, acc)
             te = run.text_encoders[0]
             te.to(self.te_device)
-            return functools.partial(encode_captions, te, self.tokenizer, max_length=args.moss_max_token_length)
+            return functools.partial(encode_captions, te, self.tokenizer, max_length=args.moss_max_token_length,
+                                     batch_size=text_encoder_batch_size(args.text_encoder_batch_size))
 
         encode = LazyEncoder(make_encode, loads_model=run.text_encoders[0] is None)
         cache_text_encoder_outputs([run.train_group, run.val_group], encode,
@@ -311,7 +313,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if outputs is None:  # gradients flow when the text encoder LoRA is trained (the caller sets the grad mode)
             te = run.text_encoders[0]
             te.to(self.te_device)
-            outputs = encode_captions(te, self.tokenizer, batch["captions"], run.args.moss_max_token_length, grad=True)
+            outputs = encode_captions(te, self.tokenizer, batch["captions"], run.args.moss_max_token_length,
+                                      text_encoder_batch_size(run.args.text_encoder_batch_size), grad=True)
         embeds, mask = pad_and_stack([(e.to(run.accelerator.device), m.to(run.accelerator.device)) for e, m in outputs])
         return embeds, mask
 

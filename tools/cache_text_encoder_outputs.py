@@ -21,10 +21,15 @@ import argparse
 import functools
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from library.caching.strategies import MossImageTextEncoderOutputsCachingStrategy, cache_text_encoder_outputs
+from library.caching.strategies import (
+    EncodingStats,
+    MossImageTextEncoderOutputsCachingStrategy,
+    cache_text_encoder_outputs,
+)
 from library.caching.tool_common import (
     add_cache_tool_arguments,
     check_tool_device,
@@ -38,7 +43,7 @@ from library.datasets.preflight import quick_check
 from library.errors import UserError
 from library.moss_image.loaders import fill_paths_from_snapshot
 from library.options import groups
-from library.text_encoder.encoding import EncodeFn, LazyEncoder, encode_captions
+from library.text_encoder.encoding import EncodeFn, LazyEncoder, encode_captions, text_encoder_batch_size
 from library.text_encoder.loading import TextEncoderOptions, load_text_encoder, predict_text_encoder_variant
 from library.text_encoder.quant import check_text_encoder_memory_args
 from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
@@ -54,11 +59,26 @@ class CacheSummary:
     files: int  # cache files of the datasets (one per image file)
     encoded: int  # files encoded by this run
     processes: int
+    skipped: int = 0  # existing files trusted without a check (--skip_cache_check)
+    captions: int = 0  # captions encoded (every candidate of the encoded files)
+    seconds: float = 0.0  # the caching step, the text encoder's read included
+    encode_seconds: float = 0.0  # the encoding of the captions (the main process)
+
+    @property
+    def valid(self) -> int:
+        """Existing files checked and found valid."""
+        return self.files - self.encoded - self.skipped
 
     def line(self) -> str:
         return (f"text encoder outputs: {self.files} cache files; {self.encoded} encoded now,"
                 f" {self.files - self.encoded} already cached ({self.processes} process"
                 f"{'es' if self.processes > 1 else ''})")
+
+    def totals_line(self) -> str:
+        rate = self.captions / self.encode_seconds if self.encode_seconds > 0 else 0.0
+        return (f"text encoder outputs: {self.encoded} encoded, {self.valid} valid, {self.skipped} skipped"
+                f" (--skip_cache_check); {self.captions} captions at {rate:.1f} captions/s; {self.seconds:.1f} s"
+                " with the text encoder's read")
 
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -87,8 +107,7 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.cache_text_encoder_outputs_to_disk:
         raise UserError("Without --cache_text_encoder_outputs_to_disk the outputs would be thrown away at exit: add"
                         " --cache_text_encoder_outputs_to_disk.")
-    if args.text_encoder_batch_size is not None and args.text_encoder_batch_size < 1:
-        raise UserError(f"--text_encoder_batch_size {args.text_encoder_batch_size} must be at least 1.")
+    text_encoder_batch_size(args.text_encoder_batch_size)
     check_max_token_length(args.moss_max_token_length)
     check_text_encoder_memory_args(args)
     check_tool_device(args.device)
@@ -102,7 +121,8 @@ def load_encode_fn(args: argparse.Namespace, device: Any) -> tuple[EncodeFn, str
     device it runs on)."""
     tokenizer = load_tokenizer(args.tokenizer_cache_dir, args.text_encoder)
     loaded = load_text_encoder(TextEncoderOptions.from_args(args), device)
-    encode = functools.partial(encode_captions, loaded.model, tokenizer, max_length=args.moss_max_token_length)
+    encode = functools.partial(encode_captions, loaded.model, tokenizer, max_length=args.moss_max_token_length,
+                               batch_size=text_encoder_batch_size(args.text_encoder_batch_size))
     return encode, loaded.variant
 
 
@@ -139,20 +159,31 @@ def cache_from_args(args: argparse.Namespace) -> CacheSummary | None:
         raise UserError(f"Text encoder outputs cannot be cached with {', '.join(blockers)}: turn those off in the"
                         " dataset config.")
     acc = make_accelerator(args.device)
+    start = time.perf_counter()
     encode, variant = encoder_for(args, acc.device)
     strategy = MossImageTextEncoderOutputsCachingStrategy(True, args.text_encoder_batch_size, args.skip_cache_check,
                                                           max_token_length=args.moss_max_token_length,
                                                           encoder_variant=variant)
+    stats = EncodingStats()
     encoded = cache_text_encoder_outputs(groups, encode, strategy, acc.process_index, acc.num_processes,
-                                         acc.is_local_main_process)
+                                         acc.is_local_main_process, stats)
     acc.wait_for_everyone()
-    files = {i.te_outputs_npz for g in groups for i in g.image_infos()}
-    summary = CacheSummary(len(files), total_over_processes(acc, encoded), acc.num_processes)
+    summary = _summary(args, acc, groups, encoded, stats, time.perf_counter() - start)
     if acc.is_main_process:
         print(summary.line())
+        print(summary.totals_line())
     acc.wait_for_everyone()
     acc.end_training()  # an orderly end of the process group: no process exits while another still talks to it
     return summary
+
+
+def _summary(args: argparse.Namespace, acc: Any, groups: list[Any], encoded: int, stats: EncodingStats,
+             seconds: float) -> CacheSummary:
+    files = len({i.te_outputs_npz for g in groups for i in g.image_infos()})
+    encoded = total_over_processes(acc, encoded)
+    skipped = files - encoded if args.skip_cache_check else 0  # the files that existed were trusted
+    return CacheSummary(files, encoded, acc.num_processes, skipped, total_over_processes(acc, stats.captions),
+                        seconds, stats.seconds)
 
 
 def run(argv: list[str] | None = None) -> CacheSummary | None:

@@ -31,13 +31,16 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from library.datasets import prepare_image_for_cache
 from library.datasets.image_info import ImageInfo
@@ -429,9 +432,20 @@ def batched(items: Sequence[Any], size: int) -> list[list[Any]]:
 
 
 def _progress(items: Sequence[Any], desc: str, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-
     return tqdm(items, desc=desc, disable=not enabled, smoothing=0)
+
+
+@dataclass
+class EncodingStats:
+    """What `cache_text_encoder_outputs` encoded in this process: captions (the empty prompt not counted) and the
+    seconds of their encoding (not of reading the encoder, which happens with the empty prompt)."""
+
+    captions: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.captions / self.seconds if self.seconds > 0 else 0.0
 
 
 def _unique(infos: Any) -> list[ImageInfo]:
@@ -516,12 +530,15 @@ def cache_text_encoder_outputs(
     process_index: int = 0,
     num_processes: int = 1,
     show_progress: bool = True,
+    stats: EncodingStats | None = None,
 ) -> int:
     """Attach `strategy` to the groups, find every caption candidate whose cache is missing or stale (all
     candidates of an image in one file; with several processes each checks and caches its share of the files), then
     encode the empty prompt and those candidates. `encode` is called only when something is to be encoded (a
-    `LazyEncoder` then reads the text encoder only in that case). Returns the number of images (files, or entries
-    when caching in memory) this process encoded."""
+    `LazyEncoder` then reads the text encoder only in that case), with the captions of `strategy.batch_size` images
+    at a time, the images sorted by caption length so that each call holds captions of similar lengths. The progress
+    bar counts captions (captions/s, ETA). Returns the number of images (files, or entries when caching in memory)
+    this process encoded; `stats`, when given, receives the captions and the seconds of their encoding."""
     groups = [g for g in groups if g is not None]
     for group in groups:
         group.attach_text_encoder_outputs_cache(strategy, cache_supports_dropout=True,
@@ -537,15 +554,35 @@ def cache_text_encoder_outputs(
         strategy.set_uncond(encode([""])[0])  # stored in every file; dropout reads it from there
     elif strategy.cache_to_disk:
         _log_all_valid(encode, len(mine), num_processes)
-    for chunk in _progress(batched(todo, strategy.batch_size), "caching text encoder outputs", show_progress):
-        flat = [c for _, caps in chunk for c in caps]
-        outputs = encode(flat)
-        pos = 0
-        for info, caps in chunk:
-            strategy.store(info, caps, outputs[pos : pos + len(caps)])
-            pos += len(caps)
+    todo.sort(key=lambda item: max((len(c) for c in item[1]), default=0))
+    done = _encode_and_store(todo, encode, strategy, show_progress)
     logger.info("text encoder outputs: %d images encoded by this process", len(todo))
+    if done.captions:
+        logger.info("text encoder outputs: %d captions in %.1f s (%.1f captions/s)", done.captions, done.seconds,
+                    done.rate)
+    if stats is not None:
+        stats.captions, stats.seconds = done.captions, done.seconds
     return len(todo)
+
+
+def _encode_and_store(todo: list[tuple[ImageInfo, list[str]]], encode: EncodeFn,
+                      strategy: MossImageTextEncoderOutputsCachingStrategy, show_progress: bool) -> EncodingStats:
+    done = EncodingStats()
+    total = sum(len(caps) for _, caps in todo)
+    start = time.perf_counter()
+    with tqdm(total=total, desc="caching text encoder outputs", unit=" captions", disable=not show_progress,
+              smoothing=0) as bar:
+        for chunk in batched(todo, strategy.batch_size):
+            flat = [c for _, caps in chunk for c in caps]
+            outputs = encode(flat)
+            pos = 0
+            for info, caps in chunk:
+                strategy.store(info, caps, outputs[pos : pos + len(caps)])
+                pos += len(caps)
+            done.captions += len(flat)
+            bar.update(len(flat))
+    done.seconds = time.perf_counter() - start
+    return done
 
 
 def _files_without_uncond(files: Any) -> int:

@@ -12,6 +12,7 @@ group that a script takes; options only one script has stay in that script.
 | `add_attention_arguments` | --attn_mode, --split_attn, --xformers, --sdpa |
 | `add_convrot_arguments` | --convrot_int8, --convrot_int8_text_encoder, --convrot_int8_bwd |
 | `add_caching_arguments` | --cache_latents(_to_disk), --vae_batch_size, --cache_text_encoder_outputs(_to_disk), --text_encoder_batch_size, --skip_cache_check |
+| `add_text_encoder_batch_argument` | --text_encoder_batch_size (alone, for the inference script) |
 | `add_memory_arguments` | --blocks_to_swap, --block_swap_h2d_only, --no_pinned_memory_for_block_swap, --cpu_offload_checkpointing, --unsloth_offload_checkpointing, --lowram, --highvram, --cuda_expandable_segments |
 | `add_text_encoder_memory_arguments` | --te_quant, --te_device, --text_encoder_cpu |
 | `add_compile_arguments` | --compile, --compile_backend, --compile_mode, --compile_dynamic, --compile_fullgraph, --compile_cache_size_limit |
@@ -114,10 +115,15 @@ def add_caching_arguments(parser: argparse.ArgumentParser, latents: bool, text_e
         g.add_argument("--cache_text_encoder_outputs_to_disk", action="store_true",
                        help="cache the Qwen3.5 outputs to <image>_moss_te.npz files beside the images (implies"
                             " --cache_text_encoder_outputs; required by tools/cache_text_encoder_outputs.py)")
-        g.add_argument("--text_encoder_batch_size", type=int, default=None,
-                       help="captions per caching step (the encoder itself runs one caption at a time)")
+        add_text_encoder_batch_argument(g)
     g.add_argument("--skip_cache_check", action="store_true",
                    help="trust every existing cache file without checking it")
+
+
+def add_text_encoder_batch_argument(group: ArgumentContainer) -> None:
+    """--text_encoder_batch_size (with the caching options; the inference script takes it alone)."""
+    group.add_argument("--text_encoder_batch_size", type=int, default=None,
+                       help="captions per text-encoder call, grouped by length (default 1: one at a time)")
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser, training: bool) -> None:

@@ -1,5 +1,5 @@
-"""Text encoder quantisation and placement: ConvRot INT8 (`--convrot_int8_text_encoder`), `--te_quant auto|none|int8|nf4`
-(bitsandbytes) and `--te_device gpu|cpu` / `--text_encoder_cpu`.
+"""Text encoder quantisation and placement: ConvRot INT8 (`--convrot_int8_text_encoder`),
+`--te_quant auto|none|int8|nf4` (bitsandbytes) and `--te_device gpu|cpu` / `--text_encoder_cpu`.
 
 - ConvRot INT8 (`quantize_text_encoder_convrot`): the attention / GatedDeltaNet / MLP projections and `embed_tokens`
   (`library.quant.convrot.text_encoder_convrot_filter`), after loading and after any LoRA merge, one layer at a time.

@@ -25,6 +25,7 @@ import torch
 from library.errors import UserError
 from library.files.safetensors_io import TensorSource, check_safetensors_path, describe_key_mismatch, discover_shards
 from library.quant import convrot as cr
+from library.text_encoder.kernels import route_linear_attention_kernels
 from library.text_encoder.quant import quantize_text_encoder_convrot
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,7 @@ def load_qwen35_text_model(
     cr.check_quantization_format(source, source.metadata, what)
     with init_empty_weights(include_buffers=False):
         model = Qwen3_5TextModel(config)
+    route_linear_attention_kernels()  # fla / causal-conv1d for CUDA tensors only
     if cr.is_comfy_quantized_state_dict(source.keys(), source.metadata):
         if tensor_hook is not None:
             raise UserError(
