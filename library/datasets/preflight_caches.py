@@ -37,6 +37,7 @@ from library.datasets.preflight import ERROR, WARNING, FileReason, Problem, plur
 from library.errors import UserError
 from library.moss_image.vae import Flux2VAEConfig
 from library.text_encoder.base_weights import text_encoder_base_weights_identity
+from library.text_encoder.loading import TextEncoderOptions, predict_text_encoder_variant
 from library.text_encoder.qwen35 import (
     BUNDLED_CONFIG_DIR,
     check_max_token_length,
@@ -44,7 +45,6 @@ from library.text_encoder.qwen35 import (
     load_tokenizer,
     tokenize,
 )
-from library.text_encoder.loading import TextEncoderOptions, predict_text_encoder_variant
 
 # Caching speed on one H200 (docs/benchmarks.md, "Caching"): the FLUX.2 VAE in fp32 encoded 16 images of 1024x1024
 # in 2.37 s; Qwen3.5-9B in bf16 encoded 17 captions of about 40 tokens (16 and the empty prompt) in 10.8 s.
