@@ -18,7 +18,7 @@ EXPECTED_SHARED = {
     "--disable_mmap_load_safetensors": 4, "--pretrained_model_name_or_path": 2, "--dit": 2, "--attn_mode": 2,
     "--split_attn": 2, "--xformers": 2, "--sdpa": 2, "--convrot_int8": 2, "--convrot_int8_text_encoder": 3,
     "--cache_latents": 2, "--cache_latents_to_disk": 2, "--vae_batch_size": 2, "--cache_text_encoder_outputs": 2,
-    "--cache_text_encoder_outputs_to_disk": 2, "--text_encoder_batch_size": 2, "--skip_cache_check": 3,
+    "--cache_text_encoder_outputs_to_disk": 2, "--text_encoder_batch_size": 3, "--skip_cache_check": 3,
     "--blocks_to_swap": 2, "--te_quant": 3, "--te_device": 3, "--text_encoder_cpu": 3, "--compile": 2,
     "--compile_backend": 2, "--compile_mode": 2, "--compile_dynamic": 2, "--compile_fullgraph": 2,
     "--compile_cache_size_limit": 2, "--cuda_expandable_segments": 2, "--seed": 4, "--device": 3,

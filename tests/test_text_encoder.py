@@ -92,7 +92,7 @@ def test_the_three_scripts_give_the_same_numbers(tiny_snapshot, tmp_path):
     cached = load_npz(tmp_path / "data" / "4_toy" / "img1_moss_te.npz")
     assert (str(cached["encoder"]), str(cached["encoder_dtype"])) == ("none", "bf16")
     args = inference.setup_parser().parse_args(["--snapshot", str(tiny_snapshot), "--prompt", "x"])
-    inference._resolve_paths(args)
+    inference.resolve_args(args)
     te, tokenizer = inference.load_text_encoder_for(args, torch.device("cpu"))
     caption = str(cached["caption_0"])
     outputs = inference.encode_texts(args, te, tokenizer, [caption, ""])
@@ -243,7 +243,7 @@ def test_the_cache_tool_batches_and_reports(tiny_snapshot, tmp_path, capsys):
     # batched files are valid for a run encoding alone (same variant), and their values those of alone encoding
     cached = load_npz(tmp_path / "data" / "4_toy" / "img0_moss_te.npz")
     args = inference.setup_parser().parse_args(["--snapshot", str(tiny_snapshot), "--prompt", "x"])
-    inference._resolve_paths(args)
+    inference.resolve_args(args)
     te, tokenizer = inference.load_text_encoder_for(args, torch.device("cpu"))
     alone = encode_captions(te, tokenizer, [str(cached["caption_0"]), str(cached["caption_1"])])
     bf16_noise = 0.05 * max(e.float().abs().max().item() for e, _ in alone)
