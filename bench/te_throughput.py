@@ -6,7 +6,7 @@
 Each run is one process of the cache tool, started afresh on a fresh dataset folder of `--captions` tiny images whose
 captions are 20-300 tokens long (seeded; the byte-level tokenizer of the benchmark snapshots makes about one token per
 character), so that every caption is encoded. A run is `<variant>_b<batch>`: variant `bf16` (the text encoder as it
-is) or `int8` (`--convrot_int8_text_encoder`, quantised at load), batch = `--text_encoder_batch_size`. Reported per
+is) or `int8` (`--convrot_int8_text_encoder`, quantised at load), batch = `--text_encoder_batch_size`; `<run>@N` encodes N captions instead of `--captions` (for slow runs). Reported per
 run: wall seconds from process start to exit, and the tool's own steady-state figure (captions per second of the
 encoding loop, the summary line it prints). Add `--fla_path DIR` to put an installed flash-linear-attention on the
 path of the tool's process (the runs are then repeated with it, named `<run>_fla`).
@@ -58,11 +58,12 @@ def write_dataset(root: Path, count: int, seed: int) -> Path:
     return root
 
 
-def parse_run(name: str) -> tuple[str, int]:
-    m = re.fullmatch(r"(bf16|int8)_b(\d+)", name)
+def parse_run(name: str, default_count: int) -> tuple[str, str, int, int]:
+    """`bf16_b16` or `bf16_b1@200` -> (name, variant, batch, captions)."""
+    m = re.fullmatch(r"((bf16|int8)_b(\d+))(?:@(\d+))?", name)
     if not m:
-        raise SystemExit(f"run {name!r} is not <bf16|int8>_b<batch>, e.g. bf16_b16")
-    return m.group(1), int(m.group(2))
+        raise SystemExit(f"run {name!r} is not <bf16|int8>_b<batch>[@captions], e.g. bf16_b16 or bf16_b1@200")
+    return m.group(1), m.group(2), int(m.group(3)), int(m.group(4) or default_count)
 
 
 def run_tool(snapshot: Path, data: Path, variant: str, batch: int, device: str, env: dict[str, str]) -> dict[str, Any]:
@@ -108,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             envs["_fla"] = base_env | {"PYTHONPATH": os.pathsep.join(
                 x for x in (args.fla_path, base_env.get("PYTHONPATH", "")) if x)}
         for suffix, env in envs.items():
-            for name in [r for r in args.runs.split(",") if r]:
-                variant, batch = parse_run(name)
-                data = write_dataset(work / f"data_{name}{suffix}", args.captions, args.seed)
+            for spec in [r for r in args.runs.split(",") if r]:
+                name, variant, batch, count = parse_run(spec, args.captions)
+                data = write_dataset(work / f"data_{name}{suffix}", count, args.seed)
                 results["runs"][name + suffix] = res = run_tool(snapshot, data, variant, batch, device, env)
                 print(f"{name + suffix}: {json.dumps(res)[:300]}", flush=True)
     text = json.dumps(results, indent=1)
