@@ -59,7 +59,7 @@ def run_case(name: str, optimizer: str, te_quant: str, snapshot: Path, work: Pat
     if te_files:
         with np.load(te_files[0]) as z:
             res["te_cache_keys"] = sorted(z.files)[:12]
-            res["te_variant"] = str(z["variant"]) if "variant" in z.files else None
+            res["te_variant"] = str(z["encoder"]) if "encoder" in z.files else None
     if losses:
         res["loss_first"], res["loss_last"] = losses[0], losses[-1]
     res["ok"] = res["lora_finite"] and bool(res["lora_up_max"])
