@@ -11,12 +11,13 @@ prompts are denoised, the DiT leaves the GPU, then the VAE decodes (untiled: til
 `--compile` compiles each of the DiT's main blocks with torch.compile (the trainer's `--compile_*` options, from
 `library.runtime.compile`); the compilation happens during the first prompt's denoising.
 
-Timings: a prompt or prompt-file run (`generate()`) logs one line with the seconds of each phase and leaves them in
-`LAST_RUN_TIMINGS` (cleared by every `run()`; other modes leave it empty), so a benchmark can call `run(args)`
-in-process and read them. Keys (`TIMING_KEYS`): text_encoder_load, encode, dit_load (LoRA merge, ConvRot
-quantisation, block swap set-up and compile wrapping included), denoise (all prompts; the torch.compile time falls in
-the first one), vae_load and decode (decoding and PNG writing; both 0.0 with --output_type latent), and total =
-encode + denoise + decode (the work after loading). CUDA is synchronised before each reading.
+Timings: a prompt or prompt-file run (`generate()`) logs one line with the seconds of each phase and records them
+for `library.runtime.phase_timer.last_run_timings()` (cleared by every `run()`; other modes leave them empty), so a
+benchmark can call `run(args)` in-process and read them. Keys (`TIMING_KEYS`): text_encoder_load, encode, dit_load
+(LoRA merge, ConvRot quantisation, block swap set-up and compile wrapping included), denoise (all prompts; the
+torch.compile time falls in the first one), vae_load and decode (decoding and PNG writing; both 0.0 with
+--output_type latent), and total = encode + denoise + decode (the work after loading). CUDA is synchronised before
+each reading.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from library.moss_image.loaders import fill_paths_from_snapshot
 from library.options import groups
 from library.options.checks import check_attention_args
 from library.options.implications import ATTENTION_IMPLICATIONS, apply_implications
+from library.runtime import phase_timer
 from library.runtime.compile import check_compile_args
 from library.sampling.sampler import check_image_size, parse_uncond_skip_layers
 from library.text_encoder.encoding import encode_captions, text_encoder_batch_size
@@ -46,7 +48,6 @@ logger = logging.getLogger("moss_image_minimal_inference")
 
 LATENT_SUFFIX = ".safetensors"
 TIMING_KEYS = ("text_encoder_load", "encode", "dit_load", "denoise", "vae_load", "decode", "total")
-LAST_RUN_TIMINGS: dict[str, float] = {}
 
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -292,10 +293,8 @@ def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], devi
 # ------------------------------------------------------------------------------------------------- main
 def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
     """Seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything, move the DiT
-    off the GPU, then decode (untiled). The phase timings go to the log and to LAST_RUN_TIMINGS."""
-    from library.runtime.phase_timer import PhaseTimer
-
-    timer = PhaseTimer(device)
+    off the GPU, then decode (untiled). The phase timings go to the log and to `phase_timer.last_run_timings()`."""
+    timer = phase_timer.PhaseTimer(device)
     texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
     with timer.phase("text_encoder_load"):
         te, tokenizer = load_text_encoder_for(args, device)
@@ -323,10 +322,10 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
 
 
 def _record_timings(seconds: dict[str, float]) -> None:
-    """Fill LAST_RUN_TIMINGS (phases not run: 0.0) and log them on one line."""
+    """Record the run's timings (phases not run: 0.0) and log them on one line."""
     timings = {k: seconds.get(k, 0.0) for k in TIMING_KEYS}
     timings["total"] = timings["encode"] + timings["denoise"] + timings["decode"]
-    LAST_RUN_TIMINGS.update(timings)
+    phase_timer.set_last_run_timings(timings)
     logger.info("timings (s): text encoder load %.2f, encode %.2f, DiT load %.2f, denoise %.2f, VAE load %.2f,"
                 " decode %.2f; total after loading %.2f", *timings.values())
 
@@ -363,7 +362,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     if args.cuda_expandable_segments:
         enable_expandable_segments()
 
-    LAST_RUN_TIMINGS.clear()
+    phase_timer.set_last_run_timings({})
     resolve_args(args)
     _check_paths(args)
     _check_args(args)

@@ -3,8 +3,8 @@ DiT-like block (hidden 3072, 24x128 heads, SwiGLU 8192 through one 3072 -> 16384
 forward + backward with a rank-16 LoRA, bf16 against int8. GPU correctness (Triton against eager) is checked in the
 same run. Prints a table and writes JSON.
 
-    python3 bench/convrot_int8.py --out results.json            # on a CUDA GPU (H200 in docs/benchmarks.md)
-    python3 bench/convrot_int8.py --smoke                       # tiny shapes, CPU or GPU: checks the script runs
+    python -m bench.convrot_int8 --out results.json            # on a CUDA GPU (H200 in docs/benchmarks.md)
+    python -m bench.convrot_int8 --smoke                       # tiny shapes, CPU or GPU: checks the script runs
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from library.quant import convrot_kernels as K
 from library.quant import convrot as U
@@ -329,7 +328,8 @@ def bench_block(m: int, dim: int, heads: int, ffn: int, device: str) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.convrot_int8", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the JSON results here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU or GPU): only checks that the script runs")
     ap.add_argument("--variants", choices=["none", "final", "all"], default="final",
@@ -353,7 +353,7 @@ def main() -> None:
     import triton
 
     res: dict = {
-        "command": " ".join(["python3", "bench/convrot_int8.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "-m", "bench.convrot_int8", *sys.argv[1:]]),
         "env": {
             "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "has_triton": K.HAS_TRITON,

@@ -1,4 +1,4 @@
-"""Bench-only setup for the DDP equivalence check (`bench/measure.py --setup bench.ddp_noise:install`).
+"""Bench-only setup for the DDP equivalence check (`python -m bench.measure --setup bench.ddp_noise:install`).
 
 The trainer draws noise and timesteps from each process's global RNG, so one process with batch 2 and two processes
 with batch 1 give their samples different noise even with the same seed, and their LoRAs cannot be compared. This

@@ -1,19 +1,20 @@
 #!/usr/bin/env python
 """Full-size end to end on the GPU machine: the product's own commands (cache tools, trainer, inference script) on a
-full-size random-weight snapshot, each run in its own process under `bench/measure.py`, figures written as JSON.
+full-size random-weight snapshot, each run in its own process under `bench.measure`, figures written as JSON. Run it
+from the repository root:
 
-    python bench/full_e2e.py snapshot --root /tmp/e2e                 # bench/make_full_snapshot.py (skipped if there)
-    python bench/full_e2e.py data     --root /tmp/e2e                 # 1024x1024 images + captions, two copies
-    python bench/full_e2e.py cache    --root /tmp/e2e --out $OUT      # latents, TE outputs (bf16 and INT8 TE)
-    python bench/full_e2e.py train    --root /tmp/e2e --out $OUT [--configs a,b] [--steps 16 --skip 6]
-    python bench/full_e2e.py infer    --root /tmp/e2e --out $OUT [--runs a,b]
-    python bench/full_e2e.py quality  --root /tmp/e2e --out $OUT      # INT8 vs bf16 (latents, PSNR, TE outputs)
-    python bench/full_e2e.py ddp      --root /tmp/e2e --out $OUT      # needs 2 GPUs: throughput, equivalence, swap
-    python bench/full_e2e.py report   --out $OUT                      # one summary JSON of everything in --out
+    python -m bench.full_e2e snapshot --root /tmp/e2e                 # bench.make_full_snapshot (skipped if there)
+    python -m bench.full_e2e data     --root /tmp/e2e                 # 1024x1024 images + captions, two copies
+    python -m bench.full_e2e cache    --root /tmp/e2e --out $OUT      # latents, TE outputs (bf16 and INT8 TE)
+    python -m bench.full_e2e train    --root /tmp/e2e --out $OUT [--configs a,b] [--steps 16 --skip 6]
+    python -m bench.full_e2e infer    --root /tmp/e2e --out $OUT [--runs a,b]
+    python -m bench.full_e2e quality  --root /tmp/e2e --out $OUT      # INT8 vs bf16 (latents, PSNR, TE outputs)
+    python -m bench.full_e2e ddp      --root /tmp/e2e --out $OUT      # needs 2 GPUs: throughput, equivalence, swap
+    python -m bench.full_e2e report   --out $OUT                      # one summary JSON of everything in --out
 
 `--scale small` runs every phase on the CPU with the small snapshot at 64x64 (tests/test_full_e2e.py), so the
 commands are known to work before device time is spent. Each phase writes `e2e_<phase>.json` into --out; the runs
-write their `measure.py` JSON under --out/runs/ (one file per run and rank).
+write their `bench.measure` JSON under --out/runs/ (one file per run and rank).
 """
 
 from __future__ import annotations
@@ -32,13 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parent.parent  # the working directory of every run: `-m bench.*` and the entries
 
 logger = logging.getLogger("bench.full_e2e")
 
-TRAIN_STEP = "library.training.network_trainer:NetworkTrainer._train_step"
-INFER_TIMINGS = "moss_image_minimal_inference:LAST_RUN_TIMINGS"
+TRAIN_STEP = "library.training.network_trainer:NetworkTrainer.add_step_hook"  # the trainer's step seam
+INFER_TIMINGS = "library.runtime.phase_timer:last_run_timings"
 DENOISE = "library.sampling.generation:denoise"
 
 
@@ -107,13 +107,12 @@ def run_measured(out: Path, label: str, entry: str, argv: list[str], *, phase: s
                  time_specs: tuple[str, ...] = (), skip: int = 0, profile_call: int = 0, nproc: int = 1,
                  extra_measure: tuple[str, ...] = (), timeout: int = 900, env: dict[str, str] | None = None,
                  gpu: int | None = None) -> dict[str, Any]:
-    """One product command in its own process(es) under measure.py; returns rank 0's figures (all ranks' under
+    """One product command in its own process(es) under bench.measure; returns rank 0's figures (all ranks' under
     'ranks')."""
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     js = runs / f"{label}.json"
-    m = [str(REPO / "bench" / "measure.py"), "--json", str(js), "--label", label, "--skip", str(skip),
-         *extra_measure]
+    m = ["-m", "bench.measure", "--json", str(js), "--label", label, "--skip", str(skip), *extra_measure]
     if phase:
         m += ["--phase", phase]
     if profile_call:
@@ -173,8 +172,7 @@ def phase_snapshot(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict
     marker = paths.snap / "e2e_done.json"
     if marker.exists():
         return json.loads(marker.read_text())
-    cmd = [sys.executable, str(REPO / "bench" / "make_full_snapshot.py"), str(paths.snap), *scale.snapshot_args,
-           "--what", args.what]
+    cmd = [sys.executable, "-m", "bench.make_full_snapshot", str(paths.snap), *scale.snapshot_args, "--what", args.what]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -185,9 +183,11 @@ def phase_snapshot(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict
     return summary
 
 
-def _caption(i: int) -> str:
+def _caption(i: int, scale: Scale) -> str:
     colours = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black")
     shapes = ("square", "circle", "triangle", "ring")
+    if scale.small:  # the CPU check: a few tokens keep its steps cheap (CPUs without bf16 units are slow in bf16)
+        return f"a {colours[i % 8]} {shapes[i % 4]}, number {i:02d}"
     return (f"A studio photograph of a {colours[i % 8]} {shapes[i % 4]} on a grey background, soft daylight from the"
             f" left, a small shadow under the object, sharp focus, number {i:02d}.")
 
@@ -208,7 +208,7 @@ def phase_data(args: argparse.Namespace, scale: Scale, paths: Paths) -> dict[str
         disk = (yy - cy) ** 2 + (xx - cx) ** 2 < rad**2
         img[disk] = rng.integers(0, 255, 3, dtype=np.uint8)
         Image.fromarray(img).save(first / f"img{i:02d}.png")
-        (first / f"img{i:02d}.txt").write_text(_caption(i), encoding="utf-8")
+        (first / f"img{i:02d}.txt").write_text(_caption(i, scale), encoding="utf-8")
     second = paths.data("int8") / "1_e2e"
     if second.parent.exists():
         shutil.rmtree(second.parent)
@@ -383,10 +383,10 @@ def infer_argv(scale: Scale, paths: Paths, name: str, save: Path) -> list[str]:
     if "--compile" in opts:  # a second image: its denoise is the compiled steady state (the first one compiles)
         prompts = save.parent / f"{name}_prompts.txt"
         prompts.parent.mkdir(parents=True, exist_ok=True)
-        prompts.write_text(f"{_caption(3)} --d 7\n{_caption(3)} --d 8\n", encoding="utf-8")
+        prompts.write_text(f"{_caption(3, scale)} --d 7\n{_caption(3, scale)} --d 8\n", encoding="utf-8")
         argv += ["--from_file", str(prompts)]
     else:
-        argv += ["--prompt", _caption(3)]
+        argv += ["--prompt", _caption(3, scale)]
     for o in opts:
         if o == "lora":
             argv += ["--lora_weight", str(lora), "--lora_multiplier", "1.0"]
@@ -575,7 +575,8 @@ PHASES = {"snapshot": phase_snapshot, "data": phase_data, "cache": phase_cache, 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.full_e2e", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phases", help=f"comma-separated phases: {','.join(PHASES)}")
     p.add_argument("--root", default="/tmp/e2e", help="work folder (snapshot, data, outputs)")
     p.add_argument("--out", default="e2e_out", help="where the JSON figures go")

@@ -2,12 +2,13 @@
 # GPU smoke run of the product's main paths on the tiny snapshot (run on the device machine):
 # bf16 training with ConvRot INT8 (DiT + text encoder), checkpointing and per-block compile, samples, resume state,
 # then inference with the LoRA merged before quantisation, and the CUDA tests of the Triton kernels.
+# Run from the repository root (`bash bench/gpu_smoke.sh`); no install needed: the tools run as modules (`-m`).
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu_smoke}
 W=/tmp/gpu_smoke_work
 rm -rf "$W" && mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-python3 tools/make_tiny_snapshot.py "$W/snap" > /dev/null
+python3 -m tools.make_tiny_snapshot "$W/snap" > /dev/null
 python3 - "$W" <<'PY'
 import sys, numpy as np
 from pathlib import Path
@@ -32,7 +33,7 @@ python3 moss_image_train_network.py "${common[@]}" --output_dir "$W/out" --outpu
 python3 moss_image_minimal_inference.py --snapshot "$W/snap" --prompt "a red square" --image_size 64 64 \
   --infer_steps 8 --seed 1 --save_path "$W/inf" --convrot_int8 --convrot_int8_text_encoder \
   --lora_weight "$W/out/int8.safetensors" 2>&1 | tail -n 3
-python3 tools/show_metadata.py "$W/out/int8.safetensors" | grep -E "ss_convrot|architecture|hash" || true
+python3 -m tools.show_metadata "$W/out/int8.safetensors" | grep -E "ss_convrot|architecture|hash" || true
 echo "wall $(( $(date +%s) - t0 )) s"
 cp "$W"/out/sample/*.png "$W"/inf/*.png "$OUT"/ 2>/dev/null || true
 python3 -m pytest -q -p no:cacheprovider tests/test_convrot_int8_triton.py tests/test_moss_image_models.py 2>&1 | tail -n 3

@@ -5,9 +5,10 @@
     OUT/transformer/diffusion_pytorch_model.safetensors.index.json
     OUT/transformer/config.json
 
-The DiT part of `bench/make_full_snapshot.py` (the same as `make_full_snapshot.py OUT --what dit`): tensors drawn one
-row chunk at a time (on the GPU when there is one) and streamed into each shard after its header, never a copy of the
-model in memory; each shard written to a temporary name and renamed. Usage: python bench/make_full_dit.py OUT [--seed 0]
+The DiT part of `bench.make_full_snapshot` (the same as `python -m bench.make_full_snapshot OUT --what dit`): tensors
+drawn one row chunk at a time (on the GPU when there is one) and streamed into each shard after its header, never a
+copy of the model in memory; each shard written to a temporary name and renamed. Usage, from the repository root:
+python -m bench.make_full_dit OUT [--seed 0]
 """
 
 from __future__ import annotations
@@ -17,13 +18,11 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench.make_full_snapshot import DIT_DIR, DIT_SHARDS, DIT_STEM, _first_shard, dit_step, run_steps  # noqa: E402
-from bench.stream_safetensors import RandomSource  # noqa: E402
-from library.moss_image.dit import MossImageConfig  # noqa: E402
+from bench.make_full_snapshot import DIT_DIR, DIT_SHARDS, DIT_STEM, first_shard, dit_step, run_steps
+from bench.stream_safetensors import RandomSource
+from library.moss_image.dit import MossImageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +36,12 @@ def write_full_dit(out: Path, seed: int = 0, config: MossImageConfig | None = No
     finally:
         rng.close()
     logger.info("DiT: %.2f GiB under %s", sum(f["bytes"] for f in files) / 2**30, out / DIT_DIR)
-    return out / _first_shard(DIT_DIR, DIT_STEM, DIT_SHARDS)
+    return out / first_shard(DIT_DIR, DIT_STEM, DIT_SHARDS)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.make_full_dit", description=(__doc__ or "").split("\n")[0])
     p.add_argument("out", type=Path, help="output folder (gets a transformer/ sub-folder)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

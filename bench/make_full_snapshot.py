@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a MOSS-Image snapshot with deterministic random weights in the official layouts and sizes, for benchmarks:
 
-    python bench/make_full_snapshot.py OUT_DIR [--scale full|small] [--seed N] [--what dit,te,vae,comfy]
+    python -m bench.make_full_snapshot OUT_DIR [--scale full|small] [--seed N] [--what dit,te,vae,comfy]
                                        [--device auto|cpu|cuda] [--threads N] [--dry-run]
 
     dit    transformer/diffusion_pytorch_model-0000{1,2,3}-of-00003.safetensors, its index, config.json
@@ -22,7 +22,7 @@
            back tensor by tensor from the shards in OUT_DIR (written in the same run, or before at the same scale).
 
 Streaming: every file is planned (names, shapes, dtypes -> header) and then written tensor by tensor, big tensors in
-row chunks (`bench/stream_safetensors.py`); the ComfyUI files read one tensor at a time from the shards (plain reads,
+row chunks (`bench.stream_safetensors`); the ComfyUI files read one tensor at a time from the shards (plain reads,
 no mmap). Memory stays at about one tensor (the largest: the 248320 x 4096 embedding / lm_head, 1.9 GiB in bf16),
 never a model. Values (per tensor, seeded by --seed and the tensor name; CPU and CUDA give different numbers) keep a
 real-size model numerically sane: Linear / conv weights N(0, 1/fan_in), norm weights near 1 (the zero-centred Qwen3.5
@@ -67,11 +67,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench.stream_safetensors import (  # noqa: E402
+from bench.stream_safetensors import (
     FileJob,
     Init,
     Piece,
@@ -81,9 +79,9 @@ from bench.stream_safetensors import (  # noqa: E402
     write_file,
     write_json,
 )
-from library.errors import UserError  # noqa: E402
-from library.moss_image.vae import Flux2VAEConfig  # noqa: E402
-from library.moss_image.dit import MossImageConfig  # noqa: E402
+from library.errors import UserError
+from library.moss_image.vae import Flux2VAEConfig
+from library.moss_image.dit import MossImageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +106,12 @@ class Scale:
     vae: Flux2VAEConfig
 
 
-def _full_scale() -> Scale:
+def full_scale() -> Scale:
     te = json.loads((REPO / "configs" / "moss_image_qwen35_9b" / "config.json").read_text(encoding="utf-8"))
     return Scale(MossImageConfig(), te, Flux2VAEConfig())
 
 
-def _small_scale() -> Scale:
+def small_scale() -> Scale:
     dit = MossImageConfig(hidden_size=256, num_layers=4, num_heads=2, head_dim=128, ffn_hidden=512, text_dim=256)
     text = dict(
         model_type="qwen3_5_text", vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -134,7 +132,7 @@ def _small_scale() -> Scale:
     return Scale(dit, te, Flux2VAEConfig(ch=32, ch_mult=(1, 1, 2, 2)))
 
 
-SCALES: dict[str, Callable[[], Scale]] = {"full": _full_scale, "small": _small_scale}
+SCALES: dict[str, Callable[[], Scale]] = {"full": full_scale, "small": small_scale}
 
 
 # -------------------------------------------------------------------------------------------------------- specs
@@ -378,7 +376,7 @@ def _dit_config_json(cfg: MossImageConfig) -> dict[str, Any]:
     return {"_class_name": "MossImageTransformer2DModel", **fields}
 
 
-def _first_shard(folder: Path, stem: str, shards: int) -> Path:
+def first_shard(folder: Path, stem: str, shards: int) -> Path:
     return folder / f"{stem}-00001-of-{shards:05d}.safetensors"
 
 
@@ -416,8 +414,8 @@ def vae_step(cfg: Flux2VAEConfig, rng: RandomSource) -> Step:
 def comfy_step(scale: Scale, root: Path, device: torch.device, with_bf16: bool = True) -> Step:
     """The three ComfyUI single files (the two INT8 ones without `with_bf16`), read back from the shards."""
     dit, te = dit_specs(scale.dit), te_specs(scale.te)
-    dit_reader = ShardReader(root, _first_shard(DIT_DIR, DIT_STEM, DIT_SHARDS), dit, "dit")
-    te_reader = ShardReader(root, _first_shard(TE_DIR, TE_STEM, TE_SHARDS), te, "te")
+    dit_reader = ShardReader(root, first_shard(DIT_DIR, DIT_STEM, DIT_SHARDS), dit, "dit")
+    te_reader = ShardReader(root, first_shard(TE_DIR, TE_STEM, TE_SHARDS), te, "te")
     jobs = [comfy_bf16_job(dit, dit_reader)] if with_bf16 else []
     jobs += [comfy_int8_dit_job(dit, dit_reader, device), comfy_int8_te_job(te, te_reader, device)]
     return Step("comfy", jobs, {TE_INT8.parent / "config.json": scale.te}, readers=[dit_reader, te_reader])
@@ -484,7 +482,7 @@ def _what(value: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.make_full_snapshot", description=(__doc__ or "").split("\n")[0])
     p.add_argument("out", type=Path, help="output folder (the snapshot root)")
     p.add_argument("--scale", choices=sorted(SCALES), default="full")
     p.add_argument("--seed", type=int, default=0)

@@ -1,22 +1,26 @@
 #!/usr/bin/env python
 """Run one of the product's entry points in this process and measure it: wall time, the duration of every call of
-chosen functions (CUDA-synchronised), GPU memory (torch's peaks and the driver's figure including the CUDA context,
-split at a phase boundary), host peak RSS, and optionally a torch.profiler breakdown of one call.
+chosen functions and of every training step (CUDA-synchronised), GPU memory (torch's peaks and the driver's figure
+including the CUDA context, split at a phase boundary), host peak RSS, and optionally a torch.profiler breakdown of
+one step. Run it from the repository root:
 
-    python bench/measure.py --json out.json --time library.training.network_trainer:NetworkTrainer._train_step \\
-        --phase library.training.network_trainer:NetworkTrainer._train_step -- moss_image_train_network:main --snapshot ...
-    accelerate launch --num_processes 2 bench/measure.py --json out.json ... -- moss_image_train_network:main ...
+    python -m bench.measure --json out.json --phase library.training.network_trainer:NetworkTrainer.add_step_hook \
+        -- moss_image_train_network:main --snapshot ...
+    accelerate launch --num_processes 2 -m bench.measure --json out.json ... -- moss_image_train_network:main ...
 
-`--time MODULE:ATTR` wraps a function or method (dotted ATTR) before the entry module is imported, so modules that
-import it by name see the wrapper. `--phase MODULE:ATTR`: the first call of it ends the "startup" phase (the seed
-001 memory table's "startup" and "training" columns); torch's peak counters are reset there. `--profile_call N`
-profiles the N-th call (1-based) of the `--phase` function and writes its GPU time by category. Under several
-processes each rank writes `out.rankR.json`.
+`--time MODULE:FUNC` wraps a public function (or a dotted method) before the entry module is imported, so modules
+that import it by name see the wrapper. `--phase MODULE:REGISTER` names the product's step seam, a function that
+takes a hook (`NetworkTrainer.add_step_hook`): every step is timed through it, and the first step ends the
+"startup" phase (the seed 001 memory table's "startup" and "training" columns); torch's peak counters are reset
+there. `--profile_call N` profiles the N-th step (1-based) and writes its GPU time by category. `--record
+MODULE:ATTR` stores a JSON-able value after the run (a function is called: the inference script's
+`library.runtime.phase_timer:last_run_timings`). Under several processes each rank writes `out.rankR.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
@@ -26,12 +30,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
+import torch
 
 GIB = 1024**3
 
@@ -111,28 +114,39 @@ class Recorder:
         self.profile: dict[str, Any] | None = None
         self.poller: GpuPoller | None = None
 
-    def wrap(self, spec: str, phase: bool) -> None:
+    @contextlib.contextmanager
+    def timing(self, calls: list[dict[str, float]], phase: bool) -> Iterator[None]:
+        """Times the block as one call (CUDA-synchronised); in the phase's calls: starts the phase at the first one
+        and profiles the `profile_call`-th."""
+        if phase and self.phase_started_at is None:
+            self._start_phase()
+        _sync()
+        t0 = time.perf_counter()
+        if phase and self.profile_call and len(calls) + 1 == self.profile_call:
+            with _profiling(self):
+                yield
+        else:
+            yield
+        _sync()
+        calls.append({"start": round(t0, 4), "s": round(time.perf_counter() - t0, 5)})
+
+    def wrap(self, spec: str) -> None:
+        """Replace the function `spec` names with one that times every call."""
         owner, name, fn = _resolve(spec)
-        rec = self
         calls = self.calls.setdefault(spec, [])
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if phase and rec.phase_started_at is None:
-                rec._start_phase()
-            _sync()
-            t0 = time.perf_counter()
-            profiling = phase and rec.profile_call and len(calls) + 1 == rec.profile_call
-            if profiling:
-                out, rec.profile = _profiled(fn, args, kwargs)
-            else:
-                out = fn(*args, **kwargs)
-            _sync()
-            t1 = time.perf_counter()
-            calls.append({"start": round(t0, 4), "s": round(t1 - t0, 5)})
-            return out
+            with self.timing(calls, phase=False):
+                return fn(*args, **kwargs)
 
         setattr(owner, name, timed)
+
+    def hook_phase(self, spec: str) -> None:
+        """Register a hook through the product's step seam `spec` (a function taking the hook): every step is timed
+        and the first one starts the phase."""
+        calls = self.calls.setdefault(spec, [])
+        _resolve(spec)[2](lambda: self.timing(calls, phase=True))
 
     def _start_phase(self) -> None:
         self.phase_started_at = time.perf_counter()
@@ -168,12 +182,14 @@ def categorise(name: str) -> str:
     return "other"
 
 
-def _profiled(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, dict[str, Any]]:
+@contextlib.contextmanager
+def _profiling(rec: Recorder) -> Iterator[None]:
+    """torch.profiler around the block; its GPU time by category (and the top kernels) goes to `rec.profile`."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
-        out = fn(*args, **kwargs)
+        yield
         _sync()
     by_cat: dict[str, float] = {}
     top: list[tuple[float, str]] = []
@@ -185,9 +201,9 @@ def _profiled(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, dict
         by_cat[cat] = by_cat.get(cat, 0.0) + dev_us / 1000
         top.append((dev_us / 1000, ev.key[:120]))
     top.sort(reverse=True)
-    return out, {"gpu_ms_by_category": {k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-                 "gpu_ms_total": round(sum(by_cat.values()), 2),
-                 "top_kernels_ms": [[round(ms, 3), name] for ms, name in top[:25]]}
+    rec.profile = {"gpu_ms_by_category": {k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+                   "gpu_ms_total": round(sum(by_cat.values()), 2),
+                   "top_kernels_ms": [[round(ms, 3), name] for ms, name in top[:25]]}
 
 
 def _summary(calls: list[dict[str, float]], skip: int) -> dict[str, Any]:
@@ -206,23 +222,23 @@ def _summary(calls: list[dict[str, float]], skip: int) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, str, list[str]]:
-    if "--" not in argv:
-        raise SystemExit("usage: measure.py [options] -- module:function [arguments of the entry point]")
-    i = argv.index("--")
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    i = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="python -m bench.measure [options] -- MODULE:FUNC [arguments of the entry point]")
     p.add_argument("--json", required=True, help="where the figures go (out.rankR.json under several processes)")
-    p.add_argument("--time", action="append", default=[], help="MODULE:ATTR to time at every call (repeatable)")
-    p.add_argument("--phase", default=None, help="MODULE:ATTR whose first call starts the training phase (timed too)")
+    p.add_argument("--time", action="append", default=[], help="MODULE:FUNC to time at every call (repeatable)")
+    p.add_argument("--phase", default=None,
+                   help="MODULE:REGISTER: the step seam taking a hook (steps timed; the first starts the phase)")
     p.add_argument("--skip", type=int, default=0, help="calls left out of the medians (warm-up, autotuning)")
-    p.add_argument("--profile_call", type=int, default=0, help="profile this call of --phase (1-based; 0: none)")
+    p.add_argument("--profile_call", type=int, default=0, help="profile this step of --phase (1-based; 0: none)")
     p.add_argument("--label", default="", help="free text stored in the JSON")
     p.add_argument("--setup", action="append", default=[], help="MODULE:FUNC called before the entry (repeatable)")
     p.add_argument("--record", action="append", default=[],
-                   help="MODULE:ATTR whose value (JSON-able) is stored after the run, e.g. the inference timings")
+                   help="MODULE:ATTR whose value (JSON-able; a function is called) is stored after the run")
     args = p.parse_args(argv[:i])
     rest = argv[i + 1:]
     if not rest:
-        raise SystemExit("measure.py: give the entry point after --")
+        p.error("give the entry point after --, e.g. -- moss_image_train_network:main --snapshot ...")
     return args, rest[0], rest[1:]
 
 
@@ -234,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.setup:
         _resolve(spec)[2]()
     for spec in args.time:
-        rec.wrap(spec, phase=False)
+        rec.wrap(spec)
     if args.phase:
-        rec.wrap(args.phase, phase=True)
+        rec.hook_phase(args.phase)
     if torch.cuda.is_available():
         rec.poller = GpuPoller(int(os.environ.get("MEASURE_GPU_INDEX", os.environ.get("LOCAL_RANK", "0")))).start()
     mod_name, _, fn_name = entry.partition(":")
@@ -269,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     if rec.profile is not None:
         report["profile"] = rec.profile
     for spec in args.record:
-        report.setdefault("recorded", {})[spec] = _resolve(spec)[2]
+        value = _resolve(spec)[2]
+        report.setdefault("recorded", {})[spec] = value() if callable(value) else value
     out = Path(args.json)
     if world > 1:
         out = out.with_name(f"{out.stem}.rank{rank}{out.suffix}")

@@ -195,7 +195,7 @@ def chunk_seed(seed: int, name: str, index: int) -> int:
     return (int(seed) & 0xFFFFFFFF) << 32 | zlib.crc32(f"{name}#{index}".encode())
 
 
-def _draw(init: Init, shape: tuple[int, ...], seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def draw(init: Init, shape: tuple[int, ...], seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if init.kind == "zeros":
         return torch.zeros(shape, dtype=dtype)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -231,11 +231,11 @@ class RandomSource:
         tasks = [(shape, chunk_seed(self.seed, spec.name, i)) for i, shape in enumerate(_row_chunks(spec.shape))]
         if self._pool is None or len(tasks) == 1:
             for shape, s in tasks:
-                yield _draw(init, shape, s, self.device, spec.dtype)
+                yield draw(init, shape, s, self.device, spec.dtype)
             return
         pending: deque[Future] = deque()
         for shape, s in tasks:
-            pending.append(self._pool.submit(_draw, init, shape, s, self.device, spec.dtype))
+            pending.append(self._pool.submit(draw, init, shape, s, self.device, spec.dtype))
             if len(pending) >= 2 * self.threads:
                 yield pending.popleft().result()
         while pending:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How the ConvRot INT8 error of a random-weight Qwen3.5 text encoder grows with depth (CPU, a minute or two).
 
-    python bench/te_int8_depth.py [--layers 4,8,16,32] [--hidden 256] [--tokens 60]
+    python -m bench.te_int8_depth [--layers 4,8,16,32] [--hidden 256] [--tokens 60]
 
 The full-size snapshot's INT8 text encoder differs from its bf16 one by 46 % (docs/benchmarks.md). This script
 checks whether depth alone explains that. It builds the small snapshot's text config with more layers (3 Gated
@@ -16,27 +16,24 @@ import argparse
 import copy
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench.make_full_snapshot import _small_scale, te_init  # noqa: E402
-from bench.stream_safetensors import _draw  # noqa: E402
-from library.quant import convrot as cr  # noqa: E402
+from bench.make_full_snapshot import small_scale, te_init
+from bench.stream_safetensors import draw
+from library.quant import convrot as cr
 
 
 def build(layers: int, hidden: int, seed: int = 1) -> torch.nn.Module:
     from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
 
-    cfg = dict(_small_scale().te["text_config"])
+    cfg = dict(small_scale().te["text_config"])
     cfg.update(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4))
     model = Qwen3_5TextModel(Qwen3_5TextConfig(**cfg))
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
-            p.copy_(_draw(te_init("model.language_model." + name, tuple(p.shape)), tuple(p.shape), seed * 100003 + i,
+            p.copy_(draw(te_init("model.language_model." + name, tuple(p.shape)), tuple(p.shape), seed * 100003 + i,
                           torch.device("cpu"), torch.float32))
     return model.to(torch.bfloat16).eval()
 
@@ -53,7 +50,8 @@ def int8_error(layers: int, hidden: int, tokens: int, group_size: int = 64) -> f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.te_int8_depth", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", default="4,8,16,32", help="comma-separated depths (multiples of 4)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--tokens", type=int, default=60)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """One LoRA training step of the full-size MOSS-Image DiT on the GPU: time per step and peak reserved memory.
 
-    python bench/make_full_dit.py /tmp/full
-    python bench/train_step.py --dit /tmp/full/transformer/diffusion_pytorch_model-00001-of-00003.safetensors \
+    python -m bench.make_full_dit /tmp/full
+    python -m bench.train_step --dit /tmp/full/transformer/diffusion_pytorch_model-00001-of-00003.safetensors \
         --out train_step.json [--configs gc,swap36_h2d] [--steps 5] [--warmup 2] [--budget_s 420]
 
 The DiT is loaded through the real loader (`load_moss_image_model`), bf16; LoRA rank 16 (alpha 16) from
@@ -30,13 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
+import torch
 
 logger = logging.getLogger("bench.train_step")
+REPO = Path(__file__).resolve().parent.parent  # the children run as `python -m bench.train_step` from here
 
-# name -> checkpointing (none | plain | unsloth), blocks_to_swap, h2d_only, per-block compile, attention-mask sync
+# name -> checkpointing (none | plain | unsloth), blocks_to_swap, h2d_only, per-block compile
 CONFIGS: dict[str, dict[str, Any]] = {
     "gc": dict(ckpt="plain"),
     "no_ckpt": dict(ckpt="none"),
@@ -45,7 +44,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "swap20_h2d": dict(ckpt="plain", swap=20, h2d=True),
     "swap36": dict(ckpt="plain", swap=36),
     "swap36_h2d": dict(ckpt="plain", swap=36, h2d=True),
-    "gc_nosync": dict(ckpt="plain", nosync=True),
     "gc_compile": dict(ckpt="plain", compile=True),
     "no_ckpt_compile": dict(ckpt="none", compile=True),
     "swap20_h2d_compile": dict(ckpt="plain", swap=20, h2d=True, compile=True),
@@ -56,19 +54,6 @@ RANK = 16
 
 
 # ------------------------------------------------------------------------------------------------ one configuration
-def _skip_mask_sync() -> None:
-    """Bench-only variant: attention calls with an all-true mask skip `bool(key_mask.all())`, a device sync per
-    block (measures what that sync costs; the trainer's code path is the default configurations)."""
-    from library.runtime.attention import Attention
-
-    original = Attention.__call__
-
-    def call(self: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> Any:
-        return original(self, q, k, v, None)
-
-    Attention.__call__ = call  # type: ignore[method-assign]
-
-
 def _load(dit: str, spec: dict[str, Any], dev: torch.device) -> Any:
     from library.moss_image.loaders import load_moss_image_model
     from library.memory.block_swap import BlockSwapConfig
@@ -112,8 +97,6 @@ def run_single(name: str, dit: str, steps: int, warmup: int, image: int = IMAGE,
     args = argparse.Namespace(compile_backend="inductor", compile_mode="default", compile_dynamic="false",
                               compile_fullgraph=False, compile_cache_size_limit=None)
     apply_cuda_optimizations(args)
-    if spec.get("nosync"):
-        _skip_mask_sync()
     t0 = time.perf_counter()
     model = _load(dit, spec, dev)
     load_s = time.perf_counter() - t0
@@ -193,12 +176,12 @@ def run_single(name: str, dit: str, steps: int, warmup: int, image: int = IMAGE,
 
 # ---------------------------------------------------------------------------------------------------------- driver
 def _child(name: str, ns: argparse.Namespace, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--dit", ns.dit, "--single", name, "--steps", str(ns.steps),
+    cmd = [sys.executable, "-m", "bench.train_step", "--dit", ns.dit, "--single", name, "--steps", str(ns.steps),
            "--image", str(ns.image),
            "--warmup", str(ns.warmup + (1 if CONFIGS[name].get("compile") else 0))]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"config": name, "ok": False, "error": f"timeout after {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -237,8 +220,9 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    p = argparse.ArgumentParser(description="MOSS-Image LoRA training step benchmark (GPU)")
-    p.add_argument("--dit", required=True, help="first shard of the full-size DiT (bench/make_full_dit.py)")
+    p = argparse.ArgumentParser(prog="python -m bench.train_step",
+                                description="MOSS-Image LoRA training step benchmark (GPU)")
+    p.add_argument("--dit", required=True, help="first shard of the full-size DiT (python -m bench.make_full_dit)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--steps", type=int, default=5, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="steps before measuring (one more with compile)")
@@ -248,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--single", default=None, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/train_step.py needs a CUDA GPU", file=sys.stderr)
+        print("bench.train_step needs a CUDA GPU", file=sys.stderr)
         return 2
     if ns.single:
         print("RESULT " + json.dumps(run_single(ns.single, ns.dit, ns.steps, ns.warmup, ns.image)), flush=True)

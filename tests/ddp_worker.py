@@ -1,14 +1,13 @@
-"""Run by tests/test_trainer.py under `torchrun --nproc_per_node 2` (CPU: gloo): trains, then every rank writes a
-checksum of its LoRA weights so the test can check that gradient averaging kept the ranks identical."""
+"""Run by tests/test_trainer.py under `torchrun --nproc_per_node 2 -m tests.ddp_worker` from the repository root
+(CPU: gloo): trains, then every rank writes a checksum of its LoRA weights so the test can check that gradient
+averaging kept the ranks identical."""
 
 import hashlib
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import moss_image_train_network as m  # noqa: E402
+import moss_image_train_network as m
 
 
 def main() -> None:

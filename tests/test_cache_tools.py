@@ -148,9 +148,9 @@ def test_datasets_that_cannot_be_cached_are_refused(tiny_snapshot, tmp_path, cap
 def test_two_processes_under_torchrun_each_cache_their_share(tiny_snapshot, tmp_path):
     cfg = dataset(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "tools" / "cache_latents.py"), *tool_args(tiny_snapshot, cfg, "--cache_latents_to_disk")]
+           "-m", "tools.cache_latents", *tool_args(tiny_snapshot, cfg, "--cache_latents_to_disk")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=90)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=90)
     assert done.returncode == 0, done.stderr[-6000:]
     assert "latents: 4 images in 4 cache files; 4 encoded now, 0 already cached (2 processes)" in done.stdout
     shares = sorted(int(n) for n in re.findall(r"latents: (\d) images encoded by this process", done.stderr))

@@ -155,7 +155,7 @@ def _interpreter_runs_int8_dots() -> bool:
 def test_triton_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
+        [sys.executable, "-m", "tests.test_convrot_int8_triton"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -167,7 +167,6 @@ def test_triton_kernels_on_cuda():
     _assert_checks(run_checks("cuda"), on_cuda=True)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # python -m tests.test_convrot_int8_triton, from the repository root
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     print(json.dumps(run_checks(device)))

@@ -1,27 +1,20 @@
-"""bench/full_e2e.py at --scale small on the CPU: every phase's product commands run and give sane figures, so the
+"""bench.full_e2e at --scale small on the CPU: every phase's product commands run and give sane figures, so the
 full-size run on the GPU machine does not spend device time on a broken command line."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-
-import full_e2e  # noqa: E402
+from bench import full_e2e, measure, te_int8_depth
 
 
 @pytest.fixture(scope="module")
-def e2e(tmp_path_factory):
-    root, out = tmp_path_factory.mktemp("e2e"), tmp_path_factory.mktemp("e2e_out")
-    code = full_e2e.main(["snapshot,data,cache,train,infer,quality,ddp,report", "--scale", "small", "--root",
-                          str(root), "--out", str(out), "--configs", "bf16_gc,int8_swap20,int8_te_lora",
-                          "--runs", "bf16,int8_compile", "--profile", "bf16_gc", "--profile_call", "2"])
-    return code, root, out
+def e2e(e2e_background):
+    """`python -m bench.full_e2e` with every phase (conftest.E2E_OPTIONS), started in the background by conftest."""
+    return e2e_background.wait(), e2e_background.root, e2e_background.out
 
 
 def _load(out: Path, phase: str) -> dict:
@@ -64,8 +57,6 @@ def test_inference_quality_and_ddp(e2e):
 
 
 def test_measure_profiles_categories():
-    import measure
-
     assert measure.categorise("void flash_fwd_kernel<...>") == "attention"
     assert measure.categorise("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert measure.categorise("_int8_gemm_kernel") == "int8_gemm_and_quantiser"
@@ -79,7 +70,5 @@ def test_a_failed_run_anywhere_fails_the_phase():
 
 
 def test_te_int8_depth_check_runs_and_the_error_grows_with_depth():
-    import te_int8_depth
-
     shallow, deep = (te_int8_depth.int8_error(n, 128, 16) for n in (4, 8))
     assert 0 < shallow < deep < 1

@@ -1,4 +1,4 @@
-"""bench/make_full_snapshot.py at --scale small: every file it writes loads through the project's real loaders, the
+"""bench.make_full_snapshot at --scale small: every file it writes loads through the project's real loaders, the
 ComfyUI INT8 files equal quantise-at-load bit for bit, the text encoder shards carry the VL extras, the planned sizes
 (--dry-run) are the written ones, and the full-size plan has the official sizes."""
 
@@ -28,7 +28,7 @@ INT8_TE = "text_encoder_int8/qwen3.5_9b_int8_convrot.safetensors"
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("full_snapshot") / "small"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "make_full_snapshot.py"), str(out), "--scale", "small",
+    proc = subprocess.run([sys.executable, "-m", "bench.make_full_snapshot", str(out), "--scale", "small",
                            "--seed", "3", "--device", "cpu"], check=False, cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

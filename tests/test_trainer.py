@@ -181,9 +181,9 @@ def test_show_timesteps_console(capsys):
 def test_ddp_two_cpu_processes_stay_in_sync(tiny_snapshot, toy_data, tmp_path):
     out = tmp_path / "ddp"
     # torchrun on a machine without CUDA: the trainer's Accelerator runs DDP over gloo
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(REPO / "tests" / "ddp_worker.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "tests.ddp_worker",
            *base_args(tiny_snapshot, toy_data, out, "--max_train_steps", "3", "--learning_rate", "1e-2")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in reports] == [2, 2] and [r["steps"] for r in reports] == [3, 3]

@@ -374,11 +374,6 @@ class DatasetGroup(torch.utils.data.Dataset):
             raise IndexError(f"batch index {index} out of range (0..{len(self) - 1})")
         return index, (0 if self.is_validation else epoch), step
 
-    def batch_images(self, key: int | BatchKey) -> list[ImageInfo]:
-        """The ImageInfos of one batch (without loading anything)."""
-        index, epoch, _ = self._request(key)
-        return list(self._plan(epoch)[index][1])
-
     def __getitem__(self, key: int | BatchKey) -> dict[str, Any]:
         index, epoch, step = self._request(key)
         dataset_index, infos = self._plan(epoch)[index]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import contextlib
 import importlib
 import logging
 import math
@@ -20,6 +21,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,8 +91,28 @@ class RunState:
         return self.options.train_text_encoder
 
 
+StepHook = Callable[[], contextlib.AbstractContextManager[Any]]
+_STEP_HOOKS: list[StepHook] = []
+
+
+@contextlib.contextmanager
+def _step_hooks_entered() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for hook in list(_STEP_HOOKS):
+            stack.enter_context(hook())
+        yield
+
+
 class NetworkTrainer(abc.ABC):
     """Subclasses implement the abstract hooks (and may override the others); `train(args)` runs the job."""
+
+    @staticmethod
+    def add_step_hook(hook: StepHook) -> Callable[[], None]:
+        """Measuring seam (`bench/measure.py`): `hook()` is called before every training step of every trainer in
+        this process (one batch: forward, backward and, when gradients are synchronised, the optimizer step) and the
+        context manager it returns is entered around that step. Returns a function that removes the hook."""
+        _STEP_HOOKS.append(hook)
+        return lambda: _STEP_HOOKS.remove(hook)
 
     # ------------------------------------------------------------------------------------------------ hooks
     def resolve_args(self, args: argparse.Namespace) -> None:
@@ -488,7 +510,8 @@ class NetworkTrainer(abc.ABC):
                 dataloader = acc.skip_first_batches(dataloader, skip_batches)
             epoch_losses: list[float] = []
             for batch in dataloader:
-                loss = self._train_step(run, batch)
+                with _step_hooks_entered():
+                    loss = self._train_step(run, batch)
                 if not acc.sync_gradients:
                     continue
                 run.global_step += 1
