@@ -4,7 +4,7 @@ chosen functions and of every training step (CUDA-synchronised), GPU memory (tor
 including the CUDA context, split at a phase boundary), host peak RSS, and optionally a torch.profiler breakdown of
 one step. Run it from the repository root:
 
-    python -m bench.measure --json out.json --phase library.training.network_trainer:NetworkTrainer.add_step_hook \
+    python -m bench.measure --json out.json --phase library.training.network_trainer:NetworkTrainer.add_step_hook \\
         -- moss_image_train_network:main --snapshot ...
     accelerate launch --num_processes 2 -m bench.measure --json out.json ... -- moss_image_train_network:main ...
 

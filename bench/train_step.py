@@ -2,7 +2,7 @@
 """One LoRA training step of the full-size MOSS-Image DiT on the GPU: time per step and peak reserved memory.
 
     python -m bench.make_full_dit /tmp/full
-    python -m bench.train_step --dit /tmp/full/transformer/diffusion_pytorch_model-00001-of-00003.safetensors \
+    python -m bench.train_step --dit /tmp/full/transformer/diffusion_pytorch_model-00001-of-00003.safetensors \\
         --out train_step.json [--configs gc,swap36_h2d] [--steps 5] [--warmup 2] [--budget_s 420]
 
 The DiT is loaded through the real loader (`load_moss_image_model`), bf16; LoRA rank 16 (alpha 16) from
