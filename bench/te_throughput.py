@@ -30,8 +30,8 @@ from PIL import Image
 
 from library.moss_image.tiny_snapshot import build_tiny_snapshot
 
-REPO = Path(__file__).resolve().parent.parent
-TOOL = REPO / "tools" / "cache_text_encoder_outputs.py"
+REPO = Path(__file__).resolve().parent.parent  # the tool runs as a module from here (no install needed)
+TOOL = "tools.cache_text_encoder_outputs"
 WORDS = ("red", "square", "grey", "background", "a", "cat", "on", "the", "window", "sill", "light", "soft", "shadow",
          "painting", "of", "river", "mountain", "detailed", "portrait", "woman", "hat", "blue", "sky", "clouds")
 _RATE_RE = re.compile(r"(\d+) captions at ([\d.]+) captions/s")
@@ -67,13 +67,13 @@ def parse_run(name: str, default_count: int) -> tuple[str, str, int, int]:
 
 
 def run_tool(snapshot: Path, data: Path, variant: str, batch: int, device: str, env: dict[str, str]) -> dict[str, Any]:
-    argv = [sys.executable, str(TOOL), "--moss_image", "--snapshot", str(snapshot), "--train_data_dir", str(data),
+    argv = [sys.executable, "-m", TOOL, "--moss_image", "--snapshot", str(snapshot), "--train_data_dir", str(data),
             "--resolution", "64", "--cache_text_encoder_outputs_to_disk", "--text_encoder_batch_size", str(batch),
             "--device", device]
     if variant == "int8":
         argv.append("--convrot_int8_text_encoder")
     start = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     text = proc.stdout + proc.stderr
     m = _RATE_RE.search(text)
@@ -86,8 +86,8 @@ def run_tool(snapshot: Path, data: Path, variant: str, batch: int, device: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--snapshot", type=Path, help="snapshot root (bench/make_full_snapshot.py writes one)")
+    p = argparse.ArgumentParser(prog="python -m bench.te_throughput", description=__doc__.split("\n\n")[0])
+    p.add_argument("--snapshot", type=Path, help="snapshot root (python -m bench.make_full_snapshot writes one)")
     p.add_argument("--tiny", action="store_true", help="build and use the embedded tiny snapshot (CPU)")
     p.add_argument("--captions", type=int, default=1000)
     p.add_argument("--runs", default="bf16_b1,bf16_b16,int8_b16")

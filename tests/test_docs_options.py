@@ -150,12 +150,24 @@ def _logical_lines(block: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return out
 
 
+def _module_as_script(words: list[str]) -> list[str]:
+    """`-m bench.full_e2e` as the file it runs (`bench/full_e2e.py`), so that module commands are checked too."""
+    out: list[str] = []
+    for word in words:
+        script = word.replace(".", "/") + ".py"
+        if out and out[-1] == "-m" and (REPO / script).is_file():
+            out[-1] = script
+        else:
+            out.append(word)
+    return out
+
+
 def _command_mentions(doc: str, number: int, line: str) -> list[Mention] | None:
     """The options of a command line, each with its script (None when the line is not a command)."""
     m = LAUNCHERS.match(line.split(" #", 1)[0])
     if m is None:
         return None
-    words = m.group(2).split()
+    words = _module_as_script(m.group(2).split())
     launcher = {"python": None, "python3": None, "torchrun": "torchrun"}.get(m.group(1), "accelerate")
     current: str | None = None
     mentions = []
