@@ -67,7 +67,7 @@ def run_case(name: str, optimizer: str, te_quant: str, snapshot: Path, work: Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.bnb_cuda", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--cases", default=",".join(CASES))
     args = p.parse_args(argv)
