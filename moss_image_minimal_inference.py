@@ -117,6 +117,22 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("Give one --lora_multiplier per --lora_weight (or none for 1.0 each).")
     if not args.latent_path and not (args.prompt is not None or args.from_file or args.interactive):
         raise UserError("Nothing to generate: give --prompt, --from_file, --interactive or --latent_path.")
+    _check_values_and_files(args)
+
+
+def _check_values_and_files(args: argparse.Namespace) -> None:
+    """Finite numbers, a seed in range, an output folder that is not a file, LoRA files without NaN."""
+    from library.errors import UserError
+    from library.training.nonfinite import check_file_finite, check_finite_options
+    from library.training.run_checks import check_seed
+
+    check_finite_options({"--guidance_scale": args.guidance_scale, "--flow_shift": args.flow_shift,
+                          "--lora_multiplier": args.lora_multiplier})
+    check_seed(args.seed, "--seed")
+    if Path(args.save_path).exists() and not Path(args.save_path).is_dir():
+        raise UserError(f"--save_path '{args.save_path}' is a file, not a folder: give a folder for the images.")
+    for path in args.lora_weight:
+        check_file_finite(path, "LoRA file")
 
 
 def _device_and_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -370,7 +386,13 @@ def run(args: argparse.Namespace) -> list[Path]:
     check_cpu_compiler(args, device)
     if device.type == "cuda":
         apply_cuda_optimizations(args)  # TF32, as in training
-    Path(args.save_path).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(args.save_path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        from library.errors import UserError
+        from library.files.safetensors_io import describe_os_error
+
+        raise UserError(describe_os_error(e, "the output folder", Path(args.save_path).parent)) from e
     if args.latent_path:
         items = []
         for p in args.latent_path:

@@ -316,6 +316,10 @@ class MossImageNetworkTrainer(NetworkTrainer):
             outputs = encode_captions(te, self.tokenizer, batch["captions"], run.args.moss_max_token_length,
                                       text_encoder_batch_size(run.args.text_encoder_batch_size), grad=True)
         embeds, mask = pad_and_stack([(e.to(run.accelerator.device), m.to(run.accelerator.device)) for e, m in outputs])
+        if embeds.shape[-1] != run.unet.config.text_dim:  # caches of another text encoder
+            raise UserError(f"The text-encoder outputs are {embeds.shape[-1]} wide, but the DiT takes"
+                            f" {run.unet.config.text_dim}: the *_moss_te.npz cache files were made by another text"
+                            " encoder; delete them (or drop --skip_cache_check) to re-create them.")
         return embeds, mask
 
     def get_noise_pred_and_target(

@@ -42,10 +42,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from library.caching import cache_checks
 from library.datasets import prepare_image_for_cache
 from library.datasets.image_info import ImageInfo
 from library.errors import UserError
-from library.files.safetensors_io import write_atomic
+from library.files.safetensors_io import remove_stale_temp_files, write_atomic
 from library.text_encoder.encoding import EncodeFn, LazyEncoder, TextOutputs
 from library.text_encoder.qwen35 import PROMPT_TEMPLATE_ID
 from library.text_encoder.variant import BF16, cache_variant, variant_dtype
@@ -59,6 +60,7 @@ _SIZE_RE = re.compile(r"_(\d{4,})x(\d{4,})" + re.escape(LATENTS_SUFFIX) + "$")
 _CANDIDATE_RE = re.compile(r"prompt_embeds_\d+")
 CACHE_MISSING = "missing"  # the reasons `*_cache_problem` give for a file that is not there or cannot be read
 CACHE_UNREADABLE = "unreadable (a damaged file)"
+CACHE_DAMAGED = "damaged"  # the start of the reason for arrays of the wrong shape or with NaN / infinite values
 _DTYPE_PROBE_VALUES = 4096  # values read to tell a bf16-made file of an earlier version from an fp32-made one
 
 
@@ -143,13 +145,15 @@ class MossImageLatentsCachingStrategy:
         problem = self.latents_cache_problem(bucket_reso, npz_path, flip_aug, alpha_mask)
         if problem == CACHE_UNREADABLE:
             logger.warning("unreadable latent cache %s: it will be re-created", npz_path)
+        elif problem is not None and problem.startswith(CACHE_DAMAGED):
+            logger.warning("latent cache %s is %s: it will be re-created", npz_path, problem)
         return problem is None
 
     def latents_cache_problem(
         self, bucket_reso: tuple[int, int], npz_path: str, flip_aug: bool, alpha_mask: bool
     ) -> str | None:
         """Why a latent cache file is not valid for an image at `bucket_reso` (None when it is); ignores
-        --skip_cache_check and reads only the zip directory."""
+        --skip_cache_check and reads the zip directory and the latent arrays (their shape and values)."""
         if not os.path.exists(npz_path):
             return CACHE_MISSING
         key = _size_key(self.latent_hw(bucket_reso))
@@ -159,7 +163,19 @@ class MossImageLatentsCachingStrategy:
         needed = [f"latents_{key}"] + ([f"latents_flipped_{key}"] if flip_aug else [])
         needed += [f"alpha_mask_{key}"] if alpha_mask else []
         absent = [n for n in needed if n not in found]
-        return f"no {', '.join(absent)} (bucket {bucket_reso[0]}x{bucket_reso[1]})" if absent else None
+        if absent:
+            return f"no {', '.join(absent)} (bucket {bucket_reso[0]}x{bucket_reso[1]})"
+        return self._latent_values_problem(npz_path, [n for n in needed if n.startswith("latents")], bucket_reso)
+
+    def _latent_values_problem(self, npz_path: str, names: list[str], bucket_reso: tuple[int, int]) -> str | None:
+        """Latents that are not the bucket's [32, H/8, W/8] floating-point array or are not finite make the file
+        damaged (`CACHE_DAMAGED`); it is re-made."""
+        try:
+            arrays = read_npz(npz_path, lambda found: [n for n in names if n in found])
+        except UserError:
+            return CACHE_UNREADABLE
+        problem = cache_checks.latents_problem(arrays, self.latent_hw(bucket_reso))
+        return None if problem is None else f"{CACHE_DAMAGED} ({problem})"
 
     # reading ----------------------------------------------------------------------------------------------
     def get_latents(self, info: ImageInfo, flipped: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -179,6 +195,10 @@ class MossImageLatentsCachingStrategy:
                 f"The latent cache '{info.latents_npz}' has no '{name}' entry: delete it (or drop --skip_cache_check)"
                 " to re-create it."
             )
+        problem = cache_checks.latents_problem({name: data[name]}, self.latent_hw(info.bucket_reso))
+        if problem:
+            raise UserError(f"The latent cache '{info.latents_npz}' is damaged ({problem}): delete it (or drop"
+                            " --skip_cache_check) to re-create it.")
         mask = data.get(f"alpha_mask_{key}")
         return torch.from_numpy(data[name]), None if mask is None else torch.from_numpy(mask)
 
@@ -194,6 +214,9 @@ class MossImageLatentsCachingStrategy:
         """Keep one image's latents in memory or add them to its npz (other bucket sizes in the file are kept)."""
         latents = latents.float().cpu()
         latents_flipped = None if latents_flipped is None else latents_flipped.float().cpu()
+        for values in (latents, latents_flipped):
+            if values is not None:
+                cache_checks.check_encoded_finite(values, f"the image '{info.absolute_path}'", "VAE")
         if not self.cache_to_disk:
             info.latents, info.latents_flipped, info.alpha_mask = latents, latents_flipped, alpha_mask
             return
@@ -260,11 +283,13 @@ class MossImageTextEncoderOutputsCachingStrategy:
         problem = self.outputs_cache_problem(npz_path, captions)
         if problem == CACHE_UNREADABLE:
             logger.warning("unreadable text-encoder cache %s: it will be re-created", npz_path)
+        elif problem is not None and problem.startswith(CACHE_DAMAGED):
+            logger.warning("text-encoder cache %s is %s: it will be re-created", npz_path, problem)
         return problem is None
 
     def outputs_cache_problem(self, npz_path: str, captions: Sequence[str]) -> str | None:
         """Why a text-encoder cache file does not hold these caption candidates as this strategy would make them
-        (None when it does); ignores --skip_cache_check and reads only the small entries."""
+        (None when it does); ignores --skip_cache_check and reads only the small entries and the array headers."""
         if not os.path.exists(npz_path):
             return CACHE_MISSING
         small = {"num_candidates", "template", "max_token_length", "encoder", "encoder_dtype", "te_base_weights"}
@@ -286,7 +311,7 @@ class MossImageTextEncoderOutputsCachingStrategy:
                 return f"older single-caption format, but the image has {len(captions)} caption candidates"
             if "prompt_embeds" not in names or "attn_mask" not in names:
                 return "no prompt_embeds entry"
-            return self._variant_problem(npz_path, data, names)
+            return self._shapes_problem(npz_path, names) or self._variant_problem(npz_path, data, names)
         if str(data.get("template", "")) != PROMPT_TEMPLATE_ID:
             return f"prompt template '{data.get('template', '')}' (now '{PROMPT_TEMPLATE_ID}')"
         if int(data["num_candidates"]) != len(captions):
@@ -302,7 +327,8 @@ class MossImageTextEncoderOutputsCachingStrategy:
         for k, caption in enumerate(captions):
             if f"caption_{k}" not in data or str(data[f"caption_{k}"]) != caption:
                 return f"caption {k} changed (now '{caption[:60]}{'...' if len(caption) > 60 else ''}')"
-        return self._variant_problem(npz_path, data, names)  # last: a file of an earlier version reads a few values
+        # the headers, then (last: a file of an earlier version reads a few values) the variant
+        return self._shapes_problem(npz_path, names) or self._variant_problem(npz_path, data, names)
 
     def _variant_problem(self, npz_path: str, data: dict[str, np.ndarray], names: list[str]) -> str | None:
         """Why the file was not made by an encoder of the current cache variant (None when it was, or when the
@@ -321,6 +347,16 @@ class MossImageTextEncoderOutputsCachingStrategy:
         if made != self.encoder_variant:
             return f"text encoder variant {made} (now {self.encoder_variant})"  # another quantisation or dtype
         return None
+
+    @staticmethod
+    def _shapes_problem(npz_path: str, names: list[str]) -> str | None:
+        """Embeddings and masks that do not fit together (from the array headers only) make the file damaged
+        (`CACHE_DAMAGED`); it is re-made."""
+        try:
+            problem = cache_checks.text_cache_shapes_problem(npz_path, names)
+        except _NPZ_ERRORS + (KeyError,):
+            return CACHE_UNREADABLE
+        return None if problem is None else f"{CACHE_DAMAGED} ({problem})"
 
     # reading ----------------------------------------------------------------------------------------------
     def get_outputs(self, info: ImageInfo, candidate_index: int, dropped: bool) -> TextOutputs:
@@ -368,12 +404,19 @@ class MossImageTextEncoderOutputsCachingStrategy:
         if missing:
             raise UserError(f"The text-encoder cache '{path}' has no '{missing[0]}' entry: delete it (or drop"
                             " --skip_cache_check) to re-create it.")
+        problem = cache_checks.text_outputs_problem(keys[0], data[keys[0]], data[keys[1]])
+        if problem:
+            raise UserError(f"The text-encoder cache '{path}' is damaged ({problem}): delete it (or drop"
+                            " --skip_cache_check) to re-create it.")
         return torch.from_numpy(data[keys[0]]), torch.from_numpy(data[keys[1]]).bool()
 
     # writing ----------------------------------------------------------------------------------------------
     def store(self, info: ImageInfo, captions: Sequence[str], outputs: Sequence[TextOutputs]) -> None:
         assert self.uncond is not None, "encode the empty prompt (set_uncond) before caching"
         cands = [(e.float().cpu(), m.bool().cpu()) for e, m in outputs]
+        for caption, (e, _) in zip(captions, cands):
+            what = f"the caption '{caption[:60]}' of '{info.absolute_path}'"
+            cache_checks.check_encoded_finite(e, what, "text encoder")
         if not self.cache_to_disk:
             info.text_encoder_outputs = (cands, self.uncond)
             return
@@ -481,6 +524,7 @@ def cache_latents(
     todo = _unique(infos)
     if strategy.cache_to_disk:
         mine = _files_of_this_process((i.latents_npz for i in todo), process_index, num_processes)
+        remove_stale_temp_files(mine)
         todo = [
             i for i in todo
             if i.latents_npz in mine and not strategy.is_disk_cached_latents_expected(
@@ -546,6 +590,7 @@ def cache_text_encoder_outputs(
     if strategy.cache_to_disk:
         files = _captions_per_file(groups)
         mine = _files_of_this_process(files, process_index, num_processes)
+        remove_stale_temp_files(mine)
         todo = [files[p] for p in sorted(mine) if not strategy.is_disk_cached_outputs_expected(p, files[p][1])]
     else:
         files, mine = {}, set()

@@ -4,17 +4,28 @@ Only safetensors files are ever read (no pickle). Two reading modes:
 - memory-mapped (default) through `safetensors.safe_open`;
 - `disable_mmap=True` (`--disable_mmap_load_safetensors`): the header is parsed here and each tensor's bytes are read
   with a plain seek + read, which avoids mmap page-cache pressure on network drives and some Windows setups.
-In both modes a tensor is read only when asked for, so key filters cost nothing for the skipped tensors.
+In both modes a tensor is read only when asked for, so key filters cost nothing for the skipped tensors. Before either
+mode reads anything, the header is checked against the file: every tensor's byte range must match its dtype and shape
+and lie inside the file, so a truncated or tampered file is one sentence, never a crash in the mmap reader.
+
+Writing (`write_atomic` and the savers built on it): a temp file beside the target, `.<name>.<8 random chars><suffix>`
+(`TEMP_NAME_RE`; `leftover_temp_files` finds those of a killed writer), flushed and fsynced, renamed over the target,
+then the folder fsynced, so neither a crash nor a power cut leaves a half-written file. A full disk, a read-only
+folder or any other OS error becomes one sentence naming the file, and the temp file is removed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
 import os
 import re
+import shutil
 import struct
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +51,12 @@ _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+}
+
+# bytes per element of every safetensors dtype (also those torch cannot read here), for the header check
+_ITEM_SIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2,
+    "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8,
 }
 
 _SHARD_RE = re.compile(r"^(?P<head>.*?)(?P<index>\d{5})-of-(?P<total>\d{5})(?P<tail>.*)$")
@@ -95,25 +112,53 @@ class _TensorInfo:
 
 
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, _TensorInfo], dict[str, str], int]:
-    """Parse a safetensors header: (tensor infos, metadata, byte offset of the data section)."""
+    """Parse a safetensors header: (tensor infos, metadata, byte offset of the data section). The header is checked
+    against the file (`_check_tensor_ranges`): a damaged or truncated file is a UserError naming it."""
     p = Path(path)
     try:
         with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             raw_len = f.read(8)
             if len(raw_len) != 8:
                 raise ValueError("file shorter than 8 bytes")
             (n,) = struct.unpack("<Q", raw_len)
-            if n > 100_000_000:
-                raise ValueError(f"header length {n} is implausible")
+            if n > 100_000_000 or 8 + n > size:
+                raise ValueError(f"header length {n} does not fit in the file of {size} bytes")
             header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        infos = {k: _tensor_info(k, v) for k, v in header.items()}
+        _check_tensor_ranges(infos, size - 8 - n)
     except (OSError, ValueError) as e:
-        raise UserError(f"'{p}' is not a readable safetensors file ({e}): re-download or re-create it.") from e
-    metadata = header.pop("__metadata__", None) or {}
-    infos = {
-        k: _TensorInfo(v["dtype"], tuple(v["shape"]), v["data_offsets"][0], v["data_offsets"][1])
-        for k, v in header.items()
-    }
+        raise UserError(f"'{p}' is not a readable safetensors file ({e}): it is damaged or truncated; re-download or"
+                        " re-create it.") from e
     return infos, metadata, 8 + n
+
+
+def _tensor_info(key: str, entry: object) -> _TensorInfo:
+    """One header entry, its types checked (ValueError naming the tensor otherwise)."""
+    try:
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]  # type: ignore[index]
+        if not (isinstance(dtype, str) and isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2):
+            raise TypeError
+        if not all(isinstance(v, int) and v >= 0 for v in (*shape, *offsets)):
+            raise TypeError
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"tensor '{key}' has a malformed header entry") from e
+    return _TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_tensor_ranges(infos: dict[str, _TensorInfo], data_size: int) -> None:
+    """Every tensor's bytes lie inside the data section and have the size its dtype and shape call for."""
+    for key, info in infos.items():
+        if info.end > data_size or info.start > info.end:
+            raise ValueError(f"tensor '{key}' spans bytes {info.start} to {info.end} of a data section of {data_size}"
+                             " bytes (the file is truncated)")
+        item = _ITEM_SIZES.get(info.dtype)
+        if item is not None and info.end - info.start != math.prod(info.shape) * item:
+            raise ValueError(f"tensor '{key}' ({info.dtype}, shape {list(info.shape)}) has {info.end - info.start}"
+                             " bytes instead of the size its dtype and shape give")
 
 
 class SafetensorsFile:
@@ -335,21 +380,146 @@ def _default_mode() -> int:
     return 0o666 & ~mask
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[str], None], suffix: str = ".tmp") -> Path:
-    """Call `write(temp_path)` on a temp file beside `path`, give it the usual permissions and rename it over `path`:
-    a reader never sees a half-written file, and a failure leaves neither the file nor the temp file."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=suffix, dir=p.parent)
-    os.close(fd)
+# the temp files of `write_atomic`: "." + the target's name + "." + mkstemp's 8 random characters + the suffix
+TEMP_NAME_RE = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}(?P<suffix>\.tmp(\.npz)?)$")
+
+
+def leftover_temp_files(folder: str | os.PathLike, target: Callable[[str], bool]) -> list[Path]:
+    """The temp files `write_atomic` left in `folder` (a writer killed before its rename) whose target name passes
+    `target`; only that naming pattern is ever matched."""
+    p = Path(folder)
+    if not p.is_dir():
+        return []
+    found = []
+    for entry in p.iterdir():
+        m = TEMP_NAME_RE.match(entry.name)
+        if m and entry.is_file() and target(m.group("target")):
+            found.append(entry)
+    return sorted(found)
+
+
+STALE_TEMP_SECONDS = 600  # a temp file this old belongs to a killed writer (a write takes seconds)
+
+
+def remove_stale_temp_files(targets: Iterable[str | os.PathLike], older_than: float = STALE_TEMP_SECONDS) -> int:
+    """Remove the temp files of `targets` (files written with `write_atomic`) that killed writers left, once they are
+    `older_than` seconds old: for folders that other processes may be writing at the same moment (cache files), where
+    a younger temp file may be a live write. Returns how many were removed."""
+    by_folder: dict[Path, set[str]] = {}
+    for target in targets:
+        t = Path(target)
+        by_folder.setdefault(t.parent, set()).add(t.name)
+    removed = 0
+    now = time.time()
+    for folder, names in by_folder.items():
+        for path in leftover_temp_files(folder, names.__contains__):
+            try:
+                if now - path.stat().st_mtime >= older_than:
+                    path.unlink()
+                    removed += 1
+            except OSError:
+                pass  # removed meanwhile, or not ours to remove
+    if removed:
+        logger.info("removed %d temp files left by interrupted writes", removed)
+    return removed
+
+
+def fsync_folder(folder: str | os.PathLike) -> None:
+    """Make a rename or a new entry in `folder` durable (a no-op where folders cannot be opened, as on Windows)."""
     try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems do not sync folders; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a written file's data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class WriteError(UserError, OSError):
+    """A write that failed for an OS reason (disk full, read-only folder, ...), as one sentence. It is an OSError too,
+    with the errno of the cause, so callers that tolerate failed writes (caches of hashes, say) keep doing so."""
+
+    @staticmethod
+    def of(cause: OSError, what: str, folder: str | os.PathLike) -> "WriteError":
+        error = WriteError(describe_os_error(cause, what, folder))
+        error.errno = cause.errno
+        return error
+
+
+NEARLY_FULL_BYTES = 64 * 2**20  # a write that failed with less free space than this failed for want of room
+_OS_ERROR_CODE_RE = re.compile(r"os error (\d+)")
+
+
+def as_os_error(e: BaseException, folder: str | os.PathLike) -> OSError | None:
+    """The OS error behind a failed write: an OSError itself; the errno that safetensors (Rust: "os error 28") gives
+    in its message; ENOSPC when a writer that reports no errno (torch.save: "unexpected pos ...") failed on a disk
+    with almost no room left; else None."""
+    if isinstance(e, OSError):
+        return e
+    m = _OS_ERROR_CODE_RE.search(str(e))
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code))
+    try:
+        nearly_full = shutil.disk_usage(folder).free < NEARLY_FULL_BYTES
+    except OSError:
+        nearly_full = False
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if nearly_full else None
+
+
+def describe_os_error(e: OSError, what: str, folder: str | os.PathLike) -> str:
+    """One sentence for an OS error while writing `what` in `folder`: disk full, read-only, not allowed, ..."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f" ({shutil.disk_usage(folder).free / 2**20:.0f} MiB free)"
+        except OSError:
+            free = ""
+        return (f"No space left on the disk of '{folder}'{free} while writing {what}: free some space or choose"
+                " another folder (nothing was half-written; an earlier file of that name is unchanged).")
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (f"'{folder}' is not writable ({e.strerror}) while writing {what}: choose a folder you can write to"
+                " or change its permissions.")
+    if e.errno == errno.ENOTDIR or (e.errno == errno.EEXIST and Path(folder).exists() and not Path(folder).is_dir()):
+        return f"'{folder}' is a file, not a folder, so {what} cannot be written there: give a folder."
+    return f"Writing {what} in '{folder}' failed ({e.strerror or e}): check the folder and the disk."
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[str], None], suffix: str = ".tmp") -> Path:
+    """Call `write(temp_path)` on a temp file beside `path`, give it the usual permissions, fsync it and rename it
+    over `path`, then fsync the folder: a reader never sees a half-written file, and a failure leaves neither the
+    file nor the temp file. An OS error (disk full, read-only folder, ...) is a UserError naming the file."""
+    p = Path(path)
+    tmp: str | None = None
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=suffix, dir=p.parent)
+        os.close(fd)
         write(tmp)
         os.chmod(tmp, _default_mode())
+        fsync_file(tmp)
         os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
+        tmp = None
+        fsync_folder(p.parent)
+    except Exception as e:
+        os_error = as_os_error(e, p.parent if p.parent.is_dir() else p.parent.parent)
+        if os_error is None:
+            raise
+        raise WriteError.of(os_error, f"'{p.name}'", p.parent) from e
+    finally:
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
-        raise
     return p
 
 

@@ -174,6 +174,8 @@ def _read_config_json(checkpoint: Path) -> dict[str, Any] | None:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:
         raise UserError(f"The DiT config '{path}' is not valid JSON ({e}): fix or remove it.") from e
+    if not isinstance(raw, dict):
+        raise UserError(f"The DiT config '{path}' is not a JSON object: fix or remove it.")
     if "model_type" in raw and "_class_name" not in raw:  # a transformers config (e.g. a text encoder's) lying there
         logger.debug("ignoring %s: not a DiT config", path)
         return None

@@ -637,12 +637,17 @@ def _read_norm_groups(config_file: Path | None) -> int:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise UserError(f"Cannot read the diffusers VAE config '{config_file}' ({e}); fix or remove that file.") from e
+    groups = config.get("norm_num_groups", 32) if isinstance(config, dict) else None
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        what = "is not a JSON object" if not isinstance(config, dict) else f"sets norm_num_groups={groups!r}"
+        raise UserError(f"The diffusers VAE config '{config_file}' {what}: it is not a valid AutoencoderKLFlux2"
+                        " config; fix or remove that file.")
     for key, expected in (("use_quant_conv", True), ("use_post_quant_conv", True), ("mid_block_add_attention", True)):
         if config.get(key, expected) != expected:
             raise UserError(f"'{config_file}' sets {key}={config[key]}, which the FLUX.2 VAE does not support.")
     if config.get("act_fn", "silu") != "silu":
         raise UserError(f"'{config_file}' sets act_fn={config['act_fn']}; the FLUX.2 VAE uses silu.")
-    return int(config.get("norm_num_groups", 32))
+    return groups
 
 
 def _check_keys(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import tomllib
@@ -283,6 +284,8 @@ def _convert(key: str, value: Any, option: str) -> Any:
     except (TypeError, ValueError):
         kind = "an integer" if key in ("width", "height", "sample_steps", "seed") else "a number"
         raise UserError(f"{option} must be {kind}, got {value!r}.") from None
+    if not math.isfinite(number):
+        raise UserError(f"{option} must be a finite number, got {value!r}.")
     if key == "sample_steps" and not 1 <= number <= MAX_STEPS:
         raise UserError(f"{option} (steps) must be between 1 and {MAX_STEPS}, got {number}.")
     if key == "flow_shift" and not number > 0:

@@ -88,6 +88,8 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output_name", type=str, default=None, help="base name of the saved files (default 'last')")
     g.add_argument("--max_train_steps", type=int, default=1600, help="training steps (default 1600)")
     g.add_argument("--max_train_epochs", type=int, default=None, help="training epochs (overrides max_train_steps)")
+    g.add_argument("--max_nan_loss_steps", type=int, default=1,
+                   help="stop training after this many steps in a row with a NaN or infinite loss (1: the first)")
     groups.add_seed_argument(g)
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward")
     g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="steps accumulated per update")
@@ -123,6 +125,9 @@ def _add_saving_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save_state", action="store_true", help="also save the training state with each save")
     g.add_argument("--save_state_on_train_end", action="store_true", help="save the training state at the end")
     g.add_argument("--resume", type=str, default=None, help="training state folder to resume from")
+    g.add_argument("--resume_inexact", action="store_true",
+                   help="resume even when the run cannot continue exactly (other seed, batch size, dataset, gradient"
+                        " accumulation or an unreadable random state): a warning instead of an error")
     g.add_argument("--no_metadata", action="store_true", help="save no ss_* metadata in the LoRA file")
     for name in ("title", "author", "description", "license", "tags"):
         g.add_argument(f"--metadata_{name}", type=str, default=None, help=f"modelspec.{name} of the saved LoRA")

@@ -33,7 +33,7 @@ from library.files import base_model_hash, model_spec
 from library.options.implications import TRAINING_IMPLICATIONS, apply_implications
 from library.training import checkpoints as train_checkpoints
 from library.training import flow_matching
-from library.training import sensitive_options
+from library.training import nonfinite, run_checks, sensitive_options, state_io
 from library.training.args import reject_sd_only_options
 from library.training.run_options import RunOptions
 
@@ -196,6 +196,7 @@ class NetworkTrainer(abc.ABC):
     # -------------------------------------------------------------------------------------------- checks
     def verify_args(self, args: argparse.Namespace) -> None:
         reject_sd_only_options(args)
+        run_checks.check_run_options(args)
         if args.network_module is None:
             raise UserError("--network_module is required: use --network_module networks.lora_generic.")
         if args.output_dir is None:
@@ -268,6 +269,7 @@ class NetworkTrainer(abc.ABC):
             module = importlib.import_module(args.network_module)
         except ImportError as e:
             raise UserError(f"--network_module '{args.network_module}' cannot be imported ({e}): use networks.lora_generic.") from e
+        run_checks.check_network_module(module, args)
         net_kwargs = {}
         for item in args.network_args or []:
             if "=" not in item:
@@ -293,6 +295,7 @@ class NetworkTrainer(abc.ABC):
             )
         if network is None:
             raise UserError(f"--network_module '{args.network_module}' created no network for this model.")
+        run_checks.check_network(network, args)
         network.apply_to(text_encoder, run.unet, run.train_text_encoder, run.train_unet)
         if args.network_weights and not args.dim_from_weights:
             info = network.load_weights(args.network_weights)
@@ -339,6 +342,15 @@ class NetworkTrainer(abc.ABC):
 
     # -------------------------------------------------------------------------------------------- train
     def train(self, args: argparse.Namespace) -> RunState:
+        """Run the job; the output's lock (`run_checks.prepare_output`) is held until it ends, however it ends."""
+        try:
+            return self._train(args)
+        finally:
+            lock, self._output_lock = getattr(self, "_output_lock", None), None
+            if lock is not None:
+                lock.release()
+
+    def _train(self, args: argparse.Namespace) -> RunState:
         from accelerate.utils import set_seed
 
         from library.datasets import build_dataset_groups
@@ -346,6 +358,9 @@ class NetworkTrainer(abc.ABC):
 
         self.resolve_args(args)
         self.verify_args(args)
+        self._output_lock = run_checks.prepare_output(args)
+        run_checks.check_sample_prompts(args)
+        train_checkpoints.seed_from_state(args)
         options = RunOptions.from_args(args, self.is_train_text_encoder(args))
         flow_matching.log_timestep_sampling_info(options.timestep_sampling)
         if args.cuda_expandable_segments:
@@ -381,6 +396,7 @@ class NetworkTrainer(abc.ABC):
         if args.gradient_checkpointing:
             self.enable_gradient_checkpointing(run)
         self._optimizer_and_scheduler(run)
+        run_checks.check_room_for_saves(args, run.network, run.save_dtype)
         self._dataloaders(run)
         self._steps_and_epochs(run)
         from library.training import optimizers
@@ -496,6 +512,7 @@ class NetworkTrainer(abc.ABC):
             self.sample_images(run, None, 0)
         skip_batches = run.skip_batches
         start_epoch = run.epoch
+        loss_guard = nonfinite.NonFiniteLossGuard(args.max_nan_loss_steps)
         for epoch in range(start_epoch, run.num_train_epochs):
             run.epoch = epoch
             if run.global_step >= run.max_train_steps:
@@ -518,6 +535,7 @@ class NetworkTrainer(abc.ABC):
                 progress.update(1)
                 epoch_losses.append(loss)
                 run.loss_history.append(loss)
+                loss_guard.observe(loss, run.global_step, run.network, acc)
                 self._after_step(run, progress, loss)
                 if run.global_step >= run.max_train_steps:
                     break
@@ -670,6 +688,7 @@ class NetworkTrainer(abc.ABC):
         out = Path(run.args.output_dir) / f"{stem}.safetensors"
         run.accelerator.wait_for_everyone()
         run.optimizer_eval_fn()  # schedule-free optimizers hold the evaluation weights only in eval mode
+        nonfinite.check_network_finite(run.network, out.name, run.global_step)
         if run.accelerator.is_main_process:
             out.parent.mkdir(parents=True, exist_ok=True)  # a third-party network's save_weights does not make it
             run.network.save_weights(str(out), run.save_dtype, self._lora_metadata(run, epoch, out, final))
@@ -699,18 +718,25 @@ class NetworkTrainer(abc.ABC):
                 train_checkpoints.remove_path(Path(args.output_dir) / f"{to_name(old_state)}-state")
 
     def _save_state(self, run: RunState, folder: Path) -> None:
+        """The state folder, written in a temp folder and renamed into place with its manifest (`state_io`)."""
         acc = run.accelerator
-        acc.wait_for_everyone()
-        acc.save_state(str(folder))
-        if acc.is_main_process:
-            run.network.save_weights(str(folder / train_checkpoints.NETWORK_STATE_FILE), torch.float32, None)
-            train_checkpoints.TrainState(epoch=run.epoch, step=run.global_step).write(folder)
-        acc.wait_for_everyone()
+        nonfinite.check_network_finite(run.network, folder.name, run.global_step)
+        fingerprint = train_checkpoints.run_fingerprint(run.args, run.train_group, acc.num_processes)
+
+        def write(temp: Path) -> None:
+            acc.save_state(str(temp))
+            if acc.is_main_process:
+                run.network.save_weights(str(temp / train_checkpoints.NETWORK_STATE_FILE), torch.float32, None)
+                train_checkpoints.TrainState(run.epoch, run.global_step, fingerprint).write(temp)
+
+        state_io.save_state_folder(folder, write, acc)
         logger.info("saved training state %s (step %d)", folder, run.global_step)
 
     def _load_state(self, run: RunState, folder: Path) -> None:
-        state = train_checkpoints.TrainState.read(folder)
-        run.accelerator.load_state(str(folder))
+        acc = run.accelerator
+        current = train_checkpoints.run_fingerprint(run.args, run.train_group, acc.num_processes)
+        state = train_checkpoints.check_resume(folder, current, acc.process_index, run.args.resume_inexact)
+        train_checkpoints.load_accelerator_state(acc, folder)
         run.network.load_weights(str(folder / train_checkpoints.NETWORK_STATE_FILE))
         self._start_at_step(run, state.step, skip=True)
         logger.info("resumed from %s at step %d (epoch %d)", folder, run.global_step, run.epoch + 1)
