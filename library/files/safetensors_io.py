@@ -439,8 +439,11 @@ def fsync_folder(folder: str | os.PathLike) -> None:
 
 
 def fsync_file(path: str | os.PathLike) -> None:
-    """Flush a written file's data to the disk."""
-    fd = os.open(path, os.O_RDONLY)
+    """Flush a written file's data to the disk (opened for writing: Windows flushes only such handles)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except PermissionError:  # a read-only file: POSIX flushes through any handle
+        fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

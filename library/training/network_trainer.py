@@ -358,7 +358,7 @@ class NetworkTrainer(abc.ABC):
 
         self.resolve_args(args)
         self.verify_args(args)
-        self._output_lock = run_checks.prepare_output(args)
+        self._output_lock = None if args.debug_dataset else run_checks.prepare_output(args)
         run_checks.check_sample_prompts(args)
         train_checkpoints.seed_from_state(args)
         options = RunOptions.from_args(args, self.is_train_text_encoder(args))

@@ -81,6 +81,9 @@ def _try_lock(fd: int) -> bool:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
+    except OSError as e:  # a file system without locks (some network mounts): run, but say so
+        logger.warning("the output folder's file system cannot lock files (%s): a second trainer on the same output"
+                       " would not be refused", e.strerror)
     return True
 
 
