@@ -65,7 +65,7 @@ def test_all_processes_stop_together():
         def gather(self, flag):
             return torch.cat([flag, torch.tensor([0.0])])  # the other process had a NaN loss
 
-    with pytest.raises(nonfinite.NonFiniteTrainingError, match="The loss was NaN or infinite on another process at step"):
+    with pytest.raises(nonfinite.NonFiniteTrainingError, match="loss was NaN or infinite on another process at step"):
         nonfinite.NonFiniteLossGuard().observe(0.25, 9, TinyNetwork(), TwoProcesses())
 
 
