@@ -15,6 +15,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ def run_case(name: str, optimizer: str, te_quant: str, snapshot: Path, work: Pat
     try:
         run = trainer.MossImageNetworkTrainer().train(trainer.setup_parser().parse_args(argv))
     except Exception as exc:  # reported, the next case still runs
-        return res | {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1000]}
+        return res | {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1000],
+                      "traceback": traceback.format_exc()[-3000:]}
     res["seconds"] = round(time.perf_counter() - start, 1)
     losses = [float(v) for v in run.loss_history]
     lora = load_file(str(out / f"{name}.safetensors"))
