@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.errors import UserError
 from library.quant import convrot_kernels as kernels
 from library.quant import convrot_ops as ops
-from library.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -482,7 +482,7 @@ class _ActivationCache:
     freed memory can never hit; an in-place change bumps the version. Only eager code may use it: a compiled graph
     reuses buffers (and writes them with raw kernels, without a version bump), so the registered ops never do."""
 
-    __slots__ = ("ref", "key", "value", "hits")
+    __slots__ = ("hits", "key", "ref", "value")
 
     def __init__(self) -> None:
         self.ref: weakref.ref | None = None

@@ -23,7 +23,7 @@ import torch
 
 from library.quant import convrot_kernels as kernels
 
-__all__ = ["linear", "linear_eager", "dequantize", "QUANTIZE", "LINEAR", "LINEAR_GRAD_INPUT", "DEQUANTIZE"]
+__all__ = ["DEQUANTIZE", "LINEAR", "LINEAR_GRAD_INPUT", "QUANTIZE", "dequantize", "linear", "linear_eager"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -65,12 +65,12 @@ def _linear(
 
 
 @_linear.register_fake
-def _linear_fake(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd):  # noqa: ANN001, ANN202
+def _linear_fake(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @_linear.register_kernel("cuda")
-def _linear_cuda(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd):  # noqa: ANN001, ANN202
+def _linear_cuda(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd):
     return _linear_impl(x, x_q, x_scale, weight, weight_scale, bias, "auto")
 
 
@@ -82,12 +82,12 @@ def _linear_grad_input(
 
 
 @_linear_grad_input.register_fake
-def _linear_grad_input_fake(grad, weight, weight_scale, group_size, bwd):  # noqa: ANN001, ANN202
+def _linear_grad_input_fake(grad, weight, weight_scale, group_size, bwd):
     return grad.new_empty((*grad.shape[:-1], weight.shape[1]))
 
 
 @_linear_grad_input.register_kernel("cuda")
-def _linear_grad_input_cuda(grad, weight, weight_scale, group_size, bwd):  # noqa: ANN001, ANN202
+def _linear_grad_input_cuda(grad, weight, weight_scale, group_size, bwd):
     return kernels.int8_linear_grad_input(grad, weight, weight_scale, group_size, bwd, backend="auto")
 
 
@@ -95,7 +95,7 @@ def _bias_grad(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return grad.reshape(-1, grad.shape[-1]).float().sum(0).to(dtype)
 
 
-def _linear_setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+def _linear_setup_context(ctx, inputs, output) -> None:
     _, _, _, weight, weight_scale, bias, group_size, bwd = inputs
     ctx.save_for_backward(weight, weight_scale)
     ctx.group_size = group_size
@@ -103,7 +103,7 @@ def _linear_setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
-def _linear_backward(ctx, grad):  # noqa: ANN001, ANN202
+def _linear_backward(ctx, grad):
     weight, weight_scale = ctx.saved_tensors
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
@@ -125,12 +125,12 @@ def _dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, group_size: in
 
 
 @_dequantize.register_fake
-def _dequantize_fake(weight, weight_scale, group_size, dtype):  # noqa: ANN001, ANN202
+def _dequantize_fake(weight, weight_scale, group_size, dtype):
     return weight.new_empty(weight.shape, dtype=dtype)
 
 
 @_dequantize.register_kernel("cuda")
-def _dequantize_cuda(weight, weight_scale, group_size, dtype):  # noqa: ANN001, ANN202
+def _dequantize_cuda(weight, weight_scale, group_size, dtype):
     return kernels.dequantize_weight(weight, weight_scale, group_size, dtype, backend="auto")
 
 
@@ -158,7 +158,7 @@ class _EagerLinear(torch.autograd.Function):
     grad_bias only if someone made the bias trainable."""
 
     @staticmethod
-    def forward(ctx, x, weight, weight_scale, bias, group_size, bwd):  # type: ignore[override]  # noqa: ANN001
+    def forward(ctx, x, weight, weight_scale, bias, group_size, bwd):  # type: ignore[override]
         ctx.save_for_backward(weight, weight_scale)
         ctx.group_size = group_size
         ctx.bwd = bwd
@@ -166,7 +166,7 @@ class _EagerLinear(torch.autograd.Function):
         return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]  # noqa: ANN001
+    def backward(ctx, grad):  # type: ignore[override]
         weight, weight_scale = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
