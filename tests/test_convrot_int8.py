@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from library.quant import convrot_kernels as K
-from library.quant import convrot as U
 from library.errors import UserError
+from library.quant import convrot as U
+from library.quant import convrot_kernels as K
 
 ck = pytest.importorskip("comfy_kitchen")
 from comfy_kitchen.tensor.base import QuantizedTensor

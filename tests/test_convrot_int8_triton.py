@@ -56,6 +56,17 @@ def run_checks(device: str) -> dict:
                 g_t = K.int8_linear_grad_input(gy, q, s, g, mode="int8", backend="triton")
                 g_e = K.int8_linear_grad_input(gy, q, s, g, mode="int8", backend="eager")
                 case["bwd_int8_relerr"] = float((g_t.float() - g_e.float()).norm() / g_e.float().norm())
+            if dt != torch.float32 and g <= 256:  # the upcast backward GEMM (no dequantised weight)
+                gy = torch.randn(2, m, n, device=device).to(dt)
+                with K.backward_kernel("upcast"):
+                    g_u = K.int8_linear_grad_input(gy, q, s, g, mode="bf16", backend="triton")
+                g_d = K.int8_linear_grad_input(gy, q, s, g, mode="bf16", backend="eager")
+                # its numerics in torch: DTYPE(grad * s_w) @ q in fp32, rotated back in fp32, rounded once
+                acc = (gy.reshape(-1, n).float() * s.reshape(1, n)).to(dt).float() @ q.float()
+                model = (K.rotate_weight(acc, g) if g else acc).to(dt).reshape(2, m, k)
+                case["bwd_upcast_dtype_ok"] = g_u.dtype == dt and g_u.shape == (2, m, k)
+                case["bwd_upcast_vs_model_relerr"] = float((g_u.float() - model.float()).norm() / model.float().norm())
+                case["bwd_upcast_vs_dequant_relerr"] = float((g_u.float() - g_d.float()).norm() / g_d.float().norm())
             out["cases"].append(case)
     # the activation cache of the module's eager path: the same tensor object is quantised once; an in-place change
     # invalidates it
@@ -134,6 +145,9 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
             else:
                 assert c["deq_mismatch_frac"] < 0.01 and c["deq_maxrel"] <= 2**-7, c
             assert c["bwd_int8_relerr"] < 1e-2, c
+        if "bwd_upcast_vs_model_relerr" in c:  # fp32 sums in another order, then one rounding: a few 1-ulp steps
+            assert c["bwd_upcast_dtype_ok"], c
+            assert c["bwd_upcast_vs_model_relerr"] < 1e-3 and c["bwd_upcast_vs_dequant_relerr"] < 2e-2, c
     assert res["cache"] == {"hits": 1, "same": True, "after_inplace_ok": True}
     assert res["launch_tuned"]
 

@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 WEIGHT_RECIPES: tuple[str, ...] = ("fp32", "eager")
 DEFAULT_WEIGHT_RECIPE = "fp32"
 BACKWARD_MODES: tuple[str, ...] = ("bf16", "int8")
+# how the "bf16" backward runs on CUDA (`set_backward_kernel`)
+BACKWARD_KERNELS: tuple[str, ...] = ("dequant", "upcast")
 DEFAULT_GROUP_SIZE = 256
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -151,13 +153,12 @@ def _full_precision_cuda_matmul() -> Iterator[None]:
 
 
 def _grouped_matmul(x: torch.Tensor, h: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Blockwise x [..., K] @ h along the last axis (one matmul)."""
-    shape = x.shape
-    grouped = x.reshape(-1, shape[-1] // group_size, group_size)
+    """Blockwise x [..., K] @ h along the last axis: one [numel / g, g] @ [g, g] product."""
+    grouped = x.reshape(-1, group_size)
     if x.is_cuda:
         with _full_precision_cuda_matmul():
-            return torch.matmul(grouped, h).reshape(shape)
-    return torch.matmul(grouped, h).reshape(shape)
+            return torch.mm(grouped, h).view(x.shape)
+    return torch.mm(grouped, h).view(x.shape)
 
 
 def rotate_weight(weight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -446,7 +447,8 @@ def int8_linear_grad_input(
 ) -> torch.Tensor:
     """``grad_x = grad_y @ W`` for the frozen int8 weight (the base's only gradient).
 
-    mode "bf16" (default): W is dequantised transiently in grad_y's dtype and a plain matmul runs (most accurate).
+    mode "bf16" (default): W is dequantised transiently in grad_y's dtype and a plain matmul runs (most accurate);
+    on CUDA `set_backward_kernel("upcast")` runs it as one GEMM on the int8 codes instead (no dequantised weight).
     mode "int8": grad_y * s_w is quantised per row and multiplied with the int8 codes through the int8 GEMM; the
     fp32 result is rotated back blockwise and cast (faster on int8 hardware, slightly quantised gradients).
     """
@@ -456,6 +458,10 @@ def int8_linear_grad_input(
     n, k = weight.shape
     g2 = grad_out.reshape(-1, n)
     if mode == "bf16":
+        if (_TUNING["backward"] == "upcast" and g2.dtype in (torch.bfloat16, torch.float16) and group_size <= 256
+                and _use_triton(g2, backend)):
+            s_w = scale_vector(weight_scale, n).to(g2.device)
+            return _grad_input_upcast_triton(g2, weight, s_w, group_size, out_dtype).reshape(*grad_out.shape[:-1], k)
         w = dequantize_weight(weight, weight_scale, group_size, dtype=g2.dtype, backend=backend)
         return (g2 @ w).to(out_dtype).reshape(*grad_out.shape[:-1], k)
     s_w = scale_vector(weight_scale, n).to(g2.device)
@@ -777,6 +783,70 @@ if _TRITON_IMPORTED:
         key=["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"],
     )(_int8_gemm_tma_kernel)
 
+    @triton.jit
+    def _grad_input_upcast_kernel(
+        g_ptr, w_ptr, sw_ptr, o_ptr, M, N, K, M_BUCKET,
+        stride_gm, stride_gk, stride_wk, stride_wn, stride_om, stride_on,
+        DTYPE: tl.constexpr, LOG4G: tl.constexpr, EVEN_K: tl.constexpr, GATHER: tl.constexpr,
+        INTERPRET: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """grad_x = rotate(sum_k DTYPE(grad[m, k] * s_w[k]) * q_w[k, n]) without a dequantised weight: the int8
+        codes are upcast to DTYPE (exact) inside the GEMM, the weight scale is applied to the gradient tile (rounded
+        once to DTYPE), fp32 accumulation, and the blockwise inverse rotation runs on the fp32 accumulator tile in the
+        epilogue (BLOCK_N is a multiple of the group). Here K is the weight's output width (the reduction) and N its
+        input width; the weight is read in place through its strides."""
+        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # wrap-around rows/columns keep the loads in bounds; wrapped columns form whole groups (N % g == 0), so the
+        # rotation never mixes them with real ones, and the store is masked
+        offs_gm = offs_m % M
+        offs_wn = offs_n % N
+        offs_k = tl.arange(0, BLOCK_K)
+        g_ptrs = g_ptr + offs_gm[:, None].to(tl.int64) * stride_gm + offs_k[None, :] * stride_gk
+        w_ptrs = w_ptr + offs_k[:, None].to(tl.int64) * stride_wk + offs_wn[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(tl.cdiv(K, BLOCK_K)):
+            k_idx = kk * BLOCK_K + offs_k
+            if EVEN_K:
+                a = tl.load(g_ptrs)
+                b = tl.load(w_ptrs)
+                sw = tl.load(sw_ptr + k_idx)
+            else:
+                k_ok = k_idx < K
+                a = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=k_ok[:, None], other=0)
+                sw = tl.load(sw_ptr + k_idx, mask=k_ok, other=0.0)
+            a = _cast_rne(a.to(tl.float32) * sw[None, :], DTYPE)
+            if INTERPRET:  # the interpreter multiplies bf16 bit patterns: the same product in fp32 (exact inputs)
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc = tl.dot(a, b.to(DTYPE), acc, out_dtype=tl.float32)
+            g_ptrs += BLOCK_K * stride_gk
+            w_ptrs += BLOCK_K * stride_wk
+        if LOG4G > 0:
+            acc = _fwht_rows(acc, BLOCK_M, BLOCK_N, LOG4G, GATHER)
+        o_ptrs = o_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, _cast_rne(acc, o_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+    # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): BLOCK_N = 256 holds whole 256-groups for the epilogue rotation
+    _UPCAST_CONFIGS = [
+        (128, 256, 64, 3, 8),
+        (128, 256, 32, 4, 8),
+        (64, 256, 64, 3, 4),
+        (64, 256, 128, 3, 8),
+        (128, 256, 128, 2, 8),
+        (256, 256, 32, 3, 8),
+    ]
+    _grad_input_upcast_tuned = triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st, num_warps=wp)
+            for bm, bn, bk, st, wp in _UPCAST_CONFIGS
+        ],
+        key=["M_BUCKET", "N", "K", "DTYPE", "LOG4G"],
+    )(_grad_input_upcast_kernel)
+
 
 _T_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _TINY = {dt: float(torch.finfo(dt).tiny) for dt in _FLOAT_DTYPES}
@@ -789,7 +859,7 @@ def _next_pow2(v: int) -> int:
 # Launch parameters (the benchmark can override them): elements per program and per thread of the row kernels (a
 # tile is BM rows x BK columns), the column tile of the streaming kernels, and the forward GEMM kernel ("ptr":
 # pointer loads, pipelined with cp.async; "tma": tensor-descriptor loads).
-_TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "gemm": "ptr"}
+_TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "gemm": "ptr", "backward": "dequant"}
 # (K, group size, dtype code, has column scale) -> launch constants of the rotate + quantise kernel
 _QUANT_PLANS: dict[tuple, tuple] = {}
 
@@ -801,6 +871,26 @@ def set_gemm_kernel(name: str) -> None:
     if name not in ("ptr", "tma"):
         raise ValueError(f"unknown ConvRot GEMM kernel {name!r}; choose 'ptr' or 'tma'")
     _TUNING["gemm"] = name
+
+
+def set_backward_kernel(name: str) -> None:
+    """Choose how the "bf16" backward (grad_x = grad_y @ W) runs on CUDA: "dequant" (default; W dequantised into a
+    transient bf16 tensor by one kernel, then cuBLAS) or "upcast" (one Triton GEMM that upcasts the int8 codes inside
+    the kernel and rotates its output tile: no dequantised weight; bf16/fp16 gradients and groups up to 256)."""
+    if name not in BACKWARD_KERNELS:
+        raise ValueError(f"unknown ConvRot backward kernel {name!r}; choose one of {BACKWARD_KERNELS}")
+    _TUNING["backward"] = name
+
+
+@contextlib.contextmanager
+def backward_kernel(name: str) -> Iterator[None]:
+    """`set_backward_kernel` for a block of code (the benchmark compares both)."""
+    saved = _TUNING["backward"]
+    set_backward_kernel(name)
+    try:
+        yield
+    finally:
+        _TUNING["backward"] = saved
 
 
 def set_row_tuning(row_elems: int | None = None, elems_per_thread: int | None = None, tile_k: int | None = None
@@ -914,14 +1004,38 @@ def _int8_gemm_triton(
         descs = (_TensorDescriptor(a, [m, k], [a.stride(0), 1], [1, 16]),
                  _TensorDescriptor(b, [n, k], [stride_bn, 1], [1, 16]))
         tma_args = (*descs, *args[2:10], c.stride(0), c.stride(1))
-        key = ("tma", m, n, k, has_sb, has_bias, out_dtype, a.device.index)
+        key = ("tma", m, n, k, has_sb, has_bias, out_dtype, a.get_device())
         _launch_tuned(_int8_gemm_tma_tuned, _int8_gemm_tma_kernel, key, m, n, tma_args,
                       {"HAS_SB": has_sb, "HAS_BIAS": has_bias}, descs)
         return c
-    key = ("ptr", m, n, k, has_sb, has_bias, out_dtype, a.device.index)
+    key = ("ptr", m, n, k, has_sb, has_bias, out_dtype, a.get_device())
     _launch_tuned(_int8_gemm_tuned, _int8_gemm_kernel, key, m, n, args,
                   {"HAS_SB": has_sb, "HAS_BIAS": has_bias, "EVEN_K": k % 128 == 0}, None)
     return c
+
+
+def _grad_input_upcast_triton(
+    g2: torch.Tensor, weight: torch.Tensor, s_w: torch.Tensor, group_size: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """grad_x [M, K_w] = g2 [M, N_w] @ W for W = rotate(s_w * q_w), by `_grad_input_upcast_kernel`."""
+    m, n_red = g2.shape
+    k_out = weight.shape[1]
+    out = torch.empty((m, k_out), dtype=out_dtype, device=g2.device)
+    if m == 0:
+        return out
+    flags = {"DTYPE": tl.bfloat16 if g2.dtype == torch.bfloat16 else tl.float16,
+             "LOG4G": _log4(group_size) if group_size else 0, "GATHER": _INTERPRET, "INTERPRET": _INTERPRET}
+    args = (g2, weight, s_w, out, m, k_out, n_red, min(_next_pow2(m), 8192), g2.stride(0), g2.stride(1),
+            weight.stride(0), weight.stride(1), out.stride(0), out.stride(1))
+    if _INTERPRET:
+        bm, bn, bk = 16, max(32, group_size), 32
+        _grad_input_upcast_kernel[(triton.cdiv(m, bm) * triton.cdiv(k_out, bn),)](
+            *args, **flags, EVEN_K=n_red % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4)
+        return out
+    flags["EVEN_K"] = n_red % 128 == 0
+    key = ("upcast", m, k_out, n_red, g2.dtype, out_dtype, group_size, g2.get_device())
+    _launch_tuned(_grad_input_upcast_tuned, _grad_input_upcast_kernel, key, m, k_out, args, flags, None)
+    return out
 
 
 def _launch_tuned(
