@@ -169,3 +169,35 @@ def test_op_path_equals_the_eager_path_with_gradients():
         assert torch.equal(a, b)
     assert torch.equal(results[0][0], K.int8_linear(torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(2)),
                                                     q, s, bias.detach(), 64))
+
+
+def test_inductor_inference_graph_quantises_a_shared_input_once(quant_calls):
+    """No-grad graphs get no common-subexpression elimination from torch: the post-grad pass keeps one quantisation
+    of an input read by three int8 Linears (q, k, v), through its view; the result is unchanged."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - inductor raises various errors for a missing compiler
+        pytest.skip(f"inductor on the CPU needs a C++ compiler ({e})")
+    torch.manual_seed(0)
+    weights = [K.quantize_convrot_weight(torch.randn(32, 64), 16) for _ in range(3)]
+
+    def three(x):
+        h = x * 2
+        return [ops.linear(h, q, s, None, 16, "bf16") for q, s in weights]
+
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        ref = three(x)
+        for dedupe, expected in ((False, 3), (True, 1)):
+            torch._dynamo.reset()
+            with torch._inductor.config.patch(post_grad_custom_pre_pass=None, compile_threads=1):
+                if dedupe:
+                    ops.enable_inductor_quantize_dedupe()
+                compiled = torch.compile(three, backend="inductor", fullgraph=True)
+                compiled(x)
+                quant_calls["n"] = 0
+                out = compiled(x)
+            assert quant_calls["n"] == expected
+            assert all(torch.equal(a, b) for a, b in zip(out, ref))

@@ -15,15 +15,24 @@ eager torch numerics, any device) and a CUDA one (the Triton kernels where usabl
 
 The module calls `linear` under ``torch.compile`` and `linear_eager` otherwise: the same kernels, without the
 dispatcher's per-call cost, and with the activation cache (which compiled code must not use: it reuses buffers).
+Inference graphs get no common-subexpression elimination from torch; `enable_inductor_quantize_dedupe` (called by
+`library.runtime.compile.compile_blocks`) adds an inductor pass that keeps one quantisation per input there too.
 """
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from library.quant import convrot_kernels as kernels
 
-__all__ = ["DEQUANTIZE", "LINEAR", "LINEAR_GRAD_INPUT", "QUANTIZE", "dequantize", "linear", "linear_eager"]
+__all__ = [
+    "DEQUANTIZE", "LINEAR", "LINEAR_GRAD_INPUT", "QUANTIZE", "dedupe_quantize", "dequantize",
+    "enable_inductor_quantize_dedupe", "linear", "linear_eager",
+]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -59,7 +68,7 @@ def _linear_impl(
 @torch.library.custom_op("moss_image::convrot_int8_linear", mutates_args=())
 def _linear(
     x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-    bias: torch.Tensor | None, group_size: int, bwd: str,
+    bias: Optional[torch.Tensor], group_size: int, bwd: str,  # noqa: UP045 - the spelling infer_schema keys on
 ) -> torch.Tensor:
     return _linear_impl(x, x_q, x_scale, weight, weight_scale, bias, "eager")
 
@@ -138,6 +147,76 @@ QUANTIZE = torch.ops.moss_image.convrot_int8_quantize.default
 LINEAR = torch.ops.moss_image.convrot_int8_linear.default
 LINEAR_GRAD_INPUT = torch.ops.moss_image.convrot_int8_linear_grad_input.default
 DEQUANTIZE = torch.ops.moss_image.convrot_int8_dequantize.default
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One quantisation per input in compiled inference graphs
+# --------------------------------------------------------------------------------------------------------------------
+_VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+
+
+def _hashable(value: object) -> object:
+    return tuple(_hashable(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _input_key(node: object) -> tuple:
+    """A QUANTIZE input as (base node, the view ops from it): two views of one tensor with the same shape match."""
+    chain = []
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEW_OPS:
+        chain.append((node.target, _hashable(node.args[1:]), _hashable(tuple(sorted(node.kwargs.items())))))
+        node = node.args[0]
+    return node, tuple(reversed(chain))
+
+
+def dedupe_quantize(graph: torch.fx.Graph) -> int:
+    """Keep one ``convrot_int8_quantize`` per distinct input in a functional (post-grad) graph: later calls on the
+    same tensor reuse the first one's outputs. Returns the number of calls removed.
+
+    The training graph needs no help (the partitioner's common-subexpression elimination already merges them); a
+    compiled inference graph would otherwise rotate and quantise one block input once for each of q, k and v."""
+    seen: dict[tuple, torch.fx.Node] = {}
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not QUANTIZE:
+            continue
+        key = (_input_key(node.args[0]), _hashable(node.args[1:]), _hashable(tuple(sorted(node.kwargs.items()))))
+        first = seen.setdefault(key, node)
+        if first is node:
+            continue
+        source = node.args[0]
+        node.replace_all_uses_with(first)
+        graph.erase_node(node)
+        removed += 1
+        while isinstance(source, torch.fx.Node) and source.target in _VIEW_OPS and not source.users:
+            parent = source.args[0]
+            graph.erase_node(source)
+            source = parent
+    return removed
+
+
+class _DedupeQuantizePass(CustomGraphPass):
+    """`dedupe_quantize` as an inductor post-grad pass, followed by the pass that was configured before it."""
+
+    def __init__(self, then: Any = None):
+        self.then = then
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        dedupe_quantize(graph)
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> Any:
+        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else self.then
+        return ("moss_image.convrot_int8_quantize dedupe", 1, then)
+
+
+def enable_inductor_quantize_dedupe() -> None:
+    """Install `dedupe_quantize` as inductor's ``post_grad_custom_pre_pass`` (idempotent; a pass set before runs
+    after it). It touches only ``convrot_int8_quantize`` nodes, so other graphs compile as before."""
+    current = inductor_config.post_grad_custom_pre_pass
+    if not isinstance(current, _DedupeQuantizePass):
+        inductor_config.post_grad_custom_pre_pass = _DedupeQuantizePass(current)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -68,6 +68,9 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
     """Replace each block of `dit.layers` by its torch.compile'd version (in place)."""
     import torch
 
+    from library.quant.convrot_ops import enable_inductor_quantize_dedupe  # torch and triton: loaded when compiling
+
+    enable_inductor_quantize_dedupe()  # INT8 inference graphs: q, k and v share one quantised input
     dynamic = {"true": True, "false": False}.get(args.compile_dynamic, None)
     if dynamic is None:
         dynamic = True if num_shapes > 1 else None
