@@ -159,12 +159,17 @@ def tflops(flops: float, ms: float) -> float:
 # host cost per call
 # ----------------------------------------------------------------------------------------------------------------
 def bench_host(m: int, k: int, n: int, device: str, calls: int) -> dict:
-    """Host cost of one Linear call at a shape whose kernels take (almost) no time."""
+    """Host cost of one Linear call at a shape whose kernels take (almost) no time. bf16 on the GPU; fp32 on the
+    CPU, where bf16 matmuls are emulated and would be measured instead of the host code, with one thread."""
     torch.manual_seed(0)
-    lin = nn.Linear(k, n, bias=False).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    lin = nn.Linear(k, n, bias=False).to(device=device, dtype=dtype).requires_grad_(False)
     qlins = [U.ConvRotInt8Linear.from_linear(lin, G) for _ in range(3)]
     qlin = qlins[0]
-    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    xs = [torch.randn(m, k, device=device, dtype=dtype) for _ in range(2)]
     xgs = [x.clone().requires_grad_(True) for x in xs]
     nx, nxg = cycler(xs), cycler(xgs)  # alternating inputs: every int8 call misses the activation cache
 
@@ -175,15 +180,15 @@ def bench_host(m: int, k: int, n: int, device: str, calls: int) -> dict:
 
     variants: dict[str, tuple[Callable[[], Any], bool, int]] = {
         # name: (fn, grad enabled, Linear calls per fn call)
-        "bf16_F_linear": (lambda: F.linear(nx(), lin.weight), False, 1),
+        "F_linear": (lambda: F.linear(nx(), lin.weight), False, 1),
         "int8_module": (lambda: qlin(nx()), False, 1),
         "int8_module_qkv_shared_input": (qkv, False, 3),
         "int8_registered_op_eager": (
             lambda: convrot_ops.linear(nx(), qlin.weight, qlin.weight_scale, None, G, "bf16"), False, 1),
-        "bf16_F_linear_autograd": (lambda: F.linear(nxg(), lin.weight), True, 1),
+        "F_linear_autograd": (lambda: F.linear(nxg(), lin.weight), True, 1),
         "int8_module_autograd": (lambda: qlin(nxg()), True, 1),
     }
-    r: dict = {"M": m, "K": k, "N": n, "group_size": G, "calls": calls, "variants": {}}
+    r: dict = {"M": m, "K": k, "N": n, "group_size": G, "dtype": str(dtype), "calls": calls, "variants": {}}
     for name, (fn, grad, per) in variants.items():
         with torch.set_grad_enabled(grad):
             rate = calls_per_second(fn, device, max(1, calls // per)) * per
@@ -192,8 +197,9 @@ def bench_host(m: int, k: int, n: int, device: str, calls: int) -> dict:
                                "aten_ops": names}
     v = r["variants"]
     for name in list(v):
-        ref = "bf16_F_linear_autograd" if name.endswith("autograd") else "bf16_F_linear"
+        ref = "F_linear_autograd" if name.endswith("autograd") else "F_linear"
         v[name]["x_of_F_linear"] = v[name]["us_per_call"] / v[ref]["us_per_call"]
+    torch.set_num_threads(threads)
     return r
 
 
@@ -287,8 +293,8 @@ def bench_linear(m: int, k: int, n: int, device: str, iters: int, components: bo
         r["dequantise"] = time_ms(lambda: K.dequantize_weight(q, s_w, G, torch.bfloat16), device, iters)
     for key, value in list(r.items()):
         if isinstance(value, dict) and key not in ("quantise", "dequantise"):
-            per = 3.0 if key.startswith("fwd_bwd") else 1.0  # forward + grad of the input: two GEMMs
-            value["tflops"] = tflops(flops * (2.0 if per == 3.0 else 1.0), value["median_ms"])
+            gemms = 2 if key.startswith("fwd_bwd") else 1  # forward + grad of the input (the base is frozen)
+            value["tflops"] = tflops(gemms * flops, value["median_ms"])
     r["speedup_fwd"] = r["fwd_bf16"]["median_ms"] / r["fwd_int8"]["median_ms"]
     r["speedup_fwd_bwd"] = {key[len("fwd_bwd_int8_"):]: r["fwd_bwd_bf16"]["median_ms"] / v["median_ms"]
                             for key, v in r.items() if key.startswith("fwd_bwd_int8_")}
