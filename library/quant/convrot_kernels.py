@@ -152,13 +152,23 @@ def _full_precision_cuda_matmul() -> Iterator[None]:
             setattr(m, f, v)
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.mm in the operands' own dtype: an enclosing autocast would round the exact int8 sums and the fp32
+    rotations to bf16 (the int8 Linear runs inside the caller's autocast region in eager mode)."""
+    device = a.device.type
+    if torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
+            return torch.mm(a, b)
+    return torch.mm(a, b)
+
+
 def _grouped_matmul(x: torch.Tensor, h: torch.Tensor, group_size: int) -> torch.Tensor:
     """Blockwise x [..., K] @ h along the last axis: one [numel / g, g] @ [g, g] product."""
     grouped = x.reshape(-1, group_size)
     if x.is_cuda:
         with _full_precision_cuda_matmul():
-            return torch.mm(grouped, h).view(x.shape)
-    return torch.mm(grouped, h).view(x.shape)
+            return _mm(grouped, h).view(x.shape)
+    return _mm(grouped, h).view(x.shape)
 
 
 def rotate_weight(weight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -308,7 +318,7 @@ def _int8_mm_acc(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
         mp, kp, np_ = max(_round_up(m, 32), 32), _round_up(k, 8), _round_up(n, 8)
         return torch._int_mm(_pad2d(a, mp, kp), _pad2d(b_t, np_, kp).t())[:m, :n]
     dt = torch.float32 if k <= _CPU_FP32_MAX_K else torch.float64
-    return torch.mm(a.to(dt), b_t.to(dt).t())
+    return _mm(a.to(dt), b_t.to(dt).t())
 
 
 def int8_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
@@ -463,7 +473,7 @@ def int8_linear_grad_input(
             s_w = scale_vector(weight_scale, n).to(g2.device)
             return _grad_input_upcast_triton(g2, weight, s_w, group_size, out_dtype).reshape(*grad_out.shape[:-1], k)
         w = dequantize_weight(weight, weight_scale, group_size, dtype=g2.dtype, backend=backend)
-        return (g2 @ w).to(out_dtype).reshape(*grad_out.shape[:-1], k)
+        return _mm(g2, w).to(out_dtype).reshape(*grad_out.shape[:-1], k)
     s_w = scale_vector(weight_scale, n).to(g2.device)
     if _use_triton(g2, backend):
         q_g, s_g = _quantize_rows_triton(g2, 0, col_scale=s_w)
