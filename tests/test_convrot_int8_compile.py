@@ -73,12 +73,13 @@ def _inputs(dit):
     return latent, torch.tensor([500.0]), text, torch.randn(1, dit.config.in_channels, 4, 4, generator=g)
 
 
-def _step(dit, net, latent, t, text, grad):
+def _step(dit, net, latent, t, text, grad, autocast: bool = False):
     """One forward + backward: (output, grad of the latent, LoRA grads); the latent requires grad, so every block
-    sees an input that requires grad (one graph for all blocks)."""
+    sees an input that requires grad (one graph for all blocks). `autocast`: bf16 autocast as the trainer runs."""
     x = latent.clone().requires_grad_(True)
-    y = dit(x, t, text)
-    y.backward(grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = dit(x, t, text)
+    y.float().backward(grad)
     grads = [p.grad.clone() for p in net.parameters()]
     net.zero_grad(set_to_none=True)
     return y.detach(), x.grad, grads
@@ -95,15 +96,17 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def test_fullgraph_trace_through_the_registered_ops_equals_eager(tiny_snapshot, quant_calls):
-    """aot_eager runs the traced forward and backward graphs (functionalised, partitioned) op by op: bit-exact."""
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fullgraph_trace_through_the_registered_ops_equals_eager(tiny_snapshot, quant_calls, autocast):
+    """aot_eager runs the traced forward and backward graphs (functionalised, partitioned) op by op: bit-exact, also
+    under bf16 autocast (autocast is applied when tracing; the ops' own numerics must not depend on it)."""
     dit, net = _dit_with_lora(tiny_snapshot)
     inputs = _inputs(dit)
-    ref = _step(dit, net, *inputs)
+    ref = _step(dit, net, *inputs, autocast=autocast)
     assert quant_calls["n"] == QUANTISATIONS_PER_BLOCK * TINY_LAYERS  # the activation cache shares q/k/v's input
     _compile(dit, "aot_eager")
     quant_calls["n"] = 0
-    out = _step(dit, net, *inputs)
+    out = _step(dit, net, *inputs, autocast=autocast)
     assert STATE["graphs"] == 1
     assert quant_calls["n"] == QUANTISATIONS_PER_BLOCK * TINY_LAYERS  # the joint graph keeps one quantisation
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
