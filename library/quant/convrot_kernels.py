@@ -605,16 +605,15 @@ if _TRITON_IMPORTED:
     @triton.jit
     def _load_rotated_tile(
         x_ptr, cs_ptr, rows64, cols, mask, stride_xm, K,
-        T_CODE: tl.constexpr, HAS_CS: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-        GATHER: tl.constexpr,
+        HAS_CS: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr,
     ):
-        """One [BM, BK] tile of the rows, in fp32: (x * column scale), rotated per group, rounded to T."""
+        """One [BM, BK] tile of the rows, in fp32: (x * column scale), rotated per group (not yet rounded to T)."""
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_CS:
             x = x * tl.load(cs_ptr + cols, mask=cols < K, other=0.0)[None, :]
         if LOG4G > 0:
             x = _fwht_rows(x, BM, BK, LOG4G, GATHER)
-        return _round_to_dtype(x, T_CODE)
+        return x
 
     @triton.jit
     def _rot_quant_kernel(
@@ -624,7 +623,8 @@ if _TRITON_IMPORTED:
     ):
         """Rotate and quantise BM rows to int8 with fp32 scales (eager numerics), streaming over K in tiles of BK
         columns (a multiple of the group): pass 1 takes each row's absmax, pass 2 recomputes the tile (its reads
-        mostly hit L2) and writes the codes. Nothing wider than one tile lives in registers and K is not padded."""
+        mostly hit L2) and writes the codes. Nothing wider than one tile lives in registers and K is not padded
+        beyond the tile (K = 3072 is 12 tiles of 256)."""
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         row_ok = rows < M
         rows64 = rows.to(tl.int64)
@@ -633,9 +633,10 @@ if _TRITON_IMPORTED:
         for k0 in range(0, K, BK):
             cols = k0 + offs
             mask = row_ok[:, None] & (cols[None, :] < K)
-            x = _load_rotated_tile(x_ptr, cs_ptr, rows64, cols, mask, stride_xm, K, T_CODE, HAS_CS, LOG4G, BM, BK,
-                                   GATHER)
+            x = _load_rotated_tile(x_ptr, cs_ptr, rows64, cols, mask, stride_xm, K, HAS_CS, LOG4G, BM, BK, GATHER)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        # rounding to T is monotonic and odd, so the absmax of the rounded row is the rounded absmax
+        amax = _round_to_dtype(amax, T_CODE)
         s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
         tl.store(s_ptr + rows, s, mask=row_ok)
         s_t = _round_to_dtype(s, T_CODE)
@@ -643,9 +644,8 @@ if _TRITON_IMPORTED:
         for k0 in range(0, K, BK):
             cols = k0 + offs
             mask = row_ok[:, None] & (cols[None, :] < K)
-            x = _load_rotated_tile(x_ptr, cs_ptr, rows64, cols, mask, stride_xm, K, T_CODE, HAS_CS, LOG4G, BM, BK,
-                                   GATHER)
-            v = _round_to_dtype(tl.math.div_rn(x, s_t), T_CODE)
+            x = _load_rotated_tile(x_ptr, cs_ptr, rows64, cols, mask, stride_xm, K, HAS_CS, LOG4G, BM, BK, GATHER)
+            v = _round_to_dtype(tl.math.div_rn(_round_to_dtype(x, T_CODE), s_t), T_CODE)
             v = (v + 12582912.0) - 12582912.0  # round half to even (|v| <= 2^22)
             v = tl.minimum(tl.maximum(v, -128.0), 127.0)
             tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], v.to(tl.int8), mask=mask)
