@@ -106,7 +106,7 @@ def _check_paths(args: argparse.Namespace) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     check_block_swap_args(args, training=False, device=args.device)
     check_text_encoder_memory_args(args)
-    check_compile_args(args, convrot_int8=args.convrot_int8)
+    check_compile_args(args)
     check_attention_args(args, training=False)
     h, w = args.image_size
     check_image_size(w, h, "--image_size")
@@ -226,12 +226,10 @@ def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
 def load_dit_for_sampling(args: argparse.Namespace, device: Any, dtype: Any, num_shapes: int = 1) -> Any:
     """The DiT in eval mode, its main blocks wrapped by torch.compile with --compile (`num_shapes`: how many image
     sizes the run has, for the dynamic-shape choice)."""
-    from library.runtime.compile import check_compile_args, compile_blocks
-    from library.quant.convrot import is_convrot_int8_model
+    from library.runtime.compile import compile_blocks
 
     dit = load_dit(args, device, dtype).eval()
     if args.compile:
-        check_compile_args(args, convrot_int8=is_convrot_int8_model(dit))  # pre-quantised files are known only now
         compile_blocks(args, dit, num_shapes=num_shapes)
     return dit
 

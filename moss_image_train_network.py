@@ -88,7 +88,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if args.compile and args.torch_compile:
             raise UserError("--compile (per-block torch.compile) and --torch_compile (accelerate dynamo) cannot be"
                             " used together: keep one.")
-        check_compile_args(args, convrot_int8=bool(args.convrot_int8))  # a pre-quantised file: checked after loading
+        check_compile_args(args)
         check_cpu_compiler(args, "cuda" if torch.cuda.is_available() else "cpu")
         if args.unsloth_offload_checkpointing and args.cpu_offload_checkpointing:
             raise UserError("Cannot use both --unsloth_offload_checkpointing and --cpu_offload_checkpointing.")
@@ -183,7 +183,6 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if plan:
             plan.finish()
         self.dit_convrot_int8 = is_convrot_int8_model(model)
-        check_compile_args(args, convrot_int8=self.dit_convrot_int8)
         if self.dit_convrot_int8:
             logger.info("the DiT base is ConvRot INT8 (%s)", "quantised at load" if args.convrot_int8 else "pre-quantised file")
         if args.blocks_to_swap:

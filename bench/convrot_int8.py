@@ -1,68 +1,146 @@
-"""ConvRot INT8 benchmark: the int8 Linear (rotation + quantisation + GEMM + epilogue) against bf16 F.linear, and a
-DiT-like block (hidden 3072, 24x128 heads, SwiGLU 8192 through one 3072 -> 16384 up_gate Linear) forward and
-forward + backward with a rank-16 LoRA, bf16 against int8. GPU correctness (Triton against eager) is checked in the
-same run. Prints a table and writes JSON.
+"""ConvRot INT8 benchmark: bf16 and INT8 side by side, one JSON.
 
-    python -m bench.convrot_int8 --out results.json            # on a CUDA GPU (H200 in docs/benchmarks.md)
-    python -m bench.convrot_int8 --smoke                       # tiny shapes, CPU or GPU: checks the script runs
+Parts (`--parts`, comma-separated; default: all the device supports):
+
+- ``host`` (CPU and GPU): host cost per call at tiny shapes, where the kernels take no time: calls/s, microseconds
+  per call and aten ops per call of F.linear against the int8 Linear module (eager without and with autograd, a
+  q/k/v trio reading one input, which shares its quantisation), and the registered op called eagerly (the
+  dispatcher's share).
+- ``checks`` (GPU): Triton against the eager reference at one full-size shape (codes, scales, outputs, gradients).
+- ``linear`` (GPU): the int8 Linear module against bf16 ``nn.Linear`` at M = 4352 for 3072x3072, 3072x16384 and
+  8192x3072, forward and forward + backward (grad of the input, the base is frozen), quantisation included; plus
+  the components (quantiser with its GB/s, GEMM, each backward kernel, dequantisation). Medians over `--iters`
+  (>= 20) timed iterations after warm-up, each measured with CUDA events after an L2 flush.
+- ``blocks`` (GPU): 4 full-width MossImageBlocks (the product's modules, rank-16 LoRA from networks.lora_generic,
+  fp32 LoRA weights under bf16 autocast as in the trainer), each block ``torch.compile(fullgraph=True)`` by
+  ``library.runtime.compile.compile_blocks``: bf16 against INT8 (quantised by ``library.moss_image.loaders.quantize_dit``),
+  compiled training step (forward + backward) and compiled inference forward, eager for reference, the graph count,
+  and the output / LoRA-gradient error of INT8 against bf16. ``--profile`` adds the GPU time of one compiled step
+  split by kernel category.
+
+    python -m bench.convrot_int8 --out convrot_int8.json          # on a CUDA GPU (H200 in docs/benchmarks.md)
+    python -m bench.convrot_int8 --parts host --out host.json     # the CPU part
+    python -m bench.convrot_int8 --smoke                          # tiny shapes, CPU or GPU: the script runs
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import json
 import math
 import platform
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-
-from library.quant import convrot_kernels as K
+from library.moss_image.dit import MossImage, MossImageConfig, rope_cos_sin
+from library.moss_image.loaders import quantize_dit
 from library.quant import convrot as U
+from library.quant import convrot_kernels as K
+from library.quant import convrot_ops
+from library.runtime.compile import compile_blocks
+from networks import lora_generic
 
 G = 256
+FULL_M = 4352  # 1024x1024 image (4096 tokens) + 256 text tokens
+FULL_SHAPES = [(3072, 3072), (3072, 16384), (8192, 3072)]  # (K, N): q/k/v/o, ffn_up_gate, ffn_down
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------------------------------
-def bench(fn, device: str, rep_ms: int = 200) -> float:
-    """Median milliseconds of fn() (device events through triton's do_bench on CUDA)."""
-    if device == "cuda":
-        import triton.testing
+class _L2Flush:
+    """Writes a buffer larger than the L2 cache before each timed iteration (weights and activations come from HBM,
+    as in a real step)."""
 
+    def __init__(self, device: str):
+        self.buf = torch.empty(256 << 20, dtype=torch.int8, device=device) if device == "cuda" else None
+
+    def __call__(self) -> None:
+        if self.buf is not None:
+            self.buf.zero_()
+
+
+def time_ms(fn: Callable[[], Any], device: str, iters: int, warmup: int = 5) -> dict:
+    """Median (and spread) of `iters` timed calls after `warmup` calls: CUDA events around each call on the GPU,
+    the host clock on the CPU."""
+    flush = _L2Flush(device)
+    for _ in range(warmup):
         fn()
-        torch.cuda.synchronize()
-        return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
-    fn()
     times = []
-    for _ in range(3):
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            flush()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10],
+            "p90_ms": times[(len(times) * 9) // 10], "iters": iters}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def calls_per_second(fn: Callable[[], Any], device: str, calls: int, repeats: int = 5) -> float:
+    """Best of `repeats` batches of `calls` calls (synchronised around each batch): calls per second."""
+    for _ in range(min(calls, 50)):
+        fn()
+    best = math.inf
+    for _ in range(repeats):
+        _sync(device)
         t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return calls / best
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.names: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        self.names[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def aten_ops_per_call(fn: Callable[[], Any]) -> tuple[int, dict]:
+    fn()
+    with _CountOps() as counter:
         fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[1]
+    return counter.count, dict(counter.names)
 
 
-def host_time(fn, calls: int = 40) -> float:
-    """Host microseconds per call (launch cost only: the GPU queue does not fill in `calls` calls)."""
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return us
-
-
-def cycler(items):
+def cycler(items: list) -> Callable[[], Any]:
     state = {"i": 0}
 
-    def nxt():
+    def nxt() -> Any:
         state["i"] = (state["i"] + 1) % len(items)
         return items[state["i"]]
 
@@ -71,6 +149,58 @@ def cycler(items):
 
 def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host cost per call
+# ----------------------------------------------------------------------------------------------------------------
+def bench_host(m: int, k: int, n: int, device: str, calls: int) -> dict:
+    """Host cost of one Linear call at a shape whose kernels take (almost) no time. bf16 on the GPU; fp32 on the
+    CPU, where bf16 matmuls are emulated and would be measured instead of the host code, with one thread."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    lin = nn.Linear(k, n, bias=False).to(device=device, dtype=dtype).requires_grad_(False)
+    qlins = [U.ConvRotInt8Linear.from_linear(lin, G) for _ in range(3)]
+    qlin = qlins[0]
+    xs = [torch.randn(m, k, device=device, dtype=dtype) for _ in range(2)]
+    xgs = [x.clone().requires_grad_(True) for x in xs]
+    nx, nxg = cycler(xs), cycler(xgs)  # alternating inputs: every int8 call misses the activation cache
+
+    def qkv() -> None:
+        x = nx()
+        for q in qlins:
+            q(x)
+
+    variants: dict[str, tuple[Callable[[], Any], bool, int]] = {
+        # name: (fn, grad enabled, Linear calls per fn call)
+        "F_linear": (lambda: F.linear(nx(), lin.weight), False, 1),
+        "int8_module": (lambda: qlin(nx()), False, 1),
+        "int8_module_qkv_shared_input": (qkv, False, 3),
+        "int8_registered_op_eager": (
+            lambda: convrot_ops.linear(nx(), qlin.weight, qlin.weight_scale, None, G, "bf16"), False, 1),
+        "F_linear_autograd": (lambda: F.linear(nxg(), lin.weight), True, 1),
+        "int8_module_autograd": (lambda: qlin(nxg()), True, 1),
+    }
+    r: dict = {"M": m, "K": k, "N": n, "group_size": G, "dtype": str(dtype), "calls": calls, "variants": {}}
+    for name, (fn, grad, per) in variants.items():
+        with torch.set_grad_enabled(grad):
+            rate = calls_per_second(fn, device, max(1, calls // per)) * per
+            ops_count, names = aten_ops_per_call(fn)
+        r["variants"][name] = {"calls_per_s": rate, "us_per_call": 1e6 / rate, "aten_ops_per_call": ops_count / per,
+                               "aten_ops": names}
+    v = r["variants"]
+    for name in list(v):
+        ref = "F_linear_autograd" if name.endswith("autograd") else "F_linear"
+        v[name]["x_of_F_linear"] = v[name]["us_per_call"] / v[ref]["us_per_call"]
+    torch.set_num_threads(threads)
+    return r
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -85,7 +215,6 @@ def check_linear(m: int, k: int, n: int, device: str, dtype: torch.dtype) -> dic
     x = torch.randn(m, k, device=device).to(dtype)
     x[:, 11] *= 30
     bias = (torch.randn(n, device=device) * 0.1).to(dtype)
-    K._ACT_CACHE.clear()
     q_t, s_t = K._quantize_rows_triton(x, G)
     q_e, s_e = K.quantize_rowwise(K.rotate_activation(x, G))
     y_t = K.int8_linear(x, q, s, bias, G, backend="triton")
@@ -102,13 +231,13 @@ def check_linear(m: int, k: int, n: int, device: str, dtype: torch.dtype) -> dic
         "y_triton_vs_eager_relerr": relerr(y_t, y_e),
         "y_int8_vs_bf16_relerr": relerr(y_t, y_ref),
         "dequant_triton_vs_eager_mismatch": int((deq_t != deq_e).sum()),
-        "grad_x_bwd_bf16_relerr": relerr(K.int8_linear_grad_input(gy, q, s, G, "bf16"), gx_ref),
-        "grad_x_bwd_int8_relerr": relerr(K.int8_linear_grad_input(gy, q, s, G, "int8"), gx_ref),
-        "grad_x_bwd_int8_triton_vs_eager_relerr": relerr(
-            K.int8_linear_grad_input(gy, q, s, G, "int8"),
-            K.int8_linear_grad_input(gy, q, s, G, "int8", backend="eager"),
-        ),
     }
+    for kernel in K.BACKWARD_KERNELS:
+        with K.backward_kernel(kernel):
+            res[f"grad_x_bf16_{kernel}_relerr"] = relerr(K.int8_linear_grad_input(gy, q, s, G, "bf16"), gx_ref)
+    res["grad_x_int8_relerr"] = relerr(K.int8_linear_grad_input(gy, q, s, G, "int8"), gx_ref)
+    res["grad_x_int8_triton_vs_eager_relerr"] = relerr(
+        K.int8_linear_grad_input(gy, q, s, G, "int8"), K.int8_linear_grad_input(gy, q, s, G, "int8", backend="eager"))
     # weight quantisation on the GPU equals the CPU (fp32 recipe: exact sums, identical on both)
     q_cpu, s_cpu = K.quantize_convrot_weight(w.cpu(), G)
     res["weight_q_gpu_vs_cpu_mismatch"] = int((q.cpu() != q_cpu).sum())
@@ -117,276 +246,318 @@ def check_linear(m: int, k: int, n: int, device: str, dtype: torch.dtype) -> dic
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Linear
+# Linear at the product's shapes
 # ----------------------------------------------------------------------------------------------------------------
-def bench_linear(m: int, k: int, n: int, device: str, variants: str) -> dict:
-    """variants: "none" (bf16 vs int8 only), "final" (+ components and backward), "all" (+ alternatives)."""
+def bench_linear(m: int, k: int, n: int, device: str, iters: int, components: bool) -> dict:
     torch.manual_seed(0)
-    w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
-    bias = (torch.randn(n, device=device) * 0.1).to(torch.bfloat16)
-    q, s = K.quantize_convrot_weight(w, G)
-    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(4)]
+    lin = nn.Linear(k, n, bias=False).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
+    nn.init.normal_(lin.weight, std=0.02)
+    qlin = U.ConvRotInt8Linear.from_linear(lin, G)
+    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(3)]
+    xgs = [x.clone().requires_grad_(True) for x in xs]
     gys = [torch.randn(m, n, device=device, dtype=torch.bfloat16) for _ in range(2)]
-    nx, ngy = cycler(xs), cycler(gys)
+    nx, nxg, ngy = cycler(xs), cycler(xgs), cycler(gys)
     flops = 2.0 * m * k * n
     r: dict = {"M": m, "K": k, "N": n}
-    gemm_default = K._TUNING["gemm"]
 
-    def int8_full():
-        K._ACT_CACHE.clear()
-        return K.int8_linear(nx(), q, s, bias, G)
+    def step(mod: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            x = nxg()
+            mod(x).backward(ngy())
+            x.grad = None
+        return run
 
-    r["bf16_ms"] = bench(lambda: F.linear(nx(), w, bias), device)
-    r["int8_ms"] = bench(int8_full, device)
-    if variants != "none" and device == "cuda":
+    with torch.no_grad():
+        r["fwd_bf16"] = time_ms(lambda: lin(nx()), device, iters)
+        r["fwd_int8"] = time_ms(lambda: qlin(nx()), device, iters)
+    r["fwd_bwd_bf16"] = time_ms(step(lin), device, iters)
+    for kernel in K.BACKWARD_KERNELS:
+        with K.backward_kernel(kernel):
+            r[f"fwd_bwd_int8_bwd_bf16_{kernel}"] = time_ms(step(qlin), device, iters)
+    qlin.bwd = "int8"
+    r["fwd_bwd_int8_bwd_int8"] = time_ms(step(qlin), device, iters)
+    qlin.bwd = "bf16"
+    if components:
         q_x, s_x = K._quantize_rows_triton(xs[0], G)
-        s_w = s.reshape(-1)
-        r["quant_ms"] = bench(lambda: K._quantize_rows_triton(nx(), G), device)
-        r["gemm_ms"] = bench(lambda: K._int8_gemm_triton(q_x, s_x, q, (k, 1), s_w, bias, torch.bfloat16, n), device)
-    if variants != "none" and device == "cuda":
-        r["host_us_per_call_bf16"] = host_time(lambda: F.linear(nx(), w, bias))
-        r["host_us_per_call_int8"] = host_time(int8_full)
-        try:
-            K._TUNING["gemm"] = "tma"
-            r["gemm_tma_ms"] = bench(lambda: K._int8_gemm_triton(q_x, s_x, q, (k, 1), s_w, bias, torch.bfloat16, n),
-                                     device)
-            r["int8_tma_ms"] = bench(int8_full, device)
-            r["host_us_per_call_int8_tma"] = host_time(int8_full)
-        except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-            r["tma_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        finally:
-            K._TUNING["gemm"] = gemm_default
-    if variants == "final" and device == "cuda":
-        r["bwd_bf16_ref_ms"] = bench(lambda: ngy() @ w, device)
-        r["bwd_int8mode_bf16_ms"] = bench(lambda: K.int8_linear_grad_input(ngy(), q, s, G, "bf16"), device)
-        r["dequant_ms"] = bench(lambda: K.dequantize_weight(q, s, G, torch.bfloat16), device)
-    if variants == "all" and device == "cuda":
-        r["cublas_int_mm_ms"] = bench(lambda: torch._int_mm(q_x, q.t()), device)
-        r["torch_rotation_ms"] = bench(lambda: K.rotate_activation(nx(), G), device)
-        r["eager_int8_ms"] = bench(lambda: K.int8_linear(nx(), q, s, bias, G, backend="eager"), device)
-        try:
-            K._TUNING["gemm"] = "tma"
-            r["gemm_tma_ms"] = bench(lambda: K._int8_gemm_triton(q_x, s_x, q, (k, 1), s_w, bias, torch.bfloat16, n),
-                                     device)
-            r["int8_tma_ms"] = bench(int8_full, device)
-            y_tma = K._int8_gemm_triton(q_x, s_x, q, (k, 1), s_w, bias, torch.bfloat16, n)
-            K._TUNING["gemm"] = "ptr"
-            y_ptr = K._int8_gemm_triton(q_x, s_x, q, (k, 1), s_w, bias, torch.bfloat16, n)
-            r["tma_vs_ptr_mismatch"] = int((y_tma != y_ptr).sum())
-        except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-            r["tma_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        finally:
-            K._TUNING["gemm"] = gemm_default
-        r["bwd_bf16_ref_ms"] = bench(lambda: ngy() @ w, device)
-        r["bwd_int8mode_bf16_ms"] = bench(lambda: K.int8_linear_grad_input(ngy(), q, s, G, "bf16"), device)
-        r["bwd_int8mode_int8_ms"] = bench(lambda: K.int8_linear_grad_input(ngy(), q, s, G, "int8"), device)
-        r["dequant_ms"] = bench(lambda: K.dequantize_weight(q, s, G, torch.bfloat16), device)
-    for key in [key for key in r if key.endswith("_ms") and key not in ("quant_ms", "torch_rotation_ms", "dequant_ms")]:
-        r[key.replace("_ms", "_tflops")] = flops / (r[key] * 1e-3) / 1e12
-    r["speedup"] = r["bf16_ms"] / r["int8_ms"]
-    if "quant_ms" in r:
-        r["quant_GBps"] = (m * k * 3 + m * 4) / (r["quant_ms"] * 1e-3) / 1e9
+        s_w = qlin.weight_scale
+        q, gy = qlin.weight, gys[0]
+        r["quantise"] = time_ms(lambda: K._quantize_rows_triton(nx(), G), device, iters)
+        r["quantise"]["GBps"] = (m * k * 3 + m * 4) / (r["quantise"]["median_ms"] * 1e-3) / 1e9
+        r["gemm"] = time_ms(lambda: K.int8_gemm(q_x, s_x, q, s_w, None, torch.bfloat16), device, iters)
+        r["bwd_bf16_reference"] = time_ms(lambda: gy @ lin.weight, device, iters)
+        for kernel in K.BACKWARD_KERNELS:
+            with K.backward_kernel(kernel):
+                r[f"bwd_bf16_{kernel}"] = time_ms(lambda: K.int8_linear_grad_input(gy, q, s_w, G, "bf16"), device,
+                                                  iters)
+        r["bwd_int8"] = time_ms(lambda: K.int8_linear_grad_input(gy, q, s_w, G, "int8"), device, iters)
+        r["dequantise"] = time_ms(lambda: K.dequantize_weight(q, s_w, G, torch.bfloat16), device, iters)
+    for key, value in list(r.items()):
+        if isinstance(value, dict) and key not in ("quantise", "dequantise"):
+            gemms = 2 if key.startswith("fwd_bwd") else 1  # forward + grad of the input (the base is frozen)
+            value["tflops"] = tflops(gemms * flops, value["median_ms"])
+    r["speedup_fwd"] = r["fwd_bf16"]["median_ms"] / r["fwd_int8"]["median_ms"]
+    r["speedup_fwd_bwd"] = {key[len("fwd_bwd_int8_"):]: r["fwd_bwd_bf16"]["median_ms"] / v["median_ms"]
+                            for key, v in r.items() if key.startswith("fwd_bwd_int8_")}
     return r
 
 
-def sweep_quant(m: int, k: int, device: str) -> list[dict]:
-    """Launch shapes of the fused rotate+quantise kernel: (elements per program, per thread)."""
-    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(4)]
+def sweep_quant(m: int, k: int, device: str, iters: int) -> list[dict]:
+    """Tile shapes of the streaming rotate + quantise kernel: (elements per program, per thread, column tile)."""
+    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(3)]
     nx = cycler(xs)
-    out = []
     saved = dict(K._TUNING)
-    for row_elems, ept in [(4096, 8), (4096, 16), (8192, 16), (8192, 32), (16384, 16), (16384, 32)]:
-        K._TUNING.update(row_elems=row_elems, elems_per_thread=ept)
-        try:
-            ms = bench(lambda: K._quantize_rows_triton(nx(), G), device, rep_ms=100)
-            out.append({"K": k, "row_elems": row_elems, "elems_per_thread": ept, "ms": ms,
-                        "GBps": (m * k * 3 + m * 4) / (ms * 1e-3) / 1e9})
-        except Exception as e:  # noqa: BLE001
-            out.append({"K": k, "row_elems": row_elems, "elems_per_thread": ept, "error": str(e)[:200]})
-    K._TUNING.update(saved)
+    out = []
+    for row_elems in (2048, 4096, 8192, 16384):
+        for ept in (8, 16, 32):
+            for tile_k in (256, 512, 1024):
+                K.set_row_tuning(row_elems, ept, tile_k)
+                entry = {"K": k, "row_elems": row_elems, "elems_per_thread": ept, "tile_k": tile_k}
+                try:
+                    t = time_ms(lambda: K._quantize_rows_triton(nx(), G), device, iters)
+                    entry.update(ms=t["median_ms"], GBps=(m * k * 3 + m * 4) / (t["median_ms"] * 1e-3) / 1e9)
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result too
+                    entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                out.append(entry)
+    K.set_row_tuning(saved["row_elems"], saved["elems_per_thread"], saved["tile_k"])
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# DiT-like block
+# 4 compiled full-width blocks through the product's modules
 # ----------------------------------------------------------------------------------------------------------------
-class LoRA(nn.Module):
-    def __init__(self, org: nn.Module, k: int, n: int, rank: int = 16):
-        super().__init__()
-        self.org = org
-        self.down = nn.Linear(k, rank, bias=False)
-        self.up = nn.Linear(rank, n, bias=False)
-        nn.init.normal_(self.up.weight, std=0.01)
-
-    def forward(self, x):
-        return self.org(x) + self.up(self.down(x))
+STATE = {"graphs": 0}
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, head_dim: int, ffn: int):
-        super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        self.norm1 = nn.RMSNorm(dim, eps=1e-6)
-        self.norm2 = nn.RMSNorm(dim, eps=1e-6)
-        self.q_norm = nn.RMSNorm(head_dim, eps=1e-6)
-        self.k_norm = nn.RMSNorm(head_dim, eps=1e-6)
-        self.proj = nn.ModuleDict({
-            "q": nn.Linear(dim, dim), "k": nn.Linear(dim, dim), "v": nn.Linear(dim, dim), "o": nn.Linear(dim, dim),
-            "ffn_up_gate": nn.Linear(dim, 2 * ffn), "ffn_down": nn.Linear(ffn, dim),
-        })
+def _counting(backend: str) -> Callable[..., Any]:
+    """A torch.compile backend that counts the graphs dynamo captures and compiles them with `backend`."""
+    from torch._dynamo.backends.registry import lookup_backend
 
-    def forward(self, x, mod):
-        b, seq, dim = x.shape
-        shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(0)
-        h = (self.norm1(x) * (1 + scale1) + shift1).to(self.norm1.weight.dtype)
+    inner = lookup_backend(backend)
 
-        def heads(t):
-            return t.view(b, seq, self.heads, self.head_dim)
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        STATE["graphs"] += 1
+        return inner(gm, example_inputs)
 
-        q = self.q_norm(heads(self.proj["q"](h))).transpose(1, 2)
-        k = self.k_norm(heads(self.proj["k"](h))).transpose(1, 2)
-        v = heads(self.proj["v"](h)).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, seq, dim)
-        x = x + gate1 * self.proj["o"](a)
-        h = self.norm2(x) * (1 + scale2) + shift2
-        value, gate = self.proj["ffn_up_gate"](h).chunk(2, dim=-1)
-        return x + gate2 * self.proj["ffn_down"](F.silu(gate) * value)
+    return compile_graph
 
 
-def add_lora(block: Block) -> list[nn.Parameter]:
-    params = []
-    for name, lin in list(block.proj.items()):
-        lora = LoRA(lin, lin.in_features, lin.out_features).to(device=lin.bias.device, dtype=torch.bfloat16)
-        block.proj[name] = lora
-        params += [lora.down.weight, lora.up.weight]
-    return params
+class _Blocks:
+    """The main blocks of a MossImage built at full width with `layers` blocks, a LoRA on every block Linear, and the
+    inputs of a 1024x1024 step."""
+
+    def __init__(self, cfg: MossImageConfig, seq: int, device: str, int8: bool = False):
+        torch.manual_seed(0)  # the same weights for bf16 and INT8
+        with torch.device(device):
+            dit = MossImage(cfg)
+        dit.to(torch.bfloat16)
+        with torch.no_grad():
+            for lin in (m for m in dit.layers.modules() if isinstance(m, nn.Linear)):
+                lin.weight.normal_(0, 1 / math.sqrt(lin.in_features))
+            for blk in dit.layers:
+                blk.scale_shift_table.normal_(0, 0.1)
+        if int8:
+            quantize_dit(dit)
+        dit.requires_grad_(False)
+        self.dit = dit
+        self.net = lora_generic.create_network(1.0, 16, 16.0, None, [], dit)
+        self.net.apply_to(None, dit, apply_text_encoder=False, apply_unet=True)
+        self.net.to(device=device, dtype=torch.float32)
+        g = torch.Generator(device="cpu").manual_seed(1)
+        with torch.no_grad():
+            for name, p in self.net.named_parameters():
+                if "lora_up" in name:  # as if trained a little: a non-zero LoRA path
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        self.net.requires_grad_(True)
+        side = math.isqrt(max(seq - 256, 1))
+        text = seq - side * side
+        pos = torch.zeros(1, seq, 3, dtype=torch.long)
+        pos[0, text:, 1] = torch.arange(side).repeat_interleave(side)
+        pos[0, text:, 2] = torch.arange(side).repeat(side)
+        pos[0, :text, 0] = torch.arange(text)
+        self.cos, self.sin = (t.to(device) for t in rope_cos_sin(pos, cfg.rope_axes_dims, cfg.rope_theta))
+        self.x = (torch.randn(1, seq, cfg.hidden_size, generator=g) * 0.5).to(device, torch.bfloat16)
+        self.mod = (torch.randn(1, 6, cfg.hidden_size, generator=g) * 0.1).to(device, torch.bfloat16)
+        self.gy = torch.randn(1, seq, cfg.hidden_size, generator=g).to(device, torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            for blk in self.dit.layers:
+                x = blk(x, self.cos, self.sin, None, self.mod)
+        return x
+
+    def train_step(self) -> torch.Tensor:
+        x = self.x.detach().requires_grad_(True)  # as under checkpointing: the block input requires grad
+        y = self.forward(x)
+        y.backward(self.gy)
+        return y
+
+    def lora_grads(self) -> list[torch.Tensor]:
+        grads = [p.grad.detach().clone() for p in self.net.parameters()]
+        self.net.zero_grad(set_to_none=True)
+        return grads
+
+    def compile(self, backend: str) -> None:
+        args = argparse.Namespace(compile_backend=_counting(backend), compile_mode="default", compile_dynamic="false",
+                                  compile_fullgraph=True, compile_cache_size_limit=None)
+        compile_blocks(args, self.dit)
 
 
-def bench_block(m: int, dim: int, heads: int, ffn: int, device: str) -> dict:
-    torch.manual_seed(0)
-    ref = Block(dim, heads, dim // heads, ffn).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
-    with torch.no_grad():
-        for lin in ref.proj.values():
-            lin.weight.normal_(0, 1 / math.sqrt(lin.in_features))
-    qb = Block(dim, heads, dim // heads, ffn).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
-    qb.load_state_dict(ref.state_dict())
-    U.convert_model_to_convrot_int8(qb, lambda name: name.startswith("proj."), group_size=G)
-    xs = [torch.randn(1, m, dim, device=device, dtype=torch.bfloat16) for _ in range(3)]
-    mod = torch.randn(6, dim, device=device, dtype=torch.bfloat16) * 0.1
-    nx = cycler(xs)
-    r: dict = {"M": m, "dim": dim, "heads": heads, "ffn": ffn}
-    with torch.no_grad():
-        y_ref, y_q = ref(xs[0], mod), qb(xs[0], mod)
-        r["fwd_out_relerr_int8_vs_bf16"] = relerr(y_q - xs[0], y_ref - xs[0])
-        r["fwd_bf16_ms"] = bench(lambda: ref(nx(), mod), device)
-        hits = K._ACT_CACHE.hits
-        r["fwd_int8_ms"] = bench(lambda: qb(nx(), mod), device)
-        r["act_cache_hits"] = K._ACT_CACHE.hits - hits
-    lora_ref, lora_q = add_lora(ref), add_lora(qb)
-    for p_ref, p_q in zip(lora_ref, lora_q):
-        p_q.data.copy_(p_ref.data)
-        p_ref.requires_grad_(True)
-        p_q.requires_grad_(True)
-    gy = torch.randn(1, m, dim, device=device, dtype=torch.bfloat16)
-    with torch.no_grad():
-        r["fwd_lora_bf16_ms"] = bench(lambda: ref(nx(), mod), device)
-        r["fwd_lora_int8_ms"] = bench(lambda: qb(nx(), mod), device)
+def _profile_categories(fn: Callable[[], Any], steps: int = 3) -> dict:
+    """GPU time per kernel category of `steps` calls (torch.profiler), milliseconds per call."""
+    from torch.profiler import ProfilerActivity, profile
 
-    xs_train = [x.detach().clone().requires_grad_(True) for x in xs]
-    nxt = cycler(xs_train)
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    categories = [
+        ("int8_gemm", ("_int8_gemm",)), ("int8_quantise", ("_rot_quant",)),
+        ("int8_dequantise_rotate", ("_scale_rotate",)), ("int8_upcast_grad_gemm", ("_grad_input_upcast",)),
+        ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+        ("bf16_gemm", ("gemm", "cutlass", "sm90", "nvjet", "xmma", "cublas", "matmul")),
+        ("inductor_fused", ("triton_",)),
+    ]
+    totals: collections.Counter = collections.Counter()
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None)
+        if us is None:
+            us = getattr(evt, "cuda_time_total", 0)
+        if not us:
+            continue
+        name = evt.key.lower()
+        cat = next((c for c, keys in categories if any(key.lower() in name for key in keys)), "other")
+        totals[cat] += us
+    return {cat: us / 1e3 / steps for cat, us in sorted(totals.items())}
 
-    def step(model):
-        def run():
-            x = nxt()
-            model(x, mod).backward(gy)
-            x.grad = None
-            for p in model.parameters():
-                p.grad = None
-        return run
 
-    grads = {}
-    for name, model, params in (("bf16", ref, lora_ref), ("int8", qb, lora_q)):
-        x = xs[0].detach().clone().requires_grad_(True)
-        model(x, mod).backward(gy)
-        grads[name] = ([p.grad.clone() for p in params], x.grad.clone())
-        for p in params:
-            p.grad = None
-    r["lora_grad_relerr_int8_vs_bf16"] = max(relerr(a, b) for a, b in zip(grads["int8"][0], grads["bf16"][0]))
-    r["grad_x_relerr_int8_vs_bf16"] = relerr(grads["int8"][1], grads["bf16"][1])
-    r["train_bf16_ms"] = bench(step(ref), device)
-    r["train_int8_ms"] = bench(step(qb), device)
-    for lin in qb.modules():
-        if isinstance(lin, U.ConvRotInt8Linear):
-            lin.bwd = "int8"
-    r["train_int8_bwd_int8_ms"] = bench(step(qb), device)
-    r["fwd_speedup"] = r["fwd_bf16_ms"] / r["fwd_int8_ms"]
-    r["fwd_lora_speedup"] = r["fwd_lora_bf16_ms"] / r["fwd_lora_int8_ms"]
-    r["train_speedup"] = r["train_bf16_ms"] / r["train_int8_ms"]
-    r["train_bwd_int8_speedup"] = r["train_bf16_ms"] / r["train_int8_bwd_int8_ms"]
+def bench_blocks(layers: int, seq: int, device: str, iters: int, profile: bool, cfg: MossImageConfig,
+                 backend: str) -> dict:
+    cfg = dataclasses.replace(cfg, num_layers=layers, num_refiner_layers=0)
+    bf16 = _Blocks(cfg, seq, device)
+    int8 = _Blocks(cfg, seq, device, int8=True)
+    r: dict = {"layers": layers, "seq": seq, "hidden": cfg.hidden_size, "ffn": cfg.ffn_hidden, "lora_rank": 16,
+               "backend": backend}
+    # quality of INT8 against bf16, eager (one step each)
+    y_b = bf16.train_step()
+    g_b = bf16.lora_grads()
+    y_q = int8.train_step()
+    g_q = int8.lora_grads()
+    r["out_relerr_int8_vs_bf16"] = relerr(y_q - bf16.x, y_b - bf16.x)
+    r["lora_grad_relerr_int8_vs_bf16_max"] = max(relerr(a, b) for a, b in zip(g_q, g_b))
+    for name, blocks in (("bf16", bf16), ("int8", int8)):
+        r[f"eager_train_{name}"] = time_ms(blocks.train_step, device, iters)
+        with torch.no_grad():
+            r[f"eager_infer_{name}"] = time_ms(lambda b=blocks: b.forward(b.x), device, iters)
+    for name, blocks in (("bf16", bf16), ("int8", int8)):
+        torch._dynamo.reset()
+        STATE["graphs"] = 0
+        blocks.compile(backend)
+        t0 = time.perf_counter()
+        blocks.train_step()
+        blocks.lora_grads()
+        with torch.no_grad():
+            blocks.forward(blocks.x)
+        _sync(device)
+        r[f"compile_s_{name}"] = time.perf_counter() - t0
+        r[f"compiled_train_{name}"] = time_ms(blocks.train_step, device, iters)
+        with torch.no_grad():
+            r[f"compiled_infer_{name}"] = time_ms(lambda b=blocks: b.forward(b.x), device, iters)
+        r[f"graphs_{name}"] = STATE["graphs"]  # one training + one inference graph shared by all blocks
+        if profile:
+            r[f"profile_compiled_train_{name}_ms"] = _profile_categories(blocks.train_step)
+            with torch.no_grad():
+                r[f"profile_compiled_infer_{name}_ms"] = _profile_categories(lambda b=blocks: b.forward(b.x))
+    for mode in ("eager_train", "eager_infer", "compiled_train", "compiled_infer"):
+        r[f"speedup_{mode}"] = r[f"{mode}_bf16"]["median_ms"] / r[f"{mode}_int8"]["median_ms"]
+        r[f"{mode}_int8_ms_per_block"] = r[f"{mode}_int8"]["median_ms"] / layers
+        r[f"{mode}_bf16_ms_per_block"] = r[f"{mode}_bf16"]["median_ms"] / layers
     return r
 
 
 # ----------------------------------------------------------------------------------------------------------------
-def main() -> None:
+def _env(device: str) -> dict:
+    env = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+           "torch": torch.__version__, "has_triton": K.HAS_TRITON, "python": platform.python_version()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.convrot_int8", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the JSON results here")
+    ap.add_argument("--parts", default=None, help="comma-separated: host, checks, linear, blocks (default: all"
+                    " that the device supports; the CPU runs host only)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU or GPU): only checks that the script runs")
-    ap.add_argument("--variants", choices=["none", "final", "all"], default="final",
-                    help="component timings: none, final (quantisation, GEMM, backward) or all (+ alternatives)")
-    ap.add_argument("--sweep", action="store_true", help="also sweep the launch shapes of the quantisation kernel")
-    ap.add_argument("--gemm", choices=["ptr", "tma"], default=None, help="forward GEMM kernel (default: tma on Hopper)")
-    ap.add_argument("--row_elems", type=int, default=None)
-    ap.add_argument("--elems_per_thread", type=int, default=None)
-    args = ap.parse_args()
+    ap.add_argument("--iters", type=int, default=30, help="timed iterations per measurement (>= 20 for results)")
+    ap.add_argument("--host_calls", type=int, default=2000, help="calls per batch in the host part")
+    ap.add_argument("--no_components", action="store_true", help="linear: skip the per-kernel timings")
+    ap.add_argument("--sweep", action="store_true", help="linear: also sweep the quantiser's tile shapes")
+    ap.add_argument("--profile", action="store_true", help="blocks: GPU time per kernel category")
+    ap.add_argument("--gemm", choices=["ptr", "tma"], default=None, help="forward GEMM kernel (default: ptr)")
+    ap.add_argument("--layers", type=int, default=4, help="blocks: number of full-width blocks")
+    ap.add_argument("--blocks_backend", default=None, help="blocks: torch.compile backend (default inductor on the"
+                    " GPU, aot_eager for a CPU smoke run)")
+    args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    parts = set(args.parts.split(",")) if args.parts else ({"host", "checks", "linear", "blocks"} if device == "cuda"
+                                                           else {"host"})
+    unknown = parts - {"host", "checks", "linear", "blocks"}
+    if unknown:
+        ap.error(f"unknown --parts {sorted(unknown)}")
+    if device != "cuda" and parts - {"host"} and not args.smoke:
+        ap.error("the checks, linear and blocks parts need a CUDA GPU (use --smoke for a CPU dry run)")
     if args.gemm:
         K.set_gemm_kernel(args.gemm)
-    if args.row_elems:
-        K._TUNING["row_elems"] = args.row_elems
-    if args.elems_per_thread:
-        K._TUNING["elems_per_thread"] = args.elems_per_thread
+    torch.backends.cuda.matmul.allow_tf32 = True  # as the trainer (apply_cuda_optimizations)
     if args.smoke:
-        m, shapes, block = 96, [(256, 256), (256, 1024), (512, 256)], (256, 2, 512)
+        m, shapes, iters = 64, [(256, 256), (256, 1024), (512, 256)], 3
+        block_cfg, seq, host_shapes = MossImageConfig(hidden_size=256, num_heads=2, head_dim=128, ffn_hidden=512,
+                                                      text_dim=256, num_refiner_layers=0), 64, [(4, 256, 256)]
     else:
-        m, shapes, block = 4352, [(3072, 3072), (3072, 16384), (8192, 3072)], (3072, 24, 8192)
-    import triton
-
-    res: dict = {
-        "command": " ".join(["python", "-m", "bench.convrot_int8", *sys.argv[1:]]),
-        "env": {
-            "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "triton": triton.__version__, "has_triton": K.HAS_TRITON,
-        },
-    }
+        m, shapes, iters = FULL_M, FULL_SHAPES, max(20, args.iters)
+        block_cfg, seq = MossImageConfig(), FULL_M
+        host_shapes = [(4, 256, 256)] + ([(256, 4096, 4096)] if device == "cuda" else [])
+    res: dict = {"command": " ".join(["python", "-m", "bench.convrot_int8", *(argv if argv is not None
+                                                                              else sys.argv[1:])]),
+                 "env": _env(device), "tuning": dict(K._TUNING), "backward_kernel": K._TUNING["backward"]}
     t0 = time.time()
-    if device == "cuda":
+    if "host" in parts:
+        res["host"] = [bench_host(hm, hk, hn, device, 100 if args.smoke else args.host_calls)
+                       for hm, hk, hn in host_shapes]
+        print("host done %.0fs" % (time.time() - t0), flush=True)
+    if "checks" in parts and device == "cuda":
         res["checks"] = [check_linear(m, k, n, device, torch.bfloat16) for (k, n) in shapes[:1]]
         print("checks done %.0fs" % (time.time() - t0), flush=True)
-    res["linear"] = [bench_linear(m, k, n, device, args.variants) for k, n in shapes]
-    print("linear done %.0fs" % (time.time() - t0), flush=True)
-    if device == "cuda" and args.sweep:
-        res["quant_sweep"] = sweep_quant(m, shapes[0][0], device) + sweep_quant(m, shapes[2][0], device)
-        print("sweep done %.0fs" % (time.time() - t0), flush=True)
-    res["tuning"] = dict(K._TUNING)
-    res["block"] = bench_block(m, *block, device)
+    if "linear" in parts and (device == "cuda" or args.smoke):
+        res["linear"] = [bench_linear(m, k, n, device, iters, not args.no_components and device == "cuda")
+                         for k, n in shapes]
+        if args.sweep and device == "cuda":
+            res["quant_sweep"] = sweep_quant(m, shapes[0][0], device, iters) + sweep_quant(m, shapes[2][0], device,
+                                                                                           iters)
+        print("linear done %.0fs" % (time.time() - t0), flush=True)
+    if "blocks" in parts and (device == "cuda" or args.smoke):
+        backend = args.blocks_backend or ("inductor" if device == "cuda" else "aot_eager")
+        res["blocks"] = bench_blocks(2 if args.smoke else args.layers, seq, device, iters,
+                                     args.profile and device == "cuda", block_cfg, backend)
+        print("blocks done %.0fs" % (time.time() - t0), flush=True)
     res["gemm_autotune"] = {
         name: {str(key): str(cfg) for key, cfg in getattr(getattr(K, name, None), "cache", {}).items()}
-        for name in ("_int8_gemm_tuned", "_int8_gemm_tma_tuned")
+        for name in ("_int8_gemm_tuned", "_int8_gemm_tma_tuned", "_grad_input_upcast_tuned")
     }
     res["seconds"] = time.time() - t0
+    text = json.dumps(res, indent=1)
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps(res.get("checks", []), indent=None))
-    for r in res["linear"]:
-        extra = {k: round(v, 4) for k, v in r.items() if k.endswith(("_ms", "per_call_bf16", "per_call_int8", "_tma"))
-                 and k not in ("bf16_ms", "int8_ms")}
-        print(f"Linear M={r['M']} K={r['K']} N={r['N']}: bf16 {r['bf16_ms']:.4f} ms ({r['bf16_tflops']:.0f} TF/s)"
-              f"  int8 {r['int8_ms']:.4f} ms ({r['int8_tflops']:.0f} TOPS)  speedup {r['speedup']:.3f}x  {extra}")
-    for r in res.get("quant_sweep", []):
-        print("quant", r)
-    print("block", json.dumps(res["block"]))
-    print("autotune", json.dumps(res["gemm_autotune"]))
+        Path(args.out).write_text(text)
+    print(text)
+    return res
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from library.quant import convrot_kernels as K
-from library.quant import convrot as U
 from library.errors import UserError
+from library.quant import convrot as U
+from library.quant import convrot_kernels as K
 
 ck = pytest.importorskip("comfy_kitchen")
 from comfy_kitchen.tensor.base import QuantizedTensor
@@ -197,6 +197,26 @@ def test_output_dtype_follows_input_and_autocast():
     assert base(torch.randn(2, 256, dtype=torch.bfloat16)).dtype == torch.bfloat16
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert base(torch.randn(2, 256)).dtype == torch.bfloat16
+
+
+def test_autocast_changes_only_the_input_dtype():
+    """Under autocast the layer casts its input and then runs its own numerics: the exact int8 sums and the fp32
+    rotations must not be turned into bf16 matmuls by the enclosing autocast (forward, backward, full precision)."""
+    base = U.ConvRotInt8Linear.from_linear(nn.Linear(512, 48), 256)
+    x = torch.randn(3, 512) * 2
+    expected = base(x.to(torch.bfloat16))
+    xi = x.to(torch.bfloat16).requires_grad_(True)
+    base(xi).float().pow(2).sum().backward()
+    xa = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = base(xa)
+        y.float().pow(2).sum().backward()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+    torch.testing.assert_close(xa.grad, xi.grad.float(), rtol=0, atol=0)
+    base.full_precision = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w = base.dequantized_weight(torch.float32)
+    assert torch.equal(w, K.dequantize_weight(base.weight, base.weight_scale, 256))
 
 
 def test_to_dtype_keeps_int8_weights_and_fp32_scales():

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.quant.convrot import ConvRotInt8Embedding, ConvRotInt8Linear, is_convrot_int8_model
 from library.errors import UserError
-from library.moss_image.loaders import load_moss_image_model
-from library.text_encoder.qwen35 import load_qwen35_text_model
 from library.files.safetensors_io import load_safetensors, read_metadata, save_file_atomic
+from library.moss_image.loaders import load_moss_image_model
+from library.quant.convrot import ConvRotInt8Embedding, ConvRotInt8Linear, is_convrot_int8_model
+from library.text_encoder.qwen35 import load_qwen35_text_model
 
 INT8_DIT = "moss_image_base_int8_convrot.safetensors"
 INT8_TE = "text_encoder_int8/qwen3.5_9b_int8_convrot.safetensors"

@@ -73,7 +73,7 @@ def test_checks_change_nothing(monkeypatch):
     before = copy.deepcopy(vars(args))
     check_block_swap_args(args, training=True)
     check_text_encoder_memory_args(args, train_text_encoder=False)
-    check_compile_args(args, convrot_int8=True)
+    check_compile_args(args)
     check_attention_args(args, training=True)
     reject_sd_only_options(args)
     trainer.check_model_paths(argparse.Namespace(pretrained_model_name_or_path="d", text_encoder="t", vae="v"))

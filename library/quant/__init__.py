@@ -1,1 +1,2 @@
-"""ConvRot INT8: Triton kernels, eager fallbacks, the int8 modules and the ComfyUI file format."""
+"""ConvRot INT8: Triton kernels and eager fallbacks (convrot_kernels), the int8 Linear as registered torch.library ops
+(convrot_ops), the int8 modules and the ComfyUI file format (convrot)."""

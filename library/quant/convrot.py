@@ -2,8 +2,10 @@
 
 - `ConvRotInt8Linear` (a drop-in `nn.Linear` subclass) holds the frozen base: `weight` int8 [N, K] and
   `weight_scale` fp32 [N, 1] as buffers, `group_size`, an optional frozen `bias`. Its forward runs the int8 linear
-  through a custom autograd.Function that returns only grad_x (and grad_bias if someone made the bias trainable),
-  so a LoRA added around it (``y = base(x) + lora(x)``) receives the unrotated input and exact gradients.
+  (`library.quant.convrot_ops`: registered ``torch.library`` ops under ``torch.compile``, so a block compiles to one
+  graph; a lean autograd.Function in eager mode) whose backward returns only grad_x (and grad_bias if someone made
+  the bias trainable), so a LoRA added around it (``y = base(x) + lora(x)``) receives the unrotated input and exact
+  gradients.
   The output dtype is the input dtype; under autocast the input is cast to the autocast dtype first. An integer input
   is refused (activations must never be cast to the int8 weight dtype). ``module.to(dtype)`` / ``.half()`` keep
   the int8 weights and the fp32 scales as they are.
@@ -28,8 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from library.quant import convrot_kernels as kernels
 from library.errors import UserError
+from library.quant import convrot_kernels as kernels
+from library.quant import convrot_ops as ops
 
 logger = logging.getLogger(__name__)
 
@@ -230,33 +233,8 @@ def check_quantization_format(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Autograd for the frozen int8 base
+# Input checks
 # --------------------------------------------------------------------------------------------------------------------
-class _ConvRotInt8LinearFunction(torch.autograd.Function):
-    """y = x @ W^T + b for a frozen int8 W: backward returns grad_x (and grad_bias only if the bias needs it)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, weight_scale, bias, group_size, bwd):  # type: ignore[override]
-        ctx.save_for_backward(weight, weight_scale)
-        ctx.group_size = group_size
-        ctx.bwd = bwd
-        ctx.x_dtype = x.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return kernels.int8_linear(x, weight, weight_scale, bias, group_size)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        weight, weight_scale = ctx.saved_tensors
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = kernels.int8_linear_grad_input(
-                grad_out, weight, weight_scale, ctx.group_size, mode=ctx.bwd, out_dtype=ctx.x_dtype
-            )
-        if ctx.needs_input_grad[3]:
-            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).float().sum(0).to(ctx.bias_dtype)
-        return grad_x, None, None, grad_bias, None, None
-
-
 def _check_bwd(bwd: str) -> str:
     if bwd not in kernels.BACKWARD_MODES:
         raise UserError(f"--convrot_int8_bwd must be one of {', '.join(kernels.BACKWARD_MODES)}, got '{bwd}'.")
@@ -264,7 +242,7 @@ def _check_bwd(bwd: str) -> str:
 
 
 def _input_for(x: torch.Tensor) -> torch.Tensor:
-    if not (x.is_floating_point()):
+    if not x.is_floating_point():
         raise TypeError(
             f"a ConvRot int8 layer got a {x.dtype} input: activations must never be cast to the int8 weight's dtype;"
             " cast them to a norm weight's (or the model's) floating dtype instead"
@@ -395,14 +373,15 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
     def reset_parameters(self) -> None:
         """Nothing to initialise: the int8 codes are frozen data (nn.Linear's init would fail on them)."""
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _input_for(x)
         if self.full_precision:
-            w = kernels.dequantize_weight(self.weight, self.weight_scale, self.group_size, dtype=x.dtype)
+            w = ops.dequantize(self.weight, self.weight_scale, self.group_size, x.dtype)
             b = self.bias.to(x.dtype) if self.bias is not None else None
             return nn.functional.linear(x, w, b)
-        return _ConvRotInt8LinearFunction.apply(x, self.weight, self.weight_scale, self.bias, self.group_size, self.bwd)
+        if torch.compiler.is_compiling():  # the registered ops: the Linear stays inside the compiled graph
+            return ops.linear(x, self.weight, self.weight_scale, self.bias, self.group_size, self.bwd)
+        return ops.linear_eager(x, self.weight, self.weight_scale, self.bias, self.group_size, self.bwd)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in the original basis (a new tensor)."""

@@ -3,9 +3,10 @@
 Each of the main blocks is compiled on its own (same code, so the compiled graph is shared and compile time stays
 small). Buckets (training) or image sizes (inference) of different sizes change the sequence length: with
 `--compile_dynamic auto` the blocks are compiled with dynamic shapes when the run has several of them, and the dynamo
-recompile limit is raised to cover them. ConvRot INT8 layers run outside the compiled graphs (their forward is
-`torch.compiler.disable`d), so they need no special handling here. Skipped blocks (the unconditional CFG pass) and
-block swap live in the model's block loop, outside the compiled blocks.
+recompile limit is raised to cover them. ConvRot INT8 layers are registered torch.library ops
+(`library.quant.convrot_ops`), so an int8 block compiles to one graph like a bf16 one (`--compile_fullgraph`
+included). Skipped blocks (the unconditional CFG pass) and block swap live in the model's block loop, outside the
+compiled blocks.
 
 The options are shared by the trainer and the inference script (declared by
 `library.options.groups.add_compile_arguments`). torch is imported inside the functions so that importing this module
@@ -25,17 +26,13 @@ logger = logging.getLogger(__name__)
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
-def check_compile_args(args: argparse.Namespace, convrot_int8: bool = False) -> None:
-    """`--compile_fullgraph` needs each block to be one graph: refused with --split_attn and with ConvRot INT8
-    layers (`convrot_int8`: the model has them, or will have them), which run outside the graph."""
+def check_compile_args(args: argparse.Namespace) -> None:
+    """`--compile_fullgraph` needs each block to be one graph: refused with --split_attn."""
     if not (args.compile and args.compile_fullgraph):
         return
     if args.split_attn:
         raise UserError("--compile_fullgraph cannot be used with --split_attn (split attention uses dynamic control"
                         " flow).")
-    if convrot_int8:
-        raise UserError("--compile_fullgraph cannot be used with a ConvRot INT8 DiT: its int8 layers run outside the"
-                        " compiled graph; drop --compile_fullgraph.")
 
 
 def check_cpu_compiler(args: argparse.Namespace, device: Any) -> None:
@@ -71,6 +68,9 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
     """Replace each block of `dit.layers` by its torch.compile'd version (in place)."""
     import torch
 
+    from library.quant.convrot_ops import enable_inductor_quantize_dedupe  # torch and triton: loaded when compiling
+
+    enable_inductor_quantize_dedupe()  # INT8 inference graphs: q, k and v share one quantised input
     dynamic = {"true": True, "false": False}.get(args.compile_dynamic, None)
     if dynamic is None:
         dynamic = True if num_shapes > 1 else None

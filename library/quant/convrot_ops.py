@@ -1,0 +1,272 @@
+"""The ConvRot INT8 Linear as registered ``torch.library`` ops, so that ``torch.compile(fullgraph=True)`` traces an
+int8 block as one graph (no graph break per Linear), and its eager autograd formula.
+
+Ops (namespace ``moss_image``), each with a fake (meta) implementation for tracing, a default implementation (the
+eager torch numerics, any device) and a CUDA one (the Triton kernels where usable, else the same eager code):
+
+- ``convrot_int8_quantize(x2, group_size) -> (x_q int8 [M, K], x_scale fp32 [M])``: rotate + quantise rows;
+- ``convrot_int8_linear(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd) -> y [..., N]``: the int32
+  GEMM and the dequantisation epilogue of `x`'s quantised rows (output dtype x.dtype). It is differentiable in `x`
+  (and `bias`): the gradient goes through the frozen int8 weight, and nothing of `x` is saved for it. Its forward
+  reads only the quantised rows, so the q, k and v projections of one input share one ``convrot_int8_quantize``
+  node, which the compiled training graph keeps once (common-subexpression elimination of the joint graph);
+- ``convrot_int8_linear_grad_input(grad, weight, weight_scale, group_size, bwd) -> grad_x [..., K]``;
+- ``convrot_int8_dequantize(weight, weight_scale, group_size, dtype) -> W`` (layers flagged full precision).
+
+The module calls `linear` under ``torch.compile`` and `linear_eager` otherwise: the same kernels, without the
+dispatcher's per-call cost, and with the activation cache (which compiled code must not use: it reuses buffers).
+Inference graphs get no common-subexpression elimination from torch; `enable_inductor_quantize_dedupe` (called by
+`library.runtime.compile.compile_blocks`) adds an inductor pass that keeps one quantisation per input there too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from library.quant import convrot_kernels as kernels
+
+__all__ = [
+    "DEQUANTIZE", "LINEAR", "LINEAR_GRAD_INPUT", "QUANTIZE", "dedupe_quantize", "dequantize",
+    "enable_inductor_quantize_dedupe", "linear", "linear_eager",
+]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# convrot_int8_quantize
+# --------------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("moss_image::convrot_int8_quantize", mutates_args=())
+def _quantize(x2: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.quantize_activation(x2, group_size, "eager")
+
+
+@_quantize.register_fake
+def _quantize_fake(x2: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x2.new_empty(x2.shape, dtype=torch.int8), x2.new_empty(x2.shape[:1], dtype=torch.float32)
+
+
+@_quantize.register_kernel("cuda")
+def _quantize_cuda(x2: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.quantize_activation(x2, group_size, "auto")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# convrot_int8_linear (+ autograd)
+# --------------------------------------------------------------------------------------------------------------------
+def _linear_impl(
+    x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, backend: str,
+) -> torch.Tensor:
+    n = weight.shape[0]
+    out = kernels.int8_gemm(x_q, x_scale, weight, weight_scale, bias, x.dtype, backend)
+    return out.view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("moss_image::convrot_int8_linear", mutates_args=())
+def _linear(
+    x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor], group_size: int, bwd: str,  # noqa: UP045 - the spelling infer_schema keys on
+) -> torch.Tensor:
+    return _linear_impl(x, x_q, x_scale, weight, weight_scale, bias, "eager")
+
+
+@_linear.register_fake
+def _linear_fake(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_linear.register_kernel("cuda")
+def _linear_cuda(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd):
+    return _linear_impl(x, x_q, x_scale, weight, weight_scale, bias, "auto")
+
+
+@torch.library.custom_op("moss_image::convrot_int8_linear_grad_input", mutates_args=())
+def _linear_grad_input(
+    grad: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int, bwd: str
+) -> torch.Tensor:
+    return kernels.int8_linear_grad_input(grad, weight, weight_scale, group_size, bwd, backend="eager")
+
+
+@_linear_grad_input.register_fake
+def _linear_grad_input_fake(grad, weight, weight_scale, group_size, bwd):
+    return grad.new_empty((*grad.shape[:-1], weight.shape[1]))
+
+
+@_linear_grad_input.register_kernel("cuda")
+def _linear_grad_input_cuda(grad, weight, weight_scale, group_size, bwd):
+    return kernels.int8_linear_grad_input(grad, weight, weight_scale, group_size, bwd, backend="auto")
+
+
+def _bias_grad(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return grad.reshape(-1, grad.shape[-1]).float().sum(0).to(dtype)
+
+
+def _linear_setup_context(ctx, inputs, output) -> None:
+    _, _, _, weight, weight_scale, bias, group_size, bwd = inputs
+    ctx.save_for_backward(weight, weight_scale)
+    ctx.group_size = group_size
+    ctx.bwd = bwd
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _linear_backward(ctx, grad):
+    weight, weight_scale = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = LINEAR_GRAD_INPUT(grad, weight, weight_scale, ctx.group_size, ctx.bwd)
+    if ctx.needs_input_grad[5]:
+        grad_bias = _bias_grad(grad, ctx.bias_dtype)
+    return grad_x, None, None, None, None, grad_bias, None, None
+
+
+_linear.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# convrot_int8_dequantize
+# --------------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("moss_image::convrot_int8_dequantize", mutates_args=())
+def _dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    return kernels.dequantize_weight(weight, weight_scale, group_size, dtype, backend="eager")
+
+
+@_dequantize.register_fake
+def _dequantize_fake(weight, weight_scale, group_size, dtype):
+    return weight.new_empty(weight.shape, dtype=dtype)
+
+
+@_dequantize.register_kernel("cuda")
+def _dequantize_cuda(weight, weight_scale, group_size, dtype):
+    return kernels.dequantize_weight(weight, weight_scale, group_size, dtype, backend="auto")
+
+
+QUANTIZE = torch.ops.moss_image.convrot_int8_quantize.default
+LINEAR = torch.ops.moss_image.convrot_int8_linear.default
+LINEAR_GRAD_INPUT = torch.ops.moss_image.convrot_int8_linear_grad_input.default
+DEQUANTIZE = torch.ops.moss_image.convrot_int8_dequantize.default
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One quantisation per input in compiled inference graphs
+# --------------------------------------------------------------------------------------------------------------------
+_VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+
+
+def _hashable(value: object) -> object:
+    return tuple(_hashable(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _input_key(node: object) -> tuple:
+    """A QUANTIZE input as (base node, the view ops from it): two views of one tensor with the same shape match."""
+    chain = []
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEW_OPS:
+        chain.append((node.target, _hashable(node.args[1:]), _hashable(tuple(sorted(node.kwargs.items())))))
+        node = node.args[0]
+    return node, tuple(reversed(chain))
+
+
+def dedupe_quantize(graph: torch.fx.Graph) -> int:
+    """Keep one ``convrot_int8_quantize`` per distinct input in a functional (post-grad) graph: later calls on the
+    same tensor reuse the first one's outputs. Returns the number of calls removed.
+
+    The training graph needs no help (the partitioner's common-subexpression elimination already merges them); a
+    compiled inference graph would otherwise rotate and quantise one block input once for each of q, k and v."""
+    seen: dict[tuple, torch.fx.Node] = {}
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not QUANTIZE:
+            continue
+        key = (_input_key(node.args[0]), _hashable(node.args[1:]), _hashable(tuple(sorted(node.kwargs.items()))))
+        first = seen.setdefault(key, node)
+        if first is node:
+            continue
+        source = node.args[0]
+        node.replace_all_uses_with(first)
+        graph.erase_node(node)
+        removed += 1
+        while isinstance(source, torch.fx.Node) and source.target in _VIEW_OPS and not source.users:
+            parent = source.args[0]
+            graph.erase_node(source)
+            source = parent
+    return removed
+
+
+class _DedupeQuantizePass(CustomGraphPass):
+    """`dedupe_quantize` as an inductor post-grad pass, followed by the pass that was configured before it."""
+
+    def __init__(self, then: Any = None):
+        self.then = then
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        dedupe_quantize(graph)
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> Any:
+        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else self.then
+        return ("moss_image.convrot_int8_quantize dedupe", 1, then)
+
+
+def enable_inductor_quantize_dedupe() -> None:
+    """Install `dedupe_quantize` as inductor's ``post_grad_custom_pre_pass`` (idempotent; a pass set before runs
+    after it). It touches only ``convrot_int8_quantize`` nodes, so other graphs compile as before."""
+    current = inductor_config.post_grad_custom_pre_pass
+    if not isinstance(current, _DedupeQuantizePass):
+        inductor_config.post_grad_custom_pre_pass = _DedupeQuantizePass(current)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Entry points for the modules
+# --------------------------------------------------------------------------------------------------------------------
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, group_size: int,
+    bwd: str,
+) -> torch.Tensor:
+    """The int8 linear through the registered ops (what torch.compile traces). The quantisation is not
+    differentiable; its input is detached so that autograd sees only the linear's formula."""
+    x_q, x_scale = QUANTIZE(x.detach().reshape(-1, x.shape[-1]), group_size)
+    return LINEAR(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd)
+
+
+class _EagerLinear(torch.autograd.Function):
+    """The eager autograd formula (the same as the registered op's): grad_x through the frozen int8 weight, and
+    grad_bias only if someone made the bias trainable."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight_scale, bias, group_size, bwd):  # type: ignore[override]
+        ctx.save_for_backward(weight, weight_scale)
+        ctx.group_size = group_size
+        ctx.bwd = bwd
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        weight, weight_scale = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = kernels.int8_linear_grad_input(grad, weight, weight_scale, ctx.group_size, ctx.bwd)
+        if ctx.needs_input_grad[3]:
+            grad_bias = _bias_grad(grad, ctx.bias_dtype)
+        return grad_x, None, None, grad_bias, None, None
+
+
+def linear_eager(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, group_size: int,
+    bwd: str,
+) -> torch.Tensor:
+    """The int8 linear in eager mode: an autograd node only when a gradient can flow (x or the bias needs one)."""
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return _EagerLinear.apply(x, weight, weight_scale, bias, group_size, bwd)
+    return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
+
+
+def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in the original basis in `dtype` (through the registered op when compiling)."""
+    if torch.compiler.is_compiling():
+        return DEQUANTIZE(weight, weight_scale, group_size, dtype)
+    return kernels.dequantize_weight(weight, weight_scale, group_size, dtype)
