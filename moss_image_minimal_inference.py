@@ -36,6 +36,7 @@ from library.moss_image.loaders import fill_paths_from_snapshot
 from library.options import groups
 from library.options.checks import check_attention_args
 from library.options.implications import ATTENTION_IMPLICATIONS, apply_implications
+from library.planning.run_options import add_vram_budget_argument, apply_inference_vram_budget
 from library.runtime import phase_timer
 from library.runtime.compile import check_compile_args
 from library.sampling.sampler import check_image_size, parse_uncond_skip_layers
@@ -85,7 +86,16 @@ def setup_parser() -> argparse.ArgumentParser:
     g.add_argument("--output_type", type=str, default="images", choices=["images", "latent", "both"],
                    help="save images, latents (decode later with --latent_path) or both")
     g.add_argument("--latent_path", type=str, nargs="*", default=None, help="saved latents to decode (no sampling)")
+    add_vram_budget_argument(p.add_argument_group("memory plan"))
     return p
+
+
+def planned_image_sizes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(height, width) of every image the run may generate, for --vram_budget."""
+    sizes = [(args.image_size[0], args.image_size[1])]
+    if args.from_file:
+        sizes += [(s.height, s.width) for s in prompt_settings(args)]
+    return sizes
 
 
 # ------------------------------------------------------------------------------------------------------- setup
@@ -406,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = setup_parser().parse_args(argv)
     try:
+        if args.vram_budget is not None and not args.latent_path:  # the planned options, before any model is read
+            apply_inference_vram_budget(args, setup_parser, planned_image_sizes(args), argv)
         paths = run(args)
     except UserError as e:
         logger.error("%s", e)

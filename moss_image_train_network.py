@@ -24,6 +24,7 @@ from library.files import model_spec
 from library.memory.block_swap import check_block_swap_args
 from library.moss_image.loaders import fill_paths_from_snapshot
 from library.options.checks import check_attention_args
+from library.planning.run_options import add_vram_budget_argument, apply_vram_budget
 from library.quant.convrot_kernels import HAS_TRITON
 from library.runtime.compile import check_compile_args, check_cpu_compiler
 from library.text_encoder.encoding import LazyEncoder, encode_captions, pad_and_stack, text_encoder_batch_size
@@ -384,6 +385,7 @@ def setup_parser() -> argparse.ArgumentParser:
     add_dataset_arguments(parser)
     add_optimizer_arguments(parser)
     flow_matching.add_flow_matching_arguments(parser)
+    add_vram_budget_argument(parser.add_argument_group("memory plan"))
     return parser
 
 
@@ -400,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.show_timesteps:
             flow_matching.show_timesteps(flow_matching.ShowTimestepsConfig.from_args(args))
             return 0
+        apply_vram_budget(args, setup_parser, argv)  # --vram_budget: the planned options, before anything loads
         MossImageNetworkTrainer().train(args)
     except UserError as e:
         logger.error("%s", e)

@@ -1,0 +1,68 @@
+"""Relative step time of the memory options, from the speeds measured on one H200 (docs/benchmarks.md).
+
+Training: 1.00 is the bf16 DiT with `--gradient_checkpointing` and no block swap, eager or compiled as the run is
+(the planner never changes `--compile`). A candidate's time is
+
+    checkpointing factor x DiT precision factor x (1 + per-block swap cost x blocks swapped) + text encoder in the step
+
+The figures compare rows of one run (one machine, one session), as the benchmark notes ask. Two are estimates, marked
+as such: the selective policy (not yet measured in the trainer) and the offload modes under --compile.
+
+Inference: 1.00 is the bf16 DiT's denoising without block swap. Block swap streams S + 2 blocks per forward at the
+measured host-to-device rate, behind the compute of one forward; what does not hide adds up.
+"""
+
+from __future__ import annotations
+
+from library.planning.memory_model import InferenceWorkload, Setup, Workload
+from library.planning.sizes import DitSizes
+
+# training-step table, run A (eager): no checkpointing 387.2 ms, gc 564.6 ms, unsloth offload 666.5 ms
+EAGER_CHECKPOINTING = {"none": 0.686, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
+# e2e run A, --compile: no checkpointing 252 ms, gc 379 ms; the offload modes were not measured compiled (eager ratio)
+COMPILED_CHECKPOINTING = {"none": 0.665, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
+# estimate: a compiled reference stack of the same blocks measured none / selective (matmul + attention outputs
+# saved) / full at 254 / 338 / 383 ms on the H200; the trainer's selective policy is not measured yet
+SELECTIVE_FACTOR = 0.883
+# ConvRot INT8 DiT against bf16, e2e run A: eager gc 534 vs 539 ms; compiled gc 677 vs 379 ms
+INT8_FACTOR = {False: 0.991, True: 1.786}
+# --block_swap_h2d_only, per swapped block: e2e run A INT8 rows, gc 534 ms, swap 20 551 ms, swap 36 607 ms
+# (least squares through zero; the bf16 rows of the training-step table hide the copies entirely)
+SWAP_H2D_PER_BLOCK = 0.0033
+# the text encoder in every step, e2e run A "DiT + TE LoRA" rows: bf16 959 ms vs 539 ms gc, INT8 1225 vs 534 ms
+TE_LORA_STEP = {"none": 0.779, "convrot_int8": 1.294}
+# a frozen text encoder in every step (no --cache_text_encoder_outputs): forward only, estimated as a third
+TE_FROZEN_SHARE = 1 / 3
+
+# inference, e2e (run C bf16, run B INT8): denoising 50 steps with CFG = 100 forwards of 4096 + 90 tokens
+DENOISE_S = {False: 13.65, True: 8.63}  # bf16, eager / --compile
+INT8_DENOISE_FACTOR = {False: 15.79 / 13.65, True: 12.52 / 8.63}
+DENOISE_FORWARDS = 100
+DENOISE_TOKENS = 4096 + 90
+H2D_BYTES_PER_S = 55e9  # training-step table: host-to-device copies from the pinned arena at 55 GB/s
+RING_SLOTS = 2
+
+
+def training_step_factor(setup: Setup, w: Workload) -> float:
+    table = COMPILED_CHECKPOINTING if w.compile else EAGER_CHECKPOINTING
+    if setup.checkpointing == "selective":
+        factor = SELECTIVE_FACTOR
+    else:
+        factor = table[setup.checkpointing]
+    if setup.dit == "int8":
+        factor *= INT8_FACTOR[w.compile]
+    factor *= 1 + SWAP_H2D_PER_BLOCK * setup.blocks_to_swap
+    if w.text_encoder_in_step:
+        te = TE_LORA_STEP["convrot_int8" if setup.te_variant != "none" else "none"]
+        factor += te if w.train_text_encoder else te * TE_FROZEN_SHARE
+    return factor
+
+
+def inference_factor(dit: DitSizes, setup: Setup, w: InferenceWorkload, float_bytes: int) -> float:
+    """Denoising time relative to the bf16 DiT without block swap."""
+    factor = INT8_DENOISE_FACTOR[w.compile] if setup.dit == "int8" else 1.0
+    if setup.blocks_to_swap:
+        forward_s = DENOISE_S[w.compile] / DENOISE_FORWARDS * factor * w.tokens / DENOISE_TOKENS
+        copy_s = (setup.blocks_to_swap + RING_SLOTS) * dit.block_bytes(setup.dit, float_bytes) / H2D_BYTES_PER_S
+        factor *= max(1.0, copy_s / forward_s)
+    return factor
