@@ -58,8 +58,9 @@ OFFLOAD_GPU_SHARE = 0.574
 TE_ENCODE_FIXED_BYTES = {"none": int(0.059 * GIB), "quantised": int(0.279 * GIB)}
 TE_MEASURED_TOKENS = 90
 # training a text-encoder LoRA: what the step adds beyond the encoder's LoRA tensors, measured with both encoders
-# (e2e run A "DiT + TE LoRA" rows: INT8 17.02 GiB, bf16 28.80 GiB; the same 1.49 GiB in both; not investigated)
-TE_TRAINING_WORKSPACE_BYTES = int(1.49 * GIB)
+# (e2e run A "DiT + TE LoRA" rows: INT8 17.02 GiB, bf16 28.80 GiB; the same 1.49 GiB in both, not investigated),
+# per parameter of the 7.94B-parameter encoder (taken to scale with the encoder's size)
+TE_TRAINING_WORKSPACE_PER_PARAM = 1.49 * GIB / 7.937e9
 
 # --- the VAE (fp32) ------------------------------------------------------------------------------------------------
 # encoding: bytes per pixel per channel of the first level, e2e caching table `cache_latents.py` (3.37 GiB allocated
@@ -283,7 +284,7 @@ def training_estimate(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workloa
             static += lora_training_bytes(w.optimizer, te.lora, w.lora_rank, w.lora_bytes)
     act = step_activation_bytes(dit, w, setup)
     if w.train_text_encoder:
-        act += TE_TRAINING_WORKSPACE_BYTES
+        act += int(TE_TRAINING_WORKSPACE_PER_PARAM * te.total_params)
     elif w.text_encoder_in_step and setup.te_on_gpu:
         act = max(act, te_encode_bytes(te, setup.te_variant, w.text_tokens))
     if not w.cache_latents:

@@ -167,7 +167,7 @@ def encoder_sizes(config: object) -> EncoderSizes:
             for n, m in owner.named_modules():
                 if type(m) is nn.Linear and not TE_LORA_EXCLUDED.match(n):
                     lora.append((m.in_features, m.out_features))
-    return EncoderSizes(sum(p.numel() for p in model.parameters()), config.hidden_size, config.intermediate_size,
+    return EncoderSizes(_params(model), config.hidden_size, config.intermediate_size,
                         _scope(quantised), text_encoder_sizes(model), LoraShapes(tuple(lora)))
 
 

@@ -1,0 +1,217 @@
+"""The --vram_budget planner: its choices at 8-48 GiB, explicit options kept, the sentence when nothing fits,
+tools/plan_memory.py, and the call sites of the trainer and the inference script."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+import moss_image_minimal_inference as inference_script
+import moss_image_train_network as trainer_script
+from library.errors import UserError
+from library.planning import run_options
+from library.planning.planner import STEP_TIE
+from tools import plan_memory
+
+# the e2e training rows of docs/benchmarks.md: 1024 x 1024, batch 1, LoRA 16, AdamW, bf16, latents and TE cached
+RUN = ["--resolution", "1024", "--network_dim", "16", "--mixed_precision", "bf16", "--cache_latents_to_disk",
+       "--cache_text_encoder_outputs_to_disk", "--network_train_unet_only", "--optimizer_type", "AdamW"]
+
+
+@pytest.fixture
+def no_bitsandbytes(monkeypatch):
+    monkeypatch.setattr(run_options, "bitsandbytes_available", lambda: False)
+
+
+@pytest.fixture
+def with_bitsandbytes(monkeypatch):
+    monkeypatch.setattr(run_options, "bitsandbytes_available", lambda: True)
+
+
+def training_plan(argv: list[str], selective: bool = False):
+    """The plan of a command line as the trainer makes it (its parser; explicit options from argv and defaults)."""
+    def factory():
+        parser = plan_memory.training_parser()
+        if selective and not any("--checkpointing_policy" in a.option_strings for a in parser._actions):
+            parser.add_argument("--checkpointing_policy", choices=["full", "selective"], default="full")
+        return parser
+
+    parser = factory()
+    args = parser.parse_args(argv)
+    explicit = run_options.explicit_options(parser, args, argv, run_options.parser_defaults(factory()))
+    plan, values = run_options.make_training_plan(args, explicit)
+    return plan, values, args
+
+
+def summary(plan) -> tuple:
+    s = plan.chosen.setup
+    return s.dit, s.checkpointing, s.blocks_to_swap, s.te_variant, s.te_on_gpu
+
+
+def check_invariants(plan) -> None:
+    chosen = plan.chosen
+    assert chosen.fits(plan.budget)
+    for c in plan.candidates:
+        if c.fits(plan.budget):
+            assert c.step >= chosen.step / (1 + STEP_TIE) - 1e-9  # nothing that fits is clearly faster
+    lines = plan.lines()
+    assert len(lines) == len(plan.candidates) + 5 and lines[0].startswith("VRAM plan for --vram_budget")
+    assert sum("<- chosen" in line for line in lines) == 1
+
+
+@pytest.mark.parametrize("budget, expected", [
+    (8, ("int8", "full", 15, "none", False)),  # INT8 + swap; the bf16 encoder caches from the CPU
+    (12, ("int8", "full", 0, "convrot_int8", True)),
+    (16, ("bf16", "full", 0, "convrot_int8", True)),
+    (24, ("bf16", "full", 0, "none", True)),
+    (48, ("bf16", "none", 0, "none", True)),
+])
+def test_choices_at_each_budget(no_bitsandbytes, budget, expected):
+    plan, values, _ = training_plan(["--vram_budget", str(budget), *RUN])
+    check_invariants(plan)
+    assert summary(plan) == expected
+    assert values["gradient_checkpointing"] is (expected[1] != "none")
+    assert values["convrot_int8"] is (expected[0] == "int8")
+    assert values["blocks_to_swap"] == (expected[2] or None)
+    assert values["block_swap_h2d_only"] is (expected[2] > 0)
+
+
+def test_with_bitsandbytes_the_8_gib_plan_caches_with_nf4(with_bitsandbytes):
+    plan, values, _ = training_plan(["--vram_budget", "8", *RUN])
+    assert summary(plan) == ("int8", "full", 15, "bnb_nf4", True)
+    assert values["te_quant"] == "nf4"
+    assert "ConvRot INT8 (quantised at load) on the GPU needs 9.4 GiB" in plan.te_line
+
+
+@pytest.mark.parametrize("budget, expected", [
+    (8, ("int8", "selective", 26, "none", False)),  # INT8's selective keeps only the attention output
+    (12, ("int8", "selective", 0, "convrot_int8", True)),
+    (16, ("bf16", "selective", 2, "convrot_int8", True)),  # within 2 % of INT8 selective: the bf16 weights win
+    (24, ("bf16", "selective", 0, "none", True)),
+])
+def test_choices_with_selective_checkpointing(no_bitsandbytes, budget, expected):
+    plan, values, _ = training_plan(["--vram_budget", str(budget), *RUN], selective=True)
+    check_invariants(plan)
+    assert summary(plan) == expected
+    assert values["checkpointing_policy"] == "selective"
+
+
+def test_explicit_options_are_kept(no_bitsandbytes, tmp_path):
+    # --gradient_checkpointing given: no plan without checkpointing, even with room for it
+    plan, values, _ = training_plan(["--vram_budget", "48", "--gradient_checkpointing", *RUN])
+    assert summary(plan)[:2] == ("bf16", "full") and "gradient_checkpointing" not in values
+    assert {c.setup.checkpointing for c in plan.candidates} == {"full", "unsloth"}
+    # --blocks_to_swap given: kept (H2D-only added), the rest planned around it
+    plan, values, _ = training_plan(["--vram_budget", "8", "--blocks_to_swap", "36", *RUN])
+    assert summary(plan)[:3] == ("bf16", "full", 36) and "blocks_to_swap" not in values
+    assert values["block_swap_h2d_only"] is True
+    # --convrot_int8 given: every candidate is INT8
+    plan, _, _ = training_plan(["--vram_budget", "48", "--convrot_int8", *RUN])
+    assert {c.setup.dit for c in plan.candidates} == {"int8"}
+    # --te_quant none given (the default value, seen on the command line): the encoder is never quantised
+    plan, values, _ = training_plan(["--vram_budget", "12", "--te_quant", "none", *RUN])
+    assert summary(plan)[3:] == ("none", False) and "te_quant" not in values and values["te_device"] == "cpu"
+    # an abbreviated option counts too
+    plan, _, _ = training_plan(["--vram_budget", "48", "--gradient_check", *RUN])
+    assert plan.chosen.setup.checkpointing == "full"
+    # a value from --config_file counts (it differs from the parser's default)
+    from library.training.args import parse_args_with_config
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("convrot_int8 = true\n")
+    argv = ["--vram_budget", "48", "--config_file", str(cfg), *RUN]
+    parser = plan_memory.training_parser()
+    args = parse_args_with_config(parser, argv)
+    explicit = run_options.explicit_options(parser, args, argv, run_options.parser_defaults(plan_memory.training_parser()))
+    assert "convrot_int8" in explicit
+    plan, _ = run_options.make_training_plan(args, explicit)
+    assert plan.chosen.setup.dit == "int8"
+
+
+def test_a_plan_that_cannot_fit_gives_the_smallest_budget(no_bitsandbytes):
+    with pytest.raises(UserError) as e:
+        training_plan(["--vram_budget", "3", *RUN])
+    text = str(e.value)
+    assert text.startswith("--vram_budget 3 GiB is too small for this run: the smallest plan (bf16, gradient"
+                           " checkpointing, swap 40 (h2d), text encoder bf16 on the CPU) needs ")
+    assert text.count(". ") == 0 and text.endswith(".")  # one sentence
+    need = float(text.split("give --vram_budget ")[1].split(" ")[0])
+    plan, _, _ = training_plan(["--vram_budget", str(need), *RUN])  # that budget fits
+    assert plan.chosen.setup.blocks_to_swap == 40
+    with pytest.raises(UserError, match=r"with the options given \(--unsloth_offload_checkpointing\)"):
+        training_plan(["--vram_budget", "6", "--unsloth_offload_checkpointing", *RUN])
+    with pytest.raises(UserError, match="is not a size"):
+        training_plan(["--vram_budget", "0", *RUN])
+
+
+def test_text_encoder_lora_plans_the_encoder_with_the_dit(no_bitsandbytes):
+    argv = [a for a in RUN if a not in ("--cache_text_encoder_outputs_to_disk", "--network_train_unet_only")]
+    plan, values, _ = training_plan(["--vram_budget", "24", *argv])
+    check_invariants(plan)
+    assert plan.te_in_rows and {c.setup.te_variant for c in plan.candidates} == {"none", "convrot_int8"}
+    # the bf16 encoder in every step is much faster than the INT8 one: bf16 + bf16 with the DiT's blocks swapped
+    assert summary(plan) == ("bf16", "full", 35, "none", True)
+    assert values["convrot_int8_text_encoder"] is False and values["blocks_to_swap"] == 35
+    plan, values, _ = training_plan(["--vram_budget", "20", *argv])
+    assert summary(plan) == ("int8", "full", 0, "convrot_int8", True)
+
+
+def test_the_tool_prints_the_plan(tiny_snapshot, capsys, no_bitsandbytes):
+    assert plan_memory.main(["--vram_budget", "16", *RUN]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("VRAM plan for --vram_budget 16 GiB: training at 1024x1024 (4096 image tokens)")
+    assert any(line.startswith("  bf16, gradient checkpointing") and line.endswith("<- chosen") for line in out)
+    assert out[-1] == "planned options: --gradient_checkpointing --convrot_int8_text_encoder"
+    assert plan_memory.main(["--vram_budget", "16", "--json", *RUN]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"]["candidate"] == "bf16, gradient checkpointing" and data["budget_gib"] == 16
+    assert data["options"] == ["--gradient_checkpointing", "--convrot_int8_text_encoder"]
+    assert plan_memory.main(["--vram_budget", "2", *RUN]) == 2
+    assert capsys.readouterr().err.startswith("error: --vram_budget 2 GiB is too small for this run")
+    # the real files: a pre-quantised DiT is planned as INT8 (file) and the tiny model needs little
+    assert plan_memory.main([*RUN, "--vram_budget", "2", "--pretrained_model_name_or_path",
+                             str(tiny_snapshot / "moss_image_base_int8_convrot.safetensors"), "--snapshot",
+                             str(tiny_snapshot), "--resolution", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"]["candidate"] == "INT8 (file), no checkpointing"
+    assert data["chosen"]["predicted_reserved_gib"] < 1
+    assert plan_memory.main(["--inference", "--vram_budget", "8", "--image_size", "1024", "1024"]) == 0
+    assert "inference at 1024x1024" in capsys.readouterr().out
+
+
+def test_the_trainer_refuses_without_cuda(caplog):
+    with caplog.at_level(logging.ERROR):
+        assert trainer_script.main(["--vram_budget", "16", "--train_data_dir", "nowhere", *RUN]) == 2
+    assert "--vram_budget plans the memory of a CUDA GPU and this machine has none: drop --vram_budget." in caplog.text
+
+
+def test_the_trainer_applies_the_plan_before_loading(monkeypatch, caplog, no_bitsandbytes):
+    monkeypatch.setattr(run_options.torch.cuda, "is_available", lambda: True)
+    argv = ["--vram_budget", "8", *RUN]
+    args = trainer_script.setup_parser().parse_args(argv)
+    with caplog.at_level(logging.INFO, logger="library.planning.run_options"):
+        plan = run_options.apply_vram_budget(args, trainer_script.setup_parser, argv)
+    assert (args.convrot_int8, args.gradient_checkpointing, args.blocks_to_swap, args.block_swap_h2d_only,
+            args.te_device) == (True, True, 15, True, "cpu")
+    assert plan.options == ("--convrot_int8", "--gradient_checkpointing", "--blocks_to_swap", "15",
+                            "--block_swap_h2d_only", "--te_device", "cpu")
+    assert "VRAM plan for --vram_budget 8 GiB" in caplog.text and "chosen: INT8 (at load)" in caplog.text
+    args = trainer_script.setup_parser().parse_args(RUN)  # without --vram_budget nothing changes
+    assert run_options.apply_vram_budget(args, trainer_script.setup_parser, RUN) is None
+    assert not args.gradient_checkpointing
+
+
+def test_the_inference_script_applies_the_plan(monkeypatch, no_bitsandbytes):
+    monkeypatch.setattr(run_options.torch.cuda, "is_available", lambda: True)
+    argv = ["--vram_budget", "8", "--prompt", "a cat", "--image_size", "1024", "1024"]
+    args = inference_script.setup_parser().parse_args(argv)
+    plan = run_options.apply_inference_vram_budget(args, inference_script.setup_parser,
+                                                   inference_script.planned_image_sizes(args), argv)
+    assert (plan.chosen.setup.dit, plan.chosen.setup.blocks_to_swap) == ("bf16", 17)
+    assert (args.blocks_to_swap, args.text_encoder_cpu, args.convrot_int8) == (17, True, False)
+    argv = ["--vram_budget", "8", "--prompt", "a cat", "--blocks_to_swap", "30", "--device", "cpu"]
+    args = inference_script.setup_parser().parse_args(argv)
+    with pytest.raises(UserError, match="this run has none"):
+        run_options.apply_inference_vram_budget(args, inference_script.setup_parser, [(1024, 1024)], argv)
