@@ -151,7 +151,7 @@ def _without_cuda_options(words: tuple[str, ...]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------------- the parent
 def _run(cmd: list[str], timeout: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})})
 
 

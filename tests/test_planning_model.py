@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-import networks.lora_generic as lora_generic
 from library.moss_image.dit import MossImage, MossImageConfig
 from library.moss_image.tiny_snapshot import TINY_DIT_CONFIG
 from library.planning import memory_model as M
 from library.planning import sizes as S
 from library.quant import convrot as cr
+from networks import lora_generic
 
 GIB = 2**30
 
@@ -168,11 +168,11 @@ def test_activation_model_scales_with_tokens_and_blocks():
 # -------------------------------------------------------------------------- the H200 figures of docs/benchmarks.md
 def _w(**kw) -> M.Workload:
     """1024 x 1024, batch 1, LoRA 16, AdamW, latents and TE outputs cached; the e2e captions are 87-92 tokens."""
-    base = dict(image_tokens=4096, text_tokens=90, lora_rank=16)
+    base = {"image_tokens": 4096, "text_tokens": 90, "lora_rank": 16}
     return M.Workload(**{**base, **kw})
 
 
-TE_LORA = dict(cache_text_encoder_outputs=False, train_text_encoder=True)
+TE_LORA = {"cache_text_encoder_outputs": False, "train_text_encoder": True}
 # (docs/benchmarks.md table and row, workload, setup, phase, torch allocated GiB, torch reserved GiB)
 H200_ROWS = [
     ("e2e training run A: gc (bf16_gc)", _w(), M.Setup("bf16", "full"), "training", 11.87, 12.44),
