@@ -6,9 +6,9 @@
 - Text encoder (`transformers.Qwen3_5TextModel`): float, ConvRot INT8 (the ComfyUI scope: 200 Linears and the token
   embedding), bitsandbytes int8 / nf4 (`library.text_encoder.quant.TextEncoderSizes`).
 - VAE: the weights as stored (fp32 at run time) and the base channel width, from the file's header.
-- LoRA: rank x (in + out) per target Linear; the targets are the defaults of `networks.lora_generic` (the Linears of
-  the DiT's main blocks; the Linears of the text encoder's attention, linear-attention and MLP modules without the
-  `in_proj_a` / `in_proj_b` gates).
+- LoRA: rank x (in + out) per target Linear; the targets are the networks' defaults (`library.moss_image.lora_targets`:
+  the Linears of the DiT's main blocks; those of the text encoder's attention, linear-attention and MLP modules
+  without the `in_proj_a` / `in_proj_b` gates).
 
 When a checkpoint path is given, its config (DiT: the tensor shapes and config.json; text encoder: the config.json
 beside it) is read from the safetensors headers, and a ComfyUI ConvRot INT8 file is recognised; without a path the
@@ -28,6 +28,7 @@ from torch import nn
 from library.files.safetensors_io import TensorSource
 from library.moss_image.dit import MossImage, MossImageConfig
 from library.moss_image.loaders import dit_checkpoint_files, infer_dit_config, open_dit_source
+from library.moss_image.lora_targets import TEXT_ENCODER_DEFAULT_EXCLUDE, TEXT_ENCODER_TARGET_CLASSES
 from library.moss_image.vae import AutoEncoder, Flux2VAEConfig, vae_weights_file
 from library.quant import convrot as cr
 from library.text_encoder.quant import TextEncoderSizes, text_encoder_sizes
@@ -35,9 +36,7 @@ from library.text_encoder.qwen35 import BUNDLED_CONFIG_DIR, load_text_config, op
 
 GIB = 2**30
 SCALE_BYTES = 4  # ConvRot INT8: one fp32 scale per output row
-# the text-encoder LoRA targets of networks.lora_generic (its defaults; the DiT's are the main blocks' Linears)
-TE_LORA_TARGET_CLASSES = ("Qwen3_5Attention", "Qwen3_5GatedDeltaNet", "Qwen3_5MLP")
-TE_LORA_EXCLUDED = re.compile(r".*in_proj_[ab]$")
+TE_LORA_EXCLUDED = [re.compile(p) for p in TEXT_ENCODER_DEFAULT_EXCLUDE]
 DIT_PRECISIONS = ("bf16", "int8")
 TE_VARIANTS = ("none", "convrot_int8", "bnb_int8", "bnb_nf4")
 
@@ -163,9 +162,9 @@ def encoder_sizes(config: object) -> EncoderSizes:
                  if n and cr.text_encoder_convrot_filter(n) and type(m) in (nn.Linear, nn.Embedding)]
     lora = []
     for owner in model.modules():
-        if type(owner).__name__ in TE_LORA_TARGET_CLASSES:
+        if type(owner).__name__ in TEXT_ENCODER_TARGET_CLASSES:
             for n, m in owner.named_modules():
-                if type(m) is nn.Linear and not TE_LORA_EXCLUDED.match(n):
+                if type(m) is nn.Linear and not any(p.match(n) for p in TE_LORA_EXCLUDED):
                     lora.append((m.in_features, m.out_features))
     return EncoderSizes(_params(model), config.hidden_size, config.intermediate_size,
                         _scope(quantised), text_encoder_sizes(model), LoraShapes(tuple(lora)))
