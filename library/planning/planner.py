@@ -220,14 +220,12 @@ def _smallest_swap(make: Callable[[int], Candidate], budget: int, lo: int, hi: i
 
 
 # ---------------------------------------------------------------------------------------------------------- training
-def _choose_te_for_caching(te: EncoderSizes, w: Workload, choices: Choices, evaluate: Callable[[Setup], Estimate],
+def _choose_te_for_caching(w: Workload, choices: Choices, evaluate: Callable[[Setup], Estimate],
                            overheads: Overheads, budget: int) -> tuple[tuple[str, bool], str]:
     """The first text-encoder option that fits its caching phase, and the plan's text-encoder line."""
     int8 = choices.te_int8_source
     if not choices.te_planned:
         return choices.te[0], "text encoder: --te_quant auto chooses at load time from the free memory (not planned)"
-    if not w.cache_text_encoder_outputs:
-        return choices.te[0], "text encoder: not used on the GPU"
     needs: list[tuple[tuple[str, bool], int]] = []
     for variant, on_gpu in choices.te:
         est = evaluate(Setup(te_variant=variant, te_on_gpu=on_gpu))
@@ -257,7 +255,7 @@ def plan_training(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workload, c
         te_line = "text encoder: in every step, " + ", ".join(te_label(v, g, choices.te_int8_source)
                                                               for v, g in te_options)
     else:
-        pick, te_line = _choose_te_for_caching(te, w, choices, evaluate, overheads, budget)
+        pick, te_line = _choose_te_for_caching(w, choices, evaluate, overheads, budget)
         te_options = [pick]
     rows: list[Candidate] = []
     for variant, on_gpu in te_options:
