@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -31,7 +32,9 @@ def with_bitsandbytes(monkeypatch):
 
 
 def training_plan(argv: list[str], selective: bool = False):
-    """The plan of a command line as the trainer makes it (its parser; explicit options from argv and defaults)."""
+    """The plan of a command line as the trainer makes it (its parser; explicit options from argv and defaults).
+    `selective`: plan as a trainer with `--checkpointing_policy` (added when the parser lacks it); without it, as one
+    without (the option is taken away from the parsed options), so that the expectations hold either way."""
     def factory():
         parser = plan_memory.training_parser()
         if selective and not any("--checkpointing_policy" in a.option_strings for a in parser._actions):
@@ -40,9 +43,20 @@ def training_plan(argv: list[str], selective: bool = False):
 
     parser = factory()
     args = parser.parse_args(argv)
+    if not selective and hasattr(args, "checkpointing_policy"):
+        delattr(args, "checkpointing_policy")
     explicit = run_options.explicit_options(parser, args, argv, run_options.parser_defaults(factory()))
     plan, values = run_options.make_training_plan(args, explicit)
     return plan, values, args
+
+
+def real_plan(argv: list[str]):
+    """The plan of the trainer's own parser, whatever checkpointing policies it has."""
+    parser = plan_memory.training_parser()
+    args = parser.parse_args(argv)
+    explicit = run_options.explicit_options(parser, args, argv, run_options.parser_defaults(plan_memory.training_parser()))
+    plan, values = run_options.make_training_plan(args, explicit)
+    return replace(plan, options=run_options.option_words(values, run_options.parser_defaults(parser))), values
 
 
 def summary(plan) -> tuple:
@@ -103,6 +117,10 @@ def test_explicit_options_are_kept(no_bitsandbytes, tmp_path):
     plan, values, _ = training_plan(["--vram_budget", "48", "--gradient_checkpointing", *RUN])
     assert summary(plan)[:2] == ("bf16", "full") and "gradient_checkpointing" not in values
     assert {c.setup.checkpointing for c in plan.candidates} == {"full", "unsloth"}
+    plan, values, _ = training_plan(["--vram_budget", "48", "--gradient_checkpointing", *RUN], selective=True)
+    assert {c.setup.checkpointing for c in plan.candidates} == {"selective", "full", "unsloth"}
+    plan, values, _ = training_plan(["--vram_budget", "48", "--checkpointing_policy", "full", *RUN], selective=True)
+    assert {c.setup.checkpointing for c in plan.candidates} == {"full"} and "checkpointing_policy" not in values
     # --blocks_to_swap given: kept (H2D-only added), the rest planned around it
     plan, values, _ = training_plan(["--vram_budget", "8", "--blocks_to_swap", "36", *RUN])
     assert summary(plan)[:3] == ("bf16", "full", 36) and "blocks_to_swap" not in values
@@ -159,15 +177,20 @@ def test_text_encoder_lora_plans_the_encoder_with_the_dit(no_bitsandbytes):
 
 
 def test_the_tool_prints_the_plan(tiny_snapshot, capsys, no_bitsandbytes):
-    assert plan_memory.main(["--vram_budget", "16", *RUN]) == 0
+    argv = ["--vram_budget", "16", *RUN]
+    expected, _ = real_plan(argv)
+    assert plan_memory.main(argv) == 0
     out = capsys.readouterr().out.splitlines()
+    assert out == expected.lines()
     assert out[0].startswith("VRAM plan for --vram_budget 16 GiB: training at 1024x1024 (4096 image tokens)")
-    assert any(line.startswith("  bf16, gradient checkpointing") and line.endswith("<- chosen") for line in out)
-    assert out[-1] == "planned options: --gradient_checkpointing --convrot_int8_text_encoder"
-    assert plan_memory.main(["--vram_budget", "16", "--json", *RUN]) == 0
+    assert sum(line.endswith("<- chosen") for line in out) == 1
+    assert out[-1] == "planned options: " + " ".join(expected.options)
+    assert "--convrot_int8_text_encoder" in expected.options and "--gradient_checkpointing" in expected.options
+    assert plan_memory.main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["chosen"]["candidate"] == "bf16, gradient checkpointing" and data["budget_gib"] == 16
-    assert data["options"] == ["--gradient_checkpointing", "--convrot_int8_text_encoder"]
+    assert data["chosen"] == expected.to_dict()["chosen"] and data["budget_gib"] == 16
+    assert data["options"] == list(expected.options)
+    assert data["chosen"]["dit"] == "bf16" and data["chosen"]["blocks_to_swap"] <= 2
     assert plan_memory.main(["--vram_budget", "2", *RUN]) == 2
     assert capsys.readouterr().err.startswith("error: --vram_budget 2 GiB is too small for this run")
     # the real files: a pre-quantised DiT is planned as INT8 (file) and the tiny model needs little
@@ -190,13 +213,17 @@ def test_the_trainer_refuses_without_cuda(caplog):
 def test_the_trainer_applies_the_plan_before_loading(monkeypatch, caplog, no_bitsandbytes):
     monkeypatch.setattr(run_options.torch.cuda, "is_available", lambda: True)
     argv = ["--vram_budget", "8", *RUN]
+    expected, values = real_plan(argv)
     args = trainer_script.setup_parser().parse_args(argv)
     with caplog.at_level(logging.INFO, logger="library.planning.run_options"):
         plan = run_options.apply_vram_budget(args, trainer_script.setup_parser, argv)
-    assert (args.convrot_int8, args.gradient_checkpointing, args.blocks_to_swap, args.block_swap_h2d_only,
-            args.te_device) == (True, True, 15, True, "cpu")
-    assert plan.options == ("--convrot_int8", "--gradient_checkpointing", "--blocks_to_swap", "15",
-                            "--block_swap_h2d_only", "--te_device", "cpu")
+    assert plan.options == expected.options and plan.lines() == expected.lines()
+    for dest, value in values.items():
+        assert getattr(args, dest) == value
+    # at 8 GiB: the INT8 DiT with swapped blocks (H2D-only), checkpointing, the bf16 encoder caching on the CPU
+    assert (args.convrot_int8, args.gradient_checkpointing, args.block_swap_h2d_only, args.te_device) == \
+        (True, True, True, "cpu")
+    assert args.blocks_to_swap > 0 and plan.options[:2] == ("--convrot_int8", "--gradient_checkpointing")
     assert "VRAM plan for --vram_budget 8 GiB" in caplog.text and "chosen: INT8 (at load)" in caplog.text
     args = trainer_script.setup_parser().parse_args(RUN)  # without --vram_budget nothing changes
     assert run_options.apply_vram_budget(args, trainer_script.setup_parser, RUN) is None
