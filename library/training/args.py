@@ -198,8 +198,8 @@ def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | No
     if args.config_file and not args.output_config:  # with --output_config the file is the output
         values, unknown = read_config_file(args.config_file, parser)
         if unknown:
-            logger.warning("--config_file %s: keys that are not options of %s are ignored: %s", args.config_file,
-                           parser.prog, ", ".join(unknown))
+            logger.warning("--config_file %s: keys that are not options of this script are ignored: %s",
+                           args.config_file, ", ".join(unknown))
         parser.set_defaults(**values)
         args = parser.parse_args(argv)
         logger.info("loaded arguments from %s", args.config_file)
