@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from library.files.safetensors_io import read_metadata
 from library.options.sd_scripts import BY_NAME, SD_SCRIPTS_OPTIONS
 from library.runtime.compile import apply_cuda_backend_options
 from library.sampling import sampler
-from library.training.args import check_sd_scripts_options, parse_args_with_config
+from library.training.args import apply_console_log_options, check_sd_scripts_options, parse_args_with_config
 from tests.test_trainer import base_args, make_toy_dataset
 
 IGNORED_LINE = "sd-scripts options that do not apply to MOSS-Image are ignored: "
@@ -138,7 +139,7 @@ def test_kohya_command_on_a_kohya_ss_config_trains_with_warnings(kohya_run):
 
 @pytest.mark.parametrize("option", SD_SCRIPTS_OPTIONS, ids=lambda o: o.name)
 def test_each_sd_scripts_option_is_ignored_or_refused(option, caplog):
-    values = {bool: [], int: ["2"], float: ["0.5"]}
+    values = {bool: [], int: ["2"], float: ["0.5"], str: ["hf_secret"]}
     needs = [f"--{option.needs}", *values[BY_NAME[option.needs].kind]] if option.needs else []
     value = values[option.kind]
     args = parse(*needs, f"--{option.name}", *value)
@@ -150,13 +151,15 @@ def test_each_sd_scripts_option_is_ignored_or_refused(option, caplog):
         with caplog.at_level(logging.WARNING):
             check_sd_scripts_options(args)
         (line,) = messages(caplog, IGNORED_LINE)
-        assert f"--{option.name}{' ' + value[0] if value else ''} ({option.reason})" in line
+        shown = f" {value[0]}" if option.kind in (int, float) else ""  # a text may be a token: never shown
+        assert f"--{option.name}{shown} ({option.reason})" in line and "hf_secret" not in line
 
 
 @pytest.mark.parametrize("argv", [
     [], ["--clip_skip", "1"], ["--max_token_length", "75"], ["--min_timestep", "0"], ["--max_timestep", "1000"],
     ["--noise_offset", "0"], ["--min_snr_gamma", "0"], ["--noise_offset_random_strength"],
     ["--multires_noise_discount", "0.5"], ["--adaptive_noise_scale", "0.1"], ["--sample_sampler", "K_EULER"],
+    ["--huggingface_token", "t"], ["--huggingface_repo_id", ""], ["--zero_stage", "2"], ["--zero3_init_flag"],
 ])
 def test_off_values_say_nothing(argv, caplog):
     """sd-scripts' "off" values, and options that act only with another that is off, are neither."""
@@ -279,3 +282,29 @@ def test_inference_prompt_file_and_cuda_options(tiny_snapshot, tmp_path, caplog)
         paths = inference.run(inference.setup_parser().parse_args(argv))
     assert len(paths) == 1 and Path(paths[0]).is_file()
     assert "--g 3.5" in caplog.text and "--ss euler_a" in caplog.text and "no CUDA device, nothing to set" in caplog.text
+
+
+def test_console_log_options(tmp_path):
+    root = logging.getLogger()
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    level, before = root.level, list(root.handlers)
+    root.addHandler(console)
+    try:
+        apply_console_log_options(parse("--console_log_level", "DEBUG", "--console_log_simple"))
+        assert root.level == logging.DEBUG and console in root.handlers
+        log = tmp_path / "train.log"
+        log.write_text("an older run\n")
+        apply_console_log_options(parse("--console_log_file", str(log)))
+        assert console not in root.handlers  # the file instead of the console
+        logging.getLogger("moss").debug("to the file")
+        for handler in root.handlers:
+            handler.flush()
+        assert log.read_text() == "DEBUG to the file\n"
+        with pytest.raises(UserError, match="--console_log_file .* cannot be written"):
+            apply_console_log_options(parse("--console_log_file", str(tmp_path / "no" / "such" / "x.log")))
+    finally:
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(level)

@@ -3,15 +3,17 @@ kohya_ss configuration parses, and what becomes of each one that is set.
 
 * **Ignored**, all of them named in one warning line with the reason: options that describe a Stable Diffusion model
   or implementation whose MOSS-Image counterpart is fixed (`--v2`, `--v_parameterization`, `--clip_skip`, the CLIP
-  token limit, the fp16 VAE switch, ...). Dropping them trains what the command asked for.
+  token limit, the fp16 VAE switch, ...), and the Hugging Face upload. Dropping them trains what the command asked
+  for.
 * **Refused**, in one sentence that names them: options that change the training recipe (the noise, the loss weights,
-  the timestep range, the caption syntax) in a way a flow-matching DiT cannot honour. Dropping them silently would
-  train something else than was asked.
+  the timestep range, the caption syntax) in a way a flow-matching DiT cannot honour, a resume from the Hub, and
+  DeepSpeed. Dropping them silently would train something else than was asked.
 
 A value that means "off" in sd-scripts is neither (nothing is said): False, None, 0, `--clip_skip 1`,
-`--max_token_length 75`, `--min_timestep 0`, `--max_timestep 1000`, and an option that acts only together with
-another (`--noise_offset_random_strength` with `--noise_offset`) while that one is off. The kohya_ss GUI writes
-several of these values into every configuration file.
+`--max_token_length 75`, `--min_timestep 0`, `--max_timestep 1000`, an empty text, and an option that acts only
+together with another (`--noise_offset_random_strength` with `--noise_offset`, the DeepSpeed settings with
+`--deepspeed`) while that one is off. The kohya_ss GUI writes several of these values into every configuration
+file.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class ForeignOption:
     """One sd-scripts option: its value type, whether it is refused (else ignored), why, and its "off" values."""
 
     name: str
-    kind: type  # bool (a flag), int or float, as sd-scripts declares it
+    kind: type  # bool (a flag), int, float or str, as sd-scripts declares it
     reason: str
     refused: bool = False
     off: tuple[Any, ...] = OFF_VALUES
@@ -46,6 +48,9 @@ def _refused(name: str, kind: type, reason: str, off: tuple[Any, ...] = OFF_VALU
 
 
 _DDPM_NOISE = "a DDPM noise trick without a faithful rectified-flow form"
+_UPLOAD = ("uploading to the Hugging Face Hub is not part of this trainer; upload the saved LoRA yourself"
+           " (huggingface-cli upload)")
+_DEEPSPEED = "DeepSpeed is not supported; several GPUs train with accelerate launch (DDP)"
 _DDPM_WEIGHT = "weights the loss by the SNR of DDPM timesteps; use --weighting_scheme for flow matching"
 
 SD_SCRIPTS_OPTIONS: tuple[ForeignOption, ...] = (
@@ -74,6 +79,16 @@ SD_SCRIPTS_OPTIONS: tuple[ForeignOption, ...] = (
              " --sigmoid_scale and --discrete_flow_shift instead", off=(*OFF_VALUES, 1000)),
     _refused("weighted_captions", bool, "the (word:1.2) weighting syntax of CLIP prompts; the captions would reach"
              " Qwen3.5 with the brackets as text"),
+    _ignored("huggingface_repo_id", str, _UPLOAD),
+    *(_ignored(name, kind, _UPLOAD, needs="huggingface_repo_id") for name, kind in (
+        ("huggingface_repo_type", str), ("huggingface_path_in_repo", str), ("huggingface_token", str),
+        ("huggingface_repo_visibility", str), ("save_state_to_huggingface", bool), ("async_upload", bool))),
+    _refused("resume_from_huggingface", bool, "--resume reads a local training state here; download it from the Hub first"),
+    _refused("deepspeed", bool, _DEEPSPEED),
+    *(_refused(name, kind, _DEEPSPEED, needs="deepspeed") for name, kind in (
+        ("zero_stage", int), ("offload_optimizer_device", str), ("offload_optimizer_nvme_path", str),
+        ("offload_param_device", str), ("offload_param_nvme_path", str), ("zero3_init_flag", bool),
+        ("zero3_save_16bit_model", bool), ("fp16_master_weights_and_gradients", bool))),
 )
 BY_NAME = {o.name: o for o in SD_SCRIPTS_OPTIONS}
 
@@ -93,12 +108,14 @@ def add_sd_scripts_arguments(parser: argparse.ArgumentParser) -> None:
 def _is_off(option: ForeignOption, args: argparse.Namespace) -> bool:
     if option.needs is not None and _is_off(BY_NAME[option.needs], args):
         return True
-    return getattr(args, option.name) in option.off
+    value = getattr(args, option.name)
+    return value in option.off or value == ""  # the kohya_ss GUI writes "" for an empty text
 
 
 def mention(option: ForeignOption, value: Any) -> str:
-    """`--name` for a flag, `--name value` otherwise, followed by the reason in brackets."""
-    shown = f"--{option.name}" if option.kind is bool else f"--{option.name} {value}"
+    """`--name value` for a number, `--name` otherwise (a flag; a text, which may be a token or a path), followed by
+    the reason in brackets."""
+    shown = f"--{option.name} {value}" if option.kind in (int, float) else f"--{option.name}"
     return f"{shown} ({option.reason})"
 
 

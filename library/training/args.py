@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,12 @@ def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_config", action="store_true", help="log the training arguments to the tracker")
     g.add_argument("--wandb_run_name", type=str, default=None, help="wandb run name")
     g.add_argument("--wandb_api_key", type=str, default=None, help="wandb API key")
+    g.add_argument("--console_log_level", type=str, default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR",
+                   "CRITICAL"], help="level of the console log (default INFO)")
+    g.add_argument("--console_log_file", type=str, default=None,
+                   help="write the log to this file instead of the console (replaced at each run)")
+    g.add_argument("--console_log_simple", action="store_true",
+                   help="plain log lines (the log here is always plain, as with this option in sd-scripts)")
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,6 +166,27 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     _add_sampling_arguments(parser)
     _add_validation_arguments(parser)
     sd_scripts.add_sd_scripts_arguments(parser)
+
+
+def apply_console_log_options(args: argparse.Namespace) -> None:
+    """--console_log_level and --console_log_file, as sd-scripts applies them: the level of the root logger, and the
+    log written to the file (opened anew) instead of the console. The console log is plain text here, which is what
+    --console_log_simple asks for."""
+    root = logging.getLogger()
+    if args.console_log_level:
+        root.setLevel(args.console_log_level)
+    if not args.console_log_file:
+        return
+    consoles = [h for h in root.handlers if type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.stdout)]
+    try:
+        handler = logging.FileHandler(args.console_log_file, mode="w", encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"--console_log_file '{args.console_log_file}' cannot be written ({e.strerror}): check the"
+                        " folder and its permissions.") from e
+    handler.setFormatter(consoles[0].formatter if consoles else None)
+    for console in consoles:
+        root.removeHandler(console)
+    root.addHandler(handler)
 
 
 # ---------------------------------------------------------------------------------------------- config files
