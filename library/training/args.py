@@ -265,10 +265,7 @@ def _sample_sampler_mentions(args: argparse.Namespace) -> tuple[list[str], list[
 def check_sd_scripts_options(args: argparse.Namespace) -> None:
     """The sd-scripts options whose meaning differs here (nothing is changed): those of `library.options.sd_scripts`
     and a non-Euler --sample_sampler are named in one warning line when they are ignored, in one error when they are
-    refused; --save_n_epoch_ratio must not be negative."""
-    if args.save_n_epoch_ratio is not None and args.save_n_epoch_ratio < 0:
-        raise UserError(f"--save_n_epoch_ratio is the number of saves over the run and cannot be negative, got"
-                        f" {args.save_n_epoch_ratio}: give 1 or more (0 turns it off).")
+    refused."""
     ignored, refused = sd_scripts.set_sd_scripts_options(args)
     more_ignored, more_refused = _sample_sampler_mentions(args)
     ignored += more_ignored
