@@ -179,7 +179,7 @@ def test_several_refused_options_in_one_sentence():
 
 def test_sample_sampler(tmp_path, caplog):
     prompts = str(tmp_path / "p.txt")
-    for name in ("euler", "k_euler", "Euler"):
+    for name in ("euler", "k_euler", "Euler", ""):  # "" as a config file may leave it: the default
         check_sd_scripts_options(parse("--sample_sampler", name, "--sample_prompts", prompts))
     with pytest.raises(UserError, match=r"cannot honour --sample_sampler euler_a \(the sample images use the official"
                                         r" flow-matching Euler sampler of MOSS-Image: --sample_sampler euler"):

@@ -254,12 +254,13 @@ def write_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
 # ------------------------------------------------------------------------------------------------- checks
 def _sample_sampler_mentions(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """--sample_sampler other than Euler: refused when sample images are made, else ignored (it selects nothing)."""
-    if args.sample_sampler.lower() in EULER_SAMPLER_NAMES:
+    name = str(args.sample_sampler or "euler")  # a config file may leave it empty
+    if name.lower() in EULER_SAMPLER_NAMES:
         return [], []
     if args.sample_prompts:
-        return [], [f"--sample_sampler {args.sample_sampler} (the sample images use the official flow-matching Euler"
-                    " sampler of MOSS-Image: --sample_sampler euler, the default)"]
-    return [f"--sample_sampler {args.sample_sampler} (no --sample_prompts, so no sample images are made)"], []
+        return [], [(f"--sample_sampler {name} (the sample images use the official flow-matching Euler sampler of"
+                     " MOSS-Image: --sample_sampler euler, the default)")]
+    return [f"--sample_sampler {name} (no --sample_prompts, so no sample images are made)"], []
 
 
 def check_sd_scripts_options(args: argparse.Namespace) -> None:
