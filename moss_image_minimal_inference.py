@@ -381,7 +381,12 @@ def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]
 
 
 def run(args: argparse.Namespace) -> list[Path]:
-    from library.runtime.compile import apply_cuda_optimizations, check_cpu_compiler, enable_expandable_segments
+    from library.runtime.compile import (
+        apply_cuda_backend_options,
+        apply_cuda_optimizations,
+        check_cpu_compiler,
+        enable_expandable_segments,
+    )
 
     if args.cuda_expandable_segments:
         enable_expandable_segments()
@@ -392,6 +397,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     _check_args(args)
     device, dtype = _device_and_dtype(args)
     check_cpu_compiler(args, device)
+    apply_cuda_backend_options(args)
     if device.type == "cuda":
         apply_cuda_optimizations(args)  # TF32, as in training
     try:

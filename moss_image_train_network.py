@@ -33,7 +33,12 @@ from library.text_encoder.quant import check_text_encoder_memory_args
 from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
 from library.text_encoder.variant import check_predicted_variant
 from library.training import flow_matching
-from library.training.args import add_common_arguments, parse_args_with_config, write_config_file
+from library.training.args import (
+    add_common_arguments,
+    apply_console_log_options,
+    parse_args_with_config,
+    write_config_file,
+)
 from library.training.network_trainer import NetworkTrainer, RunState
 from library.training.optimizers import add_optimizer_arguments
 
@@ -394,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = setup_parser()
     try:
         args = parse_args_with_config(parser, argv)
+        apply_console_log_options(args)
         if args.output_config:
             out = args.config_file or str(Path(args.output_dir or ".") / f"{args.output_name or 'config'}.toml")
             write_config_file(args, parser, out)

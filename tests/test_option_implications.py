@@ -17,7 +17,7 @@ from library.options.checks import check_attention_args
 from library.options.implications import TRAINING_IMPLICATIONS, Implication, apply_implications
 from library.runtime.compile import check_compile_args
 from library.text_encoder.quant import check_text_encoder_memory_args
-from library.training.args import reject_sd_only_options
+from library.training.args import check_sd_scripts_options
 from library.training.run_options import RunOptions
 
 
@@ -75,7 +75,7 @@ def test_checks_change_nothing(monkeypatch):
     check_text_encoder_memory_args(args, train_text_encoder=False)
     check_compile_args(args)
     check_attention_args(args, training=True)
-    reject_sd_only_options(args)
+    check_sd_scripts_options(args)
     trainer.check_model_paths(argparse.Namespace(pretrained_model_name_or_path="d", text_encoder="t", vae="v"))
     trainer.MossImageNetworkTrainer._check_swap_and_int8_args(args)
     assert vars(args) == before

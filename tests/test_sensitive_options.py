@@ -46,7 +46,7 @@ def test_secret_rule():
                  "max_token_length", "wandb_run_name"):
         assert not is_secret_option(name), name
     secrets = [a.dest for a in trainer.setup_parser()._actions if is_secret_option(a.dest)]
-    assert secrets == ["wandb_api_key"]
+    assert secrets == ["wandb_api_key", "huggingface_token"]  # sd-scripts' upload token: accepted, ignored
 
 
 def _parsed(tmp_path: Path, *extra: str):

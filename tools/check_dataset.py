@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from library.datasets.preflight_report import DatasetReport, Report, SubsetRepor
 from library.errors import UserError
 from library.moss_image.loaders import fill_paths_from_snapshot
 from library.options.groups import add_text_encoder_memory_arguments
+from library.training.args import read_config_file
 
 logger = logging.getLogger("check_dataset")
 
@@ -78,34 +78,12 @@ def setup_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _flatten(table: dict[str, Any]) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in table.items():
-        flat.update(_flatten(value) if isinstance(value, dict) else {key: value})
-    return flat
-
-
-def read_known_config(path: str, parser: argparse.ArgumentParser) -> tuple[dict[str, Any], list[str]]:
-    """(values of the options this parser knows, the other keys) of a training --config_file TOML."""
-    p = Path(path)
-    if not p.exists() and p.with_suffix(".toml").exists():
-        p = p.with_suffix(".toml")
-    try:
-        values = _flatten(tomllib.loads(p.read_text(encoding="utf-8")))
-    except FileNotFoundError as e:
-        raise UserError(f"--config_file '{path}' does not exist: check the path.") from e
-    except (OSError, ValueError) as e:
-        raise UserError(f"--config_file '{path}' is not valid TOML ({e}): fix the file.") from e
-    known = {a.dest for a in parser._actions}
-    return {k: v for k, v in values.items() if k in known}, sorted(k for k in values if k not in known)
-
-
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     """(the options, what the check does not use: options of a training command and config-file keys)."""
     parser = setup_parser()
     args, unused = parser.parse_known_args(argv)
     if args.config_file:
-        values, ignored = read_known_config(args.config_file, parser)
+        values, ignored = read_config_file(args.config_file, parser)
         parser.set_defaults(**values)
         args, unused = parser.parse_known_args(argv)
         unused += [f"{k} (in --config_file)" for k in ignored]

@@ -59,7 +59,7 @@ DEFAULT_NETWORK_DIM = 4
 
 
 # ss_<name> = str(args.<name>): the sd-scripts training keys that mean something for a flow-matching DiT LoRA.
-# Left out on purpose (SD-only options this trainer rejects): clip_skip, max_token_length,
+# Left out on purpose (SD-only options this trainer ignores or refuses): clip_skip, max_token_length,
 # noise_offset(+_random_strength), multires_noise_*, adaptive_noise_scale, zero_terminal_snr, min_snr_gamma,
 # debiased_estimation, fp8_base(_unet). full_bf16 is added next to sd-scripts' full_fp16.
 TRAINING_ARG_KEYS: tuple[str, ...] = (

@@ -15,7 +15,7 @@ group that a script takes; options only one script has stay in that script.
 | `add_text_encoder_batch_argument` | --text_encoder_batch_size (alone, for the inference script) |
 | `add_memory_arguments` | --blocks_to_swap, --block_swap_h2d_only, --no_pinned_memory_for_block_swap, --cpu_offload_checkpointing, --unsloth_offload_checkpointing, --lowram, --highvram, --cuda_expandable_segments |
 | `add_text_encoder_memory_arguments` | --te_quant, --te_device, --text_encoder_cpu |
-| `add_compile_arguments` | --compile, --compile_backend, --compile_mode, --compile_dynamic, --compile_fullgraph, --compile_cache_size_limit |
+| `add_compile_arguments` | --compile, --compile_backend, --compile_mode, --compile_dynamic, --compile_fullgraph, --compile_cache_size_limit, --cuda_allow_tf32, --cuda_cudnn_benchmark |
 | `add_seed_argument`, `add_device_argument` | --seed, --device |
 
 What one option implies for another (e.g. `--cache_latents_to_disk` turns on `--cache_latents`) is applied after
@@ -164,7 +164,9 @@ def add_text_encoder_memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--compile` (per-block torch.compile, `library.runtime.compile`) and its `--compile_*` options."""
+    """`--compile` (per-block torch.compile, `library.runtime.compile`) and its `--compile_*` options, with the CUDA
+    backend switches that sd-scripts' torch.compile guide names beside them (`--cuda_allow_tf32`,
+    `--cuda_cudnn_benchmark`)."""
     g = parser.add_argument_group("torch.compile")
     g.add_argument("--compile", action="store_true", help="per-block torch.compile of the DiT blocks")
     g.add_argument("--compile_backend", type=str, default="inductor", help="torch.compile backend")
@@ -175,6 +177,12 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile_fullgraph", action="store_true", help="fullgraph=True for --compile")
     g.add_argument("--compile_cache_size_limit", type=int, default=None,
                    help="dynamo recompile limit (raised automatically for several bucket or image sizes)")
+    g.add_argument("--cuda_allow_tf32", action="store_true",
+                   help="TF32 matmuls and convolutions from the start of the run (TF32 is turned on anyway once the"
+                        " DiT is placed)")
+    g.add_argument("--cuda_cudnn_benchmark", action="store_true",
+                   help="cuDNN autotuning: only the VAE has convolutions, and its search can take workspaces as large"
+                        " as the free GPU memory")
 
 
 def add_seed_argument(group: ArgumentContainer) -> None:

@@ -50,12 +50,32 @@ def check_cpu_compiler(args: argparse.Namespace, device: Any) -> None:
                         f" ({e}): install one (g++ or clang++, or set CXX), or use --compile_backend aot_eager.") from e
 
 
+def apply_cuda_backend_options(args: argparse.Namespace) -> None:
+    """--cuda_allow_tf32 and --cuda_cudnn_benchmark (the options of sd-scripts' and musubi-tuner's DiT scripts), set
+    at the start of a run as they set them, before any model runs: TF32 matmuls and convolutions, cuDNN autotuning."""
+    import torch
+
+    if not (args.cuda_allow_tf32 or args.cuda_cudnn_benchmark):
+        return
+    if not torch.cuda.is_available():
+        logger.info("--cuda_allow_tf32 / --cuda_cudnn_benchmark: no CUDA device, nothing to set")
+        return
+    if args.cuda_allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        logger.info("Enabled TF32 on CUDA")
+    if args.cuda_cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
+        logger.info("Enabled cuDNN benchmark")
+
+
 def apply_cuda_optimizations(args: argparse.Namespace) -> None:
     """TF32 matmuls and convolutions: applied whenever CUDA is used, with or without --compile.
 
-    cuDNN autotuning (`cudnn.benchmark`) stays off: the DiT has no convolution, and the VAE's convolutions run a few
-    times per run, where the search costs more than it gains and takes workspaces as large as the free memory (a
-    1024x1024 decode peaked at 130 GiB allocated on an H200 with it on)."""
+    cuDNN autotuning (`cudnn.benchmark`) stays off unless --cuda_cudnn_benchmark asks for it: the DiT has no
+    convolution, and the VAE's convolutions run a few times per run, where the search costs more than it gains and
+    takes workspaces as large as the free memory (a 1024x1024 decode peaked at 130 GiB allocated on an H200 with it
+    on)."""
     import torch
 
     if not torch.cuda.is_available():

@@ -17,7 +17,9 @@ skip_layers=None) -> velocity [B, 128, h, w]`` with ``h, w = H/16, W/16``.
 Prompt files (``--sample_prompts`` / ``--from_file``): ``.txt`` with one prompt per line and the options
 ``--w --h --s --l --fs --n --d`` (``#`` starts a comment line, ``\\n`` in the text is a line break), or the
 ``.toml`` / ``.json`` / ``.jsonl`` forms of sd-scripts with the keys ``prompt``, ``negative_prompt``, ``width``,
-``height``, ``sample_steps``, ``scale``, ``flow_shift``, ``seed``.
+``height``, ``sample_steps``, ``scale``, ``flow_shift``, ``seed``. The options and keys of other models' prompt
+files (``--g``, ``--ss``, ``guidance_scale``, ...) and unknown ones are ignored, as sd-scripts ignores them, and named
+in one warning per file; a bad value of one of ours is an error.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ _LINE_OPTIONS = {
     "n": "negative_prompt",
     "d": "seed",
 }
-# sd-scripts options that exist for other models and have no meaning for MOSS-Image
+# sd-scripts options that exist for other models and have no meaning for MOSS-Image: ignored with a warning
 _OTHER_MODEL_OPTIONS = {
     "g": "guidance_scale",
     "ss": "sample_sampler",
@@ -76,8 +78,20 @@ _OTHER_MODEL_OPTIONS = {
     "ctr": "cfg_trunc_ratio",
     "rcfg": "renorm_cfg",
 }
+# why each is ignored, by prompt dict key
+_OTHER_MODEL_REASONS = {
+    "guidance_scale": "the distilled guidance of FLUX; the CFG scale of MOSS-Image is --l / scale",
+    "sample_sampler": "the sampler is always the official flow-matching Euler",
+    "controlnet_image": "a ControlNet input, which MOSS-Image has not",
+    "cfg_trunc_ratio": "a CFG truncation of other models",
+    "renorm_cfg": "a CFG renormalisation of other models",
+}
+# sd-scripts' names of the Euler sampler, the only one (--sample_sampler, --ss, "sample_sampler")
+EULER_SAMPLER_NAMES = ("euler", "k_euler")
+_LINE_OPTION_LIST = " ".join(f"--{k}" for k in _LINE_OPTIONS)
 
 VelocityModel = Callable[..., torch.Tensor]
+_WARNED: set[str] = set()  # the prompt-file warnings already logged (_warn_once)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -295,86 +309,117 @@ def _convert(key: str, value: Any, option: str) -> Any:
     return number
 
 
-def normalize_prompt_dict(entry: dict[str, Any], defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """A prompt dict with every key (defaults filled, types checked, ``\\n`` turned into line breaks). ``defaults``
-    replaces the official defaults (e.g. the command-line values of the inference script)."""
-    unknown = [k for k in entry if k not in PROMPT_KEYS]
-    if unknown:
-        other = any(k in _OTHER_MODEL_OPTIONS.values() for k in unknown)
-        why = " (they are used by other models, not MOSS-Image)" if other else ""
-        raise UserError(
-            f"prompt entry keys {', '.join(map(repr, unknown))} are not supported{why};"
-            f" use {', '.join(PROMPT_KEYS[:-1])}."
-        )
+def _is_euler(key: str, value: Any) -> bool:
+    """A sampler choice that names the sampler used anyway (no warning for it)."""
+    return key == "sample_sampler" and str(value).strip().lower() in EULER_SAMPLER_NAMES
+
+
+def _ignored_key(key: str, value: Any) -> str:
+    reason = _OTHER_MODEL_REASONS.get(key, f"not a prompt key; the keys are {', '.join(PROMPT_KEYS[:-1])}")
+    return f"{key} = {value!r} ({reason})"
+
+
+def _ignored_line_option(name: str, value: str) -> str:
+    key = _OTHER_MODEL_OPTIONS.get(name)
+    reason = _OTHER_MODEL_REASONS[key] if key else f"not a prompt option; the options are {_LINE_OPTION_LIST}"
+    return f"--{name}{' ' + value if value else ''} ({reason})"
+
+
+def _normalize(entry: dict[str, Any], defaults: Optional[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """(the prompt dict, the keys that were ignored as `_ignored_key` names them)."""
+    ignored = [_ignored_key(k, v) for k, v in entry.items() if k not in PROMPT_KEYS and not _is_euler(k, v)]
     if "prompt" not in entry:
         raise UserError(f"prompt entry {entry!r} has no 'prompt' text.")
     result: dict[str, Any] = {"prompt": None, **PROMPT_DEFAULTS, **(defaults or {})}
     for key, value in entry.items():
-        if key == "enum" or (value is None and key in ("seed", "negative_prompt")):
+        if key not in PROMPT_KEYS or key == "enum" or (value is None and key in ("seed", "negative_prompt")):
             continue
         result[key] = _convert(key, value, key)
     check_image_size(result["width"], result["height"])
-    return result
+    return result, ignored
 
 
-def parse_prompt_line(line: str, defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """One .txt prompt line: ``text --w 1024 --h 1024 --s 50 --l 3.0 --fs 5.0 --n negative --d 42``."""
+def _parse_line(line: str, defaults: Optional[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """(the prompt dict of a .txt line, the options that were ignored as `_ignored_line_option` names them)."""
     parts = line.strip().split(" --")
     entry: dict[str, Any] = {"prompt": parts[0].strip()}
+    ignored: list[str] = []
     for part in parts[1:]:
         m = re.match(r"([A-Za-z]+)(?:\s+(.*))?$", part.strip(), re.S)
         name = m.group(1).lower() if m else part.strip().split(" ")[0]
+        value = (m.group(2) or "").strip() if m else ""
         if not m or name not in _LINE_OPTIONS:
-            if name in _OTHER_MODEL_OPTIONS:
-                raise UserError(
-                    f"prompt option --{name} is used by other models and does not apply to MOSS-Image; remove it"
-                    " (options: --w --h --s --l --fs --n --d)."
-                )
-            raise UserError(
-                f"unknown prompt option --{name}; the options are --w --h --s --l --fs --n --d (' --' followed by a"
-                " word starts an option)."
-            )
-        value = (m.group(2) or "").strip()
+            if not _is_euler(_OTHER_MODEL_OPTIONS.get(name, ""), value):
+                ignored.append(_ignored_line_option(name, value))
+            continue
         key = _LINE_OPTIONS[name]
         if value == "" and key != "negative_prompt":
             raise UserError(f"prompt option --{name} needs a value.")
         entry[key] = value
-    return normalize_prompt_dict(entry, defaults)
+    return _normalize(entry, defaults)[0], ignored
+
+
+def _ignored_message(where: str, ignored: Iterable[str]) -> str:
+    return f"{where}: prompt options that MOSS-Image does not use are ignored: {', '.join(dict.fromkeys(ignored))}"
+
+
+def normalize_prompt_dict(entry: dict[str, Any], defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """A prompt dict with every key (defaults filled, types checked, ``\\n`` turned into line breaks). ``defaults``
+    replaces the official defaults (e.g. the command-line values of the inference script). Keys of other models'
+    prompt files (``guidance_scale``, ...) and unknown keys are ignored with a warning, as sd-scripts ignores them."""
+    result, ignored = _normalize(entry, defaults)
+    if ignored:
+        logger.warning(_ignored_message("prompt entry", ignored))
+    return result
+
+
+def parse_prompt_line(line: str, defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One .txt prompt line: ``text --w 1024 --h 1024 --s 50 --l 3.0 --fs 5.0 --n negative --d 42``. Options of other
+    models' prompt files (``--g``, ``--ss``, ...) and unknown options are ignored with a warning, as sd-scripts
+    ignores them; a bad value of one of ours is an error."""
+    result, ignored = _parse_line(line, defaults)
+    if ignored:
+        logger.warning(_ignored_message(f"prompt {result['prompt'][:40]!r}", ignored))
+    return result
 
 
 def _located(path: str, where: str, error: UserError) -> UserError:
     return UserError(f"{path} {where}: {error}")
 
 
-def _txt_prompts(path: str, defaults: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
-    prompts = []
+def _txt_prompts(path: str, defaults: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], list[str]]:
+    prompts, ignored = [], []
     with open(path, "r", encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             text = line.strip()
             if not text or text.startswith("#"):
                 continue
             try:
-                prompts.append(parse_prompt_line(text, defaults))
+                prompt, more = _parse_line(text, defaults)
             except UserError as e:
                 raise _located(path, f"line {number}", e) from None
-    return prompts
+            prompts.append(prompt)
+            ignored += more
+    return prompts, ignored
 
 
 def _entries_to_prompts(
     path: str, entries: Sequence[Any], defaults: Optional[dict[str, Any]] = None
-) -> list[dict[str, Any]]:
-    prompts = []
+) -> tuple[list[dict[str, Any]], list[str]]:
+    prompts, ignored = [], []
     for i, entry in enumerate(entries):
         try:
             if isinstance(entry, str):
-                prompts.append(parse_prompt_line(entry, defaults))
+                prompt, more = _parse_line(entry, defaults)
             elif isinstance(entry, dict):
-                prompts.append(normalize_prompt_dict(entry, defaults))
+                prompt, more = _normalize(entry, defaults)
             else:
                 raise UserError(f"a prompt entry must be a text or a table/object, got {type(entry).__name__}.")
         except UserError as e:
             raise _located(path, f"entry {i + 1}", e) from None
-    return prompts
+        prompts.append(prompt)
+        ignored += more
+    return prompts, ignored
 
 
 def _toml_entries(path: str, data: dict[str, Any]) -> list[Any]:
@@ -390,22 +435,30 @@ def _toml_entries(path: str, data: dict[str, Any]) -> list[Any]:
     return [{**defaults, **subset} if isinstance(subset, dict) else subset for subset in subsets]
 
 
+def _warn_once(message: str) -> None:
+    """A warning logged the first time only: the trainer reads its prompt file again at every sampling."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
 def load_prompts(path: str, defaults: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     """Read a prompt file (.txt, .toml, .json, .jsonl) into prompt dicts with every key filled and ``enum`` set to the
-    prompt's position (used in the sample image names)."""
+    prompt's position (used in the sample image names). The options and keys MOSS-Image does not use are named in
+    one warning (once per process for the same file and options)."""
     if not os.path.isfile(path):
         raise UserError(f"The prompt file {path} does not exist; check --sample_prompts / --from_file.")
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".txt":
-            prompts = _txt_prompts(path, defaults)
+            prompts, ignored = _txt_prompts(path, defaults)
         elif ext == ".toml":
             with open(path, "rb") as f:
-                prompts = _entries_to_prompts(path, _toml_entries(path, tomllib.load(f)), defaults)
+                prompts, ignored = _entries_to_prompts(path, _toml_entries(path, tomllib.load(f)), defaults)
         elif ext == ".json":
             with open(path, "r", encoding="utf-8") as f:
                 data = json.load(f)
-            prompts = _entries_to_prompts(path, data if isinstance(data, list) else [data], defaults)
+            prompts, ignored = _entries_to_prompts(path, data if isinstance(data, list) else [data], defaults)
         elif ext == ".jsonl":
             entries = []
             with open(path, "r", encoding="utf-8") as f:
@@ -415,7 +468,7 @@ def load_prompts(path: str, defaults: Optional[dict[str, Any]] = None) -> list[d
                             entries.append(json.loads(line))
                         except json.JSONDecodeError as e:
                             raise UserError(f"{path} line {number} is not valid JSON ({e.msg}).") from None
-            prompts = _entries_to_prompts(path, entries, defaults)
+            prompts, ignored = _entries_to_prompts(path, entries, defaults)
         else:
             raise UserError(f"The prompt file {path} must end in .txt, .toml, .json or .jsonl.")
     except tomllib.TOMLDecodeError as e:
@@ -426,6 +479,8 @@ def load_prompts(path: str, defaults: Optional[dict[str, Any]] = None) -> list[d
         raise UserError(f"The prompt file {path} is not UTF-8 text; save it as UTF-8.") from None
     if not prompts:
         raise UserError(f"The prompt file {path} contains no prompts.")
+    if ignored:
+        _warn_once(_ignored_message(path, ignored))
     for i, prompt in enumerate(prompts):
         prompt["enum"] = i
     logger.info(f"{len(prompts)} prompts read from {path}")

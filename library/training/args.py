@@ -1,6 +1,6 @@
 """The trainer's command line: the shared option groups (`library.options.groups`), the options only the trainer
-has (sd-scripts names and defaults), `--config_file` / `--output_config`, and the rejection of options that cannot
-apply to a flow-matching DiT.
+has (sd-scripts names and defaults), `--config_file` / `--output_config`, and what becomes of the sd-scripts options
+that do not apply to a flow-matching DiT (`library.options.sd_scripts`: ignored with one warning line, or refused).
 
 Trainer-only groups here: network, training, saving, logging, sampling, validation. The dataset, optimizer/scheduler
 and flow-matching groups live beside their code (`library.datasets.args`, `library.training.optimizers`,
@@ -11,41 +11,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 from library.errors import UserError
 from library.files.safetensors_io import write_text_atomic
-from library.options import groups
+from library.options import groups, sd_scripts
 from library.options.implications import FP8_OPTIONS
+from library.sampling.sampler import EULER_SAMPLER_NAMES
 from library.training.sensitive_options import without_secrets
 
 logger = logging.getLogger(__name__)
-
-# Options of sd-scripts that have no meaning for a flow-matching DiT. They are accepted by the parser (so that a
-# pasted command gives a clear sentence instead of "unrecognized arguments") and rejected when set.
-SD_ONLY_OPTIONS: dict[str, str] = {
-    "v2": "selects Stable Diffusion 2 models",
-    "v_parameterization": "is for v-prediction SD models; MOSS-Image predicts the flow velocity",
-    "clip_skip": "is for CLIP text encoders; MOSS-Image uses the last hidden state of Qwen3.5",
-    "max_token_length": "is for CLIP; use --moss_max_token_length",
-    "noise_offset": "is a DDPM noise trick that does not apply to rectified flow",
-    "noise_offset_random_strength": "is a DDPM noise trick that does not apply to rectified flow",
-    "adaptive_noise_scale": "is a DDPM noise trick that does not apply to rectified flow",
-    "multires_noise_iterations": "is a DDPM noise trick that does not apply to rectified flow",
-    "multires_noise_discount": "is a DDPM noise trick that does not apply to rectified flow",
-    "min_snr_gamma": "weights DDPM timesteps by SNR; use --weighting_scheme for flow matching",
-    "scale_v_pred_loss_like_noise_pred": "is for v-prediction SD models",
-    "v_pred_like_loss": "is for v-prediction SD models",
-    "debiased_estimation_loss": "weights DDPM timesteps; use --weighting_scheme for flow matching",
-    "zero_terminal_snr": "changes a DDPM noise schedule",
-    "min_timestep": "restricts DDPM timesteps, which flow-matching sampling ignores; use --timestep_sampling options",
-    "max_timestep": "restricts DDPM timesteps, which flow-matching sampling ignores; use --timestep_sampling options",
-    "no_half_vae": "is for the SD VAE; the FLUX.2 VAE always runs in fp32",
-    "mem_eff_attn": "is the SD U-Net attention switch; use --attn_mode",
-    "weighted_captions": "is the CLIP prompt-weighting syntax",
-}
-
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The shared model, attention, ConvRot, caching, memory and compile groups, plus the fp8 options (disabled)."""
@@ -117,6 +94,9 @@ def _add_saving_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"],
                    help="precision of the saved LoRA (default: the training precision)")
     g.add_argument("--save_every_n_epochs", type=int, default=None, help="save every N epochs")
+    g.add_argument("--save_n_epoch_ratio", type=int, default=None,
+                   help="save at least N times over the run: every floor(epochs / N) epochs (replaces"
+                        " --save_every_n_epochs)")
     g.add_argument("--save_every_n_steps", type=int, default=None, help="save every N steps")
     g.add_argument("--save_last_n_epochs", type=int, default=None, help="keep only the last N epoch saves")
     g.add_argument("--save_last_n_steps", type=int, default=None, help="keep only the saves of the last N steps")
@@ -129,8 +109,11 @@ def _add_saving_arguments(parser: argparse.ArgumentParser) -> None:
                    help="resume even when the run cannot continue exactly (other seed, batch size, dataset, gradient"
                         " accumulation or an unreadable random state): a warning instead of an error")
     g.add_argument("--no_metadata", action="store_true", help="save no ss_* metadata in the LoRA file")
-    for name in ("title", "author", "description", "license", "tags"):
+    for name in ("title", "author", "description", "license", "tags", "usage_hint", "trigger_phrase", "merged_from",
+                 "preprocessor", "is_negative_embedding"):
         g.add_argument(f"--metadata_{name}", type=str, default=None, help=f"modelspec.{name} of the saved LoRA")
+    g.add_argument("--metadata_thumbnail", type=str, default=None,
+                   help="modelspec.thumbnail of the saved LoRA: a data: URL, or an image file stored as one")
 
 
 def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +127,12 @@ def _add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_config", action="store_true", help="log the training arguments to the tracker")
     g.add_argument("--wandb_run_name", type=str, default=None, help="wandb run name")
     g.add_argument("--wandb_api_key", type=str, default=None, help="wandb API key")
+    g.add_argument("--console_log_level", type=str, default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR",
+                   "CRITICAL"], help="level of the console log (default INFO)")
+    g.add_argument("--console_log_file", type=str, default=None,
+                   help="write the log to this file instead of the console (replaced at each run)")
+    g.add_argument("--console_log_simple", action="store_true",
+                   help="plain log lines (the log here is always plain, as with this option in sd-scripts)")
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,8 +141,9 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sample_every_n_steps", type=int, default=None, help="sample every N steps")
     g.add_argument("--sample_every_n_epochs", type=int, default=None, help="sample every N epochs")
     g.add_argument("--sample_at_first", action="store_true", help="sample before training")
-    g.add_argument("--sample_sampler", type=str, default="euler", choices=["euler"],
-                   help="sampler (the official flow-matching Euler)")
+    g.add_argument("--sample_sampler", type=str, default="euler",
+                   help="sampler of the sample images: the official flow-matching Euler (euler, or sd-scripts'"
+                        " k_euler); other samplers are refused")
     g.add_argument("--sample_uncond_skip_layers", type=str, default="22",
                    help="DiT blocks skipped in the unconditional CFG branch (default 22; '' disables)")
 
@@ -166,12 +156,6 @@ def _add_validation_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max_validation_steps", type=int, default=None, help="validation batches per run (all by default)")
 
 
-def _add_sd_only_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("Stable Diffusion options (rejected: they do not apply to MOSS-Image)")
-    for name in SD_ONLY_OPTIONS:
-        g.add_argument(f"--{name}", nargs="?", const=True, default=None, help=argparse.SUPPRESS)
-
-
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Every trainer option except the dataset, optimizer and flow-matching ones."""
     _add_model_arguments(parser)
@@ -181,7 +165,28 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     _add_logging_arguments(parser)
     _add_sampling_arguments(parser)
     _add_validation_arguments(parser)
-    _add_sd_only_arguments(parser)
+    sd_scripts.add_sd_scripts_arguments(parser)
+
+
+def apply_console_log_options(args: argparse.Namespace) -> None:
+    """--console_log_level and --console_log_file, as sd-scripts applies them: the level of the root logger, and the
+    log written to the file (opened anew) instead of the console. The console log is plain text here, which is what
+    --console_log_simple asks for."""
+    root = logging.getLogger()
+    if args.console_log_level:
+        root.setLevel(args.console_log_level)
+    if not args.console_log_file:
+        return
+    consoles = [h for h in root.handlers if type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.stdout)]
+    try:
+        handler = logging.FileHandler(args.console_log_file, mode="w", encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"--console_log_file '{args.console_log_file}' cannot be written ({e.strerror}): check the"
+                        " folder and its permissions.") from e
+    handler.setFormatter(consoles[0].formatter if consoles else None)
+    for console in consoles:
+        root.removeHandler(console)
+    root.addHandler(handler)
 
 
 # ---------------------------------------------------------------------------------------------- config files
@@ -195,8 +200,9 @@ def _flatten(table: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Arguments from a `--config_file` TOML (sections are flattened); unknown keys are an error naming them."""
+def read_config_file(path: str, parser: argparse.ArgumentParser) -> tuple[dict[str, Any], list[str]]:
+    """(the values of the options `parser` knows, the other keys, sorted) of a `--config_file` TOML; table sections
+    are flattened. The other keys (those of the kohya_ss GUI, of other trainers) are the caller's to report."""
     import tomllib  # standard library from Python 3.11 (the project allows 3.10): imported where it is needed
 
     p = Path(path)
@@ -210,17 +216,18 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
         raise UserError(f"--config_file '{path}' is not valid TOML ({e}): fix the file.") from e
     values = _flatten(table)
     known = {a.dest for a in parser._actions}
-    unknown = sorted(k for k in values if k not in known)
-    if unknown:
-        raise UserError(f"--config_file '{path}' has unknown options {', '.join(unknown)}: remove or rename them.")
-    return values
+    return {k: v for k, v in values.items() if k in known}, sorted(k for k in values if k not in known)
 
 
 def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse the command line on top of `--config_file` values (the command line wins)."""
+    """Parse the command line on top of `--config_file` values (the command line wins); keys of the file that are
+    not options of the script are ignored with one warning line that names them (sd-scripts takes them silently)."""
     args = parser.parse_args(argv)
     if args.config_file and not args.output_config:  # with --output_config the file is the output
-        values = read_config_file(args.config_file, parser)
+        values, unknown = read_config_file(args.config_file, parser)
+        if unknown:
+            logger.warning("--config_file %s: keys that are not options of this script are ignored: %s",
+                           args.config_file, ", ".join(unknown))
         parser.set_defaults(**values)
         args = parser.parse_args(argv)
         logger.info("loaded arguments from %s", args.config_file)
@@ -245,9 +252,27 @@ def write_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
 
 
 # ------------------------------------------------------------------------------------------------- checks
-def reject_sd_only_options(args: argparse.Namespace) -> None:
-    """A set option of SD_ONLY_OPTIONS is an error naming why it does not apply (nothing is changed)."""
-    for name, why in SD_ONLY_OPTIONS.items():
-        value = getattr(args, name)
-        if value not in (None, False, 0):
-            raise UserError(f"--{name} {why}: remove it from the command (or the config file).")
+def _sample_sampler_mentions(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """--sample_sampler other than Euler: refused when sample images are made, else ignored (it selects nothing)."""
+    name = str(args.sample_sampler or "euler")  # a config file may leave it empty
+    if name.lower() in EULER_SAMPLER_NAMES:
+        return [], []
+    if args.sample_prompts:
+        return [], [(f"--sample_sampler {name} (the sample images use the official flow-matching Euler sampler of"
+                     " MOSS-Image: --sample_sampler euler, the default)")]
+    return [f"--sample_sampler {name} (no --sample_prompts, so no sample images are made)"], []
+
+
+def check_sd_scripts_options(args: argparse.Namespace) -> None:
+    """The sd-scripts options whose meaning differs here (nothing is changed): those of `library.options.sd_scripts`
+    and a non-Euler --sample_sampler are named in one warning line when they are ignored, in one error when they are
+    refused."""
+    ignored, refused = sd_scripts.set_sd_scripts_options(args)
+    more_ignored, more_refused = _sample_sampler_mentions(args)
+    ignored += more_ignored
+    refused += more_refused
+    if refused:
+        raise UserError(f"MOSS-Image training cannot honour {'; '.join(refused)}: remove "
+                        f"{'it' if len(refused) == 1 else 'them'} from the command (or the config file).")
+    if ignored:
+        logger.warning("sd-scripts options that do not apply to MOSS-Image are ignored: %s", "; ".join(ignored))

@@ -31,10 +31,11 @@ import torch
 from library.errors import UserError
 from library.files import base_model_hash, model_spec
 from library.options.implications import TRAINING_IMPLICATIONS, apply_implications
+from library.runtime.compile import apply_cuda_backend_options
 from library.training import checkpoints as train_checkpoints
 from library.training import flow_matching
 from library.training import nonfinite, run_checks, sensitive_options, state_io
-from library.training.args import reject_sd_only_options
+from library.training.args import check_sd_scripts_options
 from library.training.run_options import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class NetworkTrainer(abc.ABC):
 
     # -------------------------------------------------------------------------------------------- checks
     def verify_args(self, args: argparse.Namespace) -> None:
-        reject_sd_only_options(args)
+        check_sd_scripts_options(args)
         run_checks.check_run_options(args)
         if args.network_module is None:
             raise UserError("--network_module is required: use --network_module networks.lora_generic.")
@@ -338,6 +339,10 @@ class NetworkTrainer(abc.ABC):
             logger.info("--max_train_epochs %d -> %d steps", args.max_train_epochs, args.max_train_steps)
         run.max_train_steps = args.max_train_steps
         run.num_train_epochs = math.ceil(args.max_train_steps / per_epoch)
+        if args.save_n_epoch_ratio:  # as sd-scripts: at least N saves over the run, replacing --save_every_n_epochs
+            args.save_every_n_epochs = math.floor(run.num_train_epochs / args.save_n_epoch_ratio) or 1
+            logger.info("--save_n_epoch_ratio %d: saving every %d epochs", args.save_n_epoch_ratio,
+                        args.save_every_n_epochs)
         run.train_group.set_max_train_steps(args.max_train_steps)
 
     # -------------------------------------------------------------------------------------------- train
@@ -363,6 +368,7 @@ class NetworkTrainer(abc.ABC):
         train_checkpoints.seed_from_state(args)
         options = RunOptions.from_args(args, self.is_train_text_encoder(args))
         flow_matching.log_timestep_sampling_info(options.timestep_sampling)
+        apply_cuda_backend_options(args)
         if args.cuda_expandable_segments:
             from library.runtime.compile import enable_expandable_segments
 

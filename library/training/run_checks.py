@@ -2,9 +2,9 @@
 output folder (`library.training.output_folder`), the sample prompt file, the network module, the room for saves.
 
 Bounds (sd-scripts semantics): `--max_train_steps` (without `--max_train_epochs`) and `--max_train_epochs` must be
-1 or more; the `--save_every_n_*`, `--save_last_n_*`, `--sample_every_n_*` and `--validate_every_n_*` counts may be
-0 (off, as when they are not given) but not negative; `--seed` lies in 0 .. 2**32 - 1 (leave it out for a random one);
-`--max_nan_loss_steps` is 1 or more.
+1 or more; the `--save_every_n_*`, `--save_n_epoch_ratio`, `--save_last_n_*`, `--sample_every_n_*` and
+`--validate_every_n_*` counts may be 0 (off, as when they are not given) but not negative; `--seed` lies in
+0 .. 2**32 - 1 (leave it out for a random one); `--max_nan_loss_steps` is 1 or more.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 MAX_SEED = 2**32 - 1
 _COUNTS_OFF_AT_ZERO = (
-    "save_every_n_epochs", "save_every_n_steps", "save_last_n_epochs", "save_last_n_steps", "save_last_n_epochs_state",
-    "save_last_n_steps_state", "sample_every_n_epochs", "sample_every_n_steps", "validate_every_n_epochs",
+    "save_every_n_epochs", "save_n_epoch_ratio", "save_every_n_steps", "save_last_n_epochs", "save_last_n_steps",
+    "save_last_n_epochs_state", "save_last_n_steps_state", "sample_every_n_epochs", "sample_every_n_steps", "validate_every_n_epochs",
     "validate_every_n_steps", "max_validation_steps",
 )
 _NETWORK_METHODS = ("apply_to", "prepare_grad_etc", "get_trainable_params", "save_weights", "load_weights")

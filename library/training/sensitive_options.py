@@ -30,6 +30,7 @@ PATH_OPTIONS: frozenset[str] = frozenset({
     "pretrained_model_name_or_path", "text_encoder", "vae", "snapshot", "tokenizer_cache_dir",
     "network_weights", "base_weights", "resume", "output_dir", "logging_dir", "config_file", "log_tracker_config",
     "sample_prompts", "dataset_config", "train_data_dir", "reg_data_dir", "conditioning_data_dir", "in_json",
+    "metadata_thumbnail",
 })
 
 
