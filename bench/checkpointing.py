@@ -1,6 +1,6 @@
 """The trainer's own training step per checkpointing configuration: median step time and peak reserved memory.
 
-    python bench/make_full_snapshot.py /tmp/full --what dit
+    python -m bench.make_full_snapshot /tmp/full --what dit
     python -m bench.checkpointing --snapshot /tmp/full --out checkpointing.json [--configs a,b] [--steps 20]
     python -m bench.checkpointing --tiny --out tiny.json        # the tiny snapshot on the CPU, in seconds
 
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import moss_image_train_network as trainer_script
-from library.training import optimizers
+from library.training import nonfinite, optimizers
 from library.training.network_trainer import RunState, StepGarbageCollector
 from library.training.run_options import RunOptions
 
@@ -167,13 +167,14 @@ def _sync_debug(batch: dict[str, Any], steps: int) -> Any:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _syncs_per_step(trainer: Any, run: RunState, batch: dict[str, Any], steps: int, collector: Any) -> float | None:
+def _syncs_per_step(trainer: Any, run: RunState, batch: dict[str, Any], steps: int, loop: tuple[Any, Any]
+                    ) -> float | None:
     """Host syncs per step as CUDA's sync debug mode reports them (None on the CPU)."""
     if not torch.cuda.is_available():
         return None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer._run_epoch(run, _sync_debug(batch, steps), _Progress(), collector)
+        trainer._run_epoch(run, _sync_debug(batch, steps), _Progress(), *loop)
         torch.cuda.synchronize()
     return sum("synchroniz" in str(w.message) for w in caught) / steps
 
@@ -191,9 +192,10 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
         setup_s = time.perf_counter() - t0
         run.train_dataloader = [batch] * shape.steps  # its length is the loss-average window
         with StepGarbageCollector() as collector:
+            loop = (collector, nonfinite.NonFiniteLossGuard(run.args.max_nan_loss_steps))
             warm: list[Any] = []
             t0 = time.perf_counter()
-            trainer._run_epoch(run, _marks(batch, shape.warmup, device, warm), _Progress(), collector)
+            trainer._run_epoch(run, _marks(batch, shape.warmup, device, warm), _Progress(), *loop)
             warmup_s = time.perf_counter() - t0
             with_load = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
             if device.type == "cuda":
@@ -201,12 +203,12 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats()
             marks: list[Any] = []
             t0 = time.perf_counter()
-            trainer._run_epoch(run, _marks(batch, shape.steps, device, marks), _Progress(), collector)
+            trainer._run_epoch(run, _marks(batch, shape.steps, device, marks), _Progress(), *loop)
             times = _step_ms(marks, device)
             wall_s = time.perf_counter() - t0
             peak = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()) if device.type == "cuda" \
                 else (0, 0)
-            syncs = _syncs_per_step(trainer, run, batch, 3, collector)
+            syncs = _syncs_per_step(trainer, run, batch, 3, loop)
     result: dict[str, Any] = {
         "config": name, "flags": flags, "ok": True, "steps": shape.steps, "warmup": shape.warmup,
         "step_ms_median": round(statistics.median(times), 1), "step_ms": [round(t, 1) for t in times],
