@@ -309,9 +309,11 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if raw is None:
             run.vae.to(acc.device)
             raw = run.vae.encode(batch["images"].to(acc.device))
-        raw = raw.to(acc.device, torch.float32)
-        return normalize_latents(patchify_latents(raw), self.bn_running_mean.to(acc.device),
-                                 self.bn_running_var.to(acc.device))
+        raw = raw.to(acc.device, torch.float32, non_blocking=True)  # no blocking copy: the queue keeps running
+        if self.bn_running_mean.device != acc.device:  # moved once, not copied every step
+            self.bn_running_mean = self.bn_running_mean.to(acc.device)
+            self.bn_running_var = self.bn_running_var.to(acc.device)
+        return normalize_latents(patchify_latents(raw), self.bn_running_mean, self.bn_running_var)
 
     def get_text_conds(self, run: RunState, batch: dict[str, Any], is_train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         outputs = batch.get("text_encoder_outputs")
@@ -320,12 +322,14 @@ class MossImageNetworkTrainer(NetworkTrainer):
             te.to(self.te_device)
             outputs = encode_captions(te, self.tokenizer, batch["captions"], run.args.moss_max_token_length,
                                       text_encoder_batch_size(run.args.text_encoder_batch_size), grad=True)
-        embeds, mask = pad_and_stack([(e.to(run.accelerator.device), m.to(run.accelerator.device)) for e, m in outputs])
+        # padded where they are (the host for cached outputs): one copy of the batch, and the mask stays on the host,
+        # where the DiT reads the text lengths and decides about padding without a device sync
+        embeds, mask = pad_and_stack(outputs)
         if embeds.shape[-1] != run.unet.config.text_dim:  # caches of another text encoder
             raise UserError(f"The text-encoder outputs are {embeds.shape[-1]} wide, but the DiT takes"
                             f" {run.unet.config.text_dim}: the *_moss_te.npz cache files were made by another text"
                             " encoder; delete them (or drop --skip_cache_check) to re-create them.")
-        return embeds, mask
+        return embeds.to(run.accelerator.device, non_blocking=True), mask
 
     def get_noise_pred_and_target(
         self, run: RunState, latents: torch.Tensor, text_conds: Any, batch: dict[str, Any], is_train: bool,

@@ -262,3 +262,39 @@ def test_defaults_are_the_official_ones():
     assert (ms.DEFAULT_STEPS, ms.DEFAULT_GUIDANCE_SCALE, ms.DEFAULT_FLOW_SHIFT) == (50, 3.0, 5.0)
     assert ms.DEFAULT_UNCOND_SKIP_LAYERS == (22,) and ms.DEFAULT_SIZE == 1024
     assert math.isclose(ms.shifted_sigma(0.5, 5.0), 2.5 / 3)
+
+
+@pytest.mark.parametrize("skip, uncond_tokens", [("1", 3), ("", 5)])
+def test_text_work_once_per_image_gives_identical_latents(skip, uncond_tokens):
+    """The DiT's text refiner, RoPE tables and masks are prepared once per image (per prompt, or once for the CFG
+    pair run as one batch), and the latents are bitwise those of calling the whole forward on every pass."""
+    from library.moss_image.dit import MossImage, MossImageConfig
+
+    cfg = MossImageConfig(hidden_size=32, num_layers=3, num_heads=2, head_dim=16, ffn_hidden=64, text_dim=24,
+                          num_refiner_layers=2, rope_axes_dims=(4, 6, 6))
+    torch.manual_seed(0)
+    dit = MossImage(cfg).eval()
+    noise = torch.randn(1, 128, 2, 3, generator=torch.Generator().manual_seed(7))
+    cond, uncond = torch.randn(1, 5, 24), torch.randn(1, uncond_tokens, 24)
+    cm = torch.tensor([[True, True, True, True, False]])  # padded: the key mask reaches attention
+    um = torch.ones(1, uncond_tokens, dtype=torch.bool)
+    prepared = []
+    prepare = dit.prepare_text
+
+    def counting_prepare(*args, **kwargs):
+        prepared.append(args[0].shape[0])
+        return prepare(*args, **kwargs)
+
+    dit.prepare_text = counting_prepare
+
+    def every_pass(*args, **kwargs):  # the plain model interface: the whole forward on every pass
+        return dit(*args, **kwargs)
+
+    with torch.no_grad():
+        once = ms.sample(dit, noise, cond, cm, uncond, um, steps=4, guidance_scale=3.0, uncond_skip_layers=skip)
+        calls = list(prepared)
+        per_pass = ms.sample(every_pass, noise, cond, cm, uncond, um, steps=4, guidance_scale=3.0,
+                             uncond_skip_layers=skip)
+    assert torch.equal(once, per_pass)
+    assert calls == ([1, 1] if skip else [2])  # two prompts, or the CFG pair as one batch of 2
+    assert len(prepared) - len(calls) == (8 if skip else 4)  # the per-pass path prepares on every model call

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from library.runtime.attention import Attention
+from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,59 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+class RopeTables:
+    """RoPE cos/sin of a forward, assembled from cached per-axis tables (no float64 work per forward).
+
+    The table of an axis holds the angles of the positions 0..n-1 (grown when a longer one is needed; the value of a
+    position never depends on the table length) and the image part of a grid (rows x columns) is cached per size, so
+    each bucket or image size computes its tables once per device."""
+
+    def __init__(self, axes_dims: tuple[int, ...], theta: float):
+        self.axes_dims = tuple(axes_dims)
+        self.theta = theta
+        self._axes: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grids: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def axis(self, axis: int, length: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [n >= length, dim/2] of the positions 0..n-1 on `axis`."""
+        device = torch.device(device)
+        cached = self._axes.get((axis, device))
+        if cached is None or cached[0].shape[0] < length:
+            n = max(length, 2 * cached[0].shape[0] if cached is not None else 64)
+            pos = torch.arange(n, device=device)[None, :, None]
+            cos, sin = rope_cos_sin(pos, (self.axes_dims[axis],), self.theta)
+            cached = self._axes[(axis, device)] = (cos[0], sin[0])
+        return cached
+
+    def grid(self, h: int, w: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [h*w, (dim_row + dim_col)/2] of the row and column axes of the image tokens (row-major)."""
+        device = torch.device(device)
+        key = (h, w, device)
+        if key not in self._grids:
+            rc, rs = self.axis(1, h, device)
+            cc, cs = self.axis(2, w, device)
+            rows = torch.arange(h, device=device).repeat_interleave(w)
+            cols = torch.arange(w, device=device).repeat(h)
+            self._grids[key] = (torch.cat([rc[rows], cc[cols]], dim=-1), torch.cat([rs[rows], cs[cols]], dim=-1))
+        return self._grids[key]
+
+    def cos_sin(self, text_lengths: list[int], t_pad: int, h: int, w: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, t_pad + h*w, head_dim/2] of the positions of `MossImage`: text token i at (i, 0, 0), image
+        token (r, c) at (valid text length, r, c); `text_lengths` are host integers (one per sample)."""
+        t_cos, t_sin = self.axis(0, t_pad + 1, device)
+        g_cos, g_sin = self.grid(h, w, device)
+        z_cos = torch.cat([self.axis(1, 1, device)[0][0], self.axis(2, 1, device)[0][0]])  # position 0 of rows/cols
+        z_sin = torch.cat([self.axis(1, 1, device)[1][0], self.axis(2, 1, device)[1][0]])
+        n = h * w
+        out = []
+        for table, zero, grid in ((t_cos, z_cos, g_cos), (t_sin, z_sin, g_sin)):
+            text = torch.cat([table[:t_pad], zero.expand(t_pad, -1)], dim=-1)
+            rows = [torch.cat([text, torch.cat([table[length].expand(n, -1), grid], dim=-1)]) for length in text_lengths]
+            out.append(torch.stack(rows))
+        return out[0], out[1]
+
+
 class BlockProjections(nn.Module):
     """The six Linears of a block, named as in the official checkpoints (`proj.q`, ..., `proj.ffn_down`)."""
 
@@ -178,6 +232,9 @@ class MossImageBlock(nn.Module):
         self.proj = BlockProjections(cfg)
         if modulated:
             self.scale_shift_table = nn.Parameter(torch.zeros(6, cfg.hidden_size))
+        # "full" | "selective": checkpointed inside forward, so that a compiled block compiles its checkpoint (set by
+        # MossImage.enable_gradient_checkpointing; None: not checkpointed here)
+        self.checkpointing: str | None = None
 
     def _attn(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         shape = (*h.shape[:2], self.cfg.num_heads, self.cfg.head_dim)
@@ -198,6 +255,20 @@ class MossImageBlock(nn.Module):
         sin: torch.Tensor,
         key_mask: torch.Tensor | None,
         mod: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # only a block that takes part in backward is checkpointed (a compiled graph with nothing to differentiate
+        # must not carry recompute tags); the trainer makes the noisy latents require grad under checkpointing
+        if self.checkpointing is not None and torch.is_grad_enabled() and x.requires_grad:
+            return checkpointed(self._forward, self.checkpointing, x, cos, sin, key_mask, mod)
+        return self._forward(x, cos, sin, key_mask, mod)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        mod: torch.Tensor | None,
     ) -> torch.Tensor:
         if not self.modulated:
             x = x + self._attn(self.norm1(x), cos, sin, key_mask)
@@ -266,8 +337,37 @@ class _UnslothOffload(torch.autograd.Function):
         return (None, x.grad if x.requires_grad else None, *arg_grads)
 
 
+@dataclass
+class TextConditioning:
+    """What a forward computes from the text and the latent size alone (`MossImage.prepare_text`): the refined text
+    tokens, the RoPE tables of the joint sequence and the key mask. Independent of the latents and the timestep, so
+    the sampler computes it once per image instead of once per pass."""
+
+    tokens: torch.Tensor  # refined text tokens [B, T, hidden]
+    cos: torch.Tensor  # RoPE of [text ; image] tokens [B, T + h*w, head_dim/2], fp32
+    sin: torch.Tensor
+    key_mask: torch.Tensor | None  # [B, T + h*w], True = attend; None when no text token is padding
+    grid: tuple[int, int]  # (h, w) of the latents it was prepared for
+
+
+def text_lengths(attn_mask: torch.Tensor | None, batch: int, t_pad: int) -> list[int]:
+    """Valid text tokens per sample as host integers. A mask on the host costs no device sync; a mask on a device is
+    copied to the host once (pass host masks to keep the step free of syncs)."""
+    if attn_mask is None:
+        return [t_pad] * batch
+    host = attn_mask if attn_mask.device.type == "cpu" else attn_mask.cpu()
+    return host.to(torch.bool).sum(dim=1).tolist()
+
+
 class MossImage(nn.Module):
-    """forward(x [B,128,H/16,W/16], timesteps [B] = sigma*1000 (fp32), prompt_embeds [B,T,4096], attn_mask [B,T])."""
+    """forward(x [B,128,H/16,W/16], timesteps [B] = sigma*1000 (fp32), prompt_embeds [B,T,4096], attn_mask [B,T]).
+
+    A forward is `prepare_text` (text embedding, text refiner, RoPE, masks) followed by `forward_with_text` (image and
+    timestep embedding, the 42 blocks, the final layer); the sampler calls the two parts itself so that the first runs
+    once per image."""
+
+    # methods compiled whole by compile_regions (besides every block)
+    COMPILED_REGIONS = ("_embed_text", "_embed_image_and_time", "_final")
 
     def __init__(self, config: MossImageConfig | None = None, attn_mode: str = "torch", split_attn: bool = False):
         super().__init__()
@@ -282,7 +382,10 @@ class MossImage(nn.Module):
         self.final_layer = FinalLayer(cfg)
         self.gradient_checkpointing = False
         self.checkpoint_mode = "none"  # none | plain | cpu_offload | unsloth
+        self.checkpoint_policy = DEFAULT_CHECKPOINTING_POLICY  # full | selective (plain mode)
         self._block_offloader: Any = None  # library.memory.block_swap.ModelOffloader when block swap is on
+        self.rope = RopeTables(cfg.rope_axes_dims, cfg.rope_theta)
+        self._compiled: dict[str, Callable[..., Any]] = {}  # COMPILED_REGIONS name -> torch.compile'd method
 
     # ----------------------------------------------------------------------------------------------- properties
     @property
@@ -293,29 +396,59 @@ class MossImage(nn.Module):
     def device(self) -> torch.device:
         return self.video_embedder.weight.device
 
+    def _blocks(self) -> list[MossImageBlock]:
+        """The text refiner blocks and the main blocks."""
+        return [*self.text_embedder.blocks, *self.layers]
+
     # ------------------------------------------------------------------------------------- checkpointing switch
-    def enable_gradient_checkpointing(self, cpu_offload: bool = False, unsloth_offload: bool = False) -> None:
-        """Recompute each block in backward. `cpu_offload` keeps the saved block inputs in host memory;
-        `unsloth_offload` parks each block input in host memory asynchronously and recomputes the block."""
+    def enable_gradient_checkpointing(self, cpu_offload: bool = False, unsloth_offload: bool = False,
+                                      policy: str = DEFAULT_CHECKPOINTING_POLICY) -> None:
+        """Recompute each block in backward. `policy` ("full" or "selective", `library.runtime.checkpointing`) says
+        what a block keeps; the block checkpoints itself, so a compiled block compiles its checkpoint. `cpu_offload`
+        keeps the saved block inputs in host memory; `unsloth_offload` parks each block input in host memory
+        asynchronously and recomputes the block. Both keep only the block inputs (policy "full")."""
         if cpu_offload and unsloth_offload:
             raise ValueError("cpu_offload and unsloth_offload are exclusive")
+        if policy not in CHECKPOINTING_POLICIES:
+            raise ValueError(f"unknown checkpointing policy {policy!r}: choose one of {CHECKPOINTING_POLICIES}")
+        if policy != DEFAULT_CHECKPOINTING_POLICY and (cpu_offload or unsloth_offload):
+            raise ValueError(f"checkpointing policy {policy!r} does not apply to the offloaded modes")
         self.gradient_checkpointing = True
         self.checkpoint_mode = "unsloth" if unsloth_offload else "cpu_offload" if cpu_offload else "plain"
-        logger.info("DiT gradient checkpointing: %s", self.checkpoint_mode)
+        self.checkpoint_policy = policy
+        for block in self._blocks():
+            block.checkpointing = policy if self.checkpoint_mode == "plain" else None
+        shown = self.checkpoint_mode if policy == DEFAULT_CHECKPOINTING_POLICY else f"{self.checkpoint_mode} ({policy})"
+        logger.info("DiT gradient checkpointing: %s", shown)
 
     def disable_gradient_checkpointing(self) -> None:
         self.gradient_checkpointing = False
         self.checkpoint_mode = "none"
+        self.checkpoint_policy = DEFAULT_CHECKPOINTING_POLICY
+        for block in self._blocks():
+            block.checkpointing = None
 
     def _run_block(self, block: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        if not (self.gradient_checkpointing and torch.is_grad_enabled()):
+        """One block; the offloaded checkpointing modes wrap it here (the plain mode is inside the block)."""
+        if self.checkpoint_mode in ("none", "plain") or not torch.is_grad_enabled():
             return block(x, *args)
         if self.checkpoint_mode == "unsloth":
             return _run_offloaded(block, x, *args)
-        if self.checkpoint_mode == "cpu_offload":
-            with torch.autograd.graph.save_on_cpu(pin_memory=x.device.type == "cuda"):
-                return checkpoint(block, x, *args, use_reentrant=False)
-        return checkpoint(block, x, *args, use_reentrant=False)
+        with torch.autograd.graph.save_on_cpu(pin_memory=x.device.type == "cuda"):
+            return checkpoint(block, x, *args, use_reentrant=False)
+
+    # ------------------------------------------------------------------------------------------------ compile
+    def compile_regions(self, **options: Any) -> None:
+        """`torch.compile(**options)` of every block (in place: module names and state dict keys stay; the blocks
+        share their compiled code) and of the embedders and the final layer (COMPILED_REGIONS). Block swap, skipped
+        blocks and the offloaded checkpointing modes stay in the uncompiled block loop."""
+        for block in self._blocks():
+            block.compile(**options)
+        for name in self.COMPILED_REGIONS:
+            self._compiled[name] = torch.compile(getattr(self, name), **options)
+
+    def _region(self, name: str) -> Callable[..., Any]:
+        return self._compiled.get(name) or getattr(self, name)
 
     # ------------------------------------------------------------------------------------------------ block swap
     def enable_block_swap(self, num_blocks: int, config: Any) -> None:
@@ -348,17 +481,64 @@ class MossImage(nn.Module):
             self._block_offloader.prepare_before_forward()
 
     # ------------------------------------------------------------------------------------------------- forward
-    def _positions(self, text_len: torch.Tensor, t_pad: int, h: int, w: int) -> torch.Tensor:
-        """[B, T+N, 3] integer positions: text token i -> (i, 0, 0); image (r, c) -> (valid text length, r, c)."""
-        b = text_len.shape[0]
-        dev = text_len.device
-        text = torch.zeros(b, t_pad, 3, dtype=torch.long, device=dev)
-        text[..., 0] = torch.arange(t_pad, device=dev)[None]
-        rows = torch.arange(h, device=dev).repeat_interleave(w)
-        cols = torch.arange(w, device=dev).repeat(h)
-        img = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1)[None].repeat(b, 1, 1)
-        img[..., 0] = text_len[:, None]
-        return torch.cat([text, img], dim=1)
+    def _embed_text(self, prompt_embeds: torch.Tensor) -> torch.Tensor:
+        return self.text_embedder.proj(self.text_embedder.norm(prompt_embeds))
+
+    def _embed_image_and_time(self, x: torch.Tensor, timesteps: torch.Tensor, text_tokens: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sequence [text ; image tokens], timestep embedding, shared modulation [B, 6, hidden])."""
+        dtype = self.dtype
+        img = self.video_embedder(x.to(dtype).flatten(2).transpose(1, 2))
+        t_emb = self.t_embedder(timesteps, dtype)
+        mod = self.modulation(F.silu(t_emb)).unflatten(-1, (6, self.config.hidden_size))
+        return torch.cat([text_tokens, img], dim=1), t_emb, mod
+
+    def _final(self, seq: torch.Tensor, t_emb: torch.Tensor, t_pad: int, h: int, w: int) -> torch.Tensor:
+        out = self.final_layer(seq[:, t_pad:], t_emb)
+        return out.transpose(1, 2).reshape(out.shape[0], self.config.in_channels, h, w)
+
+    def prepare_text(self, prompt_embeds: torch.Tensor, attn_mask: torch.Tensor | None, grid: tuple[int, int]
+                     ) -> TextConditioning:
+        """The timestep-independent part of a forward for latents of `grid` = (h, w). The padding decision and the
+        text lengths are read from the mask on the host (see `text_lengths`), so no device sync happens here."""
+        h, w = int(grid[0]), int(grid[1])
+        device = self.device
+        b, t_pad = prompt_embeds.shape[:2]
+        lengths = text_lengths(attn_mask, b, t_pad)
+        # without padding no mask reaches attention, so the fast kernels run and compiled blocks keep one graph
+        padded = any(n != t_pad for n in lengths)
+        text_mask = attn_mask.to(device=device, dtype=torch.bool, non_blocking=True) if padded else None
+        cos, sin = self.rope.cos_sin(lengths, t_pad, h, w, device)
+        txt = self._region("_embed_text")(prompt_embeds.to(device, self.dtype, non_blocking=True))
+        txt_cos, txt_sin = cos[:, :t_pad], sin[:, :t_pad]
+        for block in self.text_embedder.blocks:
+            txt = self._run_block(block, txt, txt_cos, txt_sin, text_mask)
+        key_mask = None
+        if text_mask is not None:
+            key_mask = torch.cat([text_mask, torch.ones(b, h * w, dtype=torch.bool, device=device)], dim=1)
+        return TextConditioning(txt, cos, sin, key_mask, (h, w))
+
+    def forward_with_text(self, x: torch.Tensor, timesteps: torch.Tensor, text: TextConditioning,
+                          skip_layers: Iterable[int] | None = None) -> torch.Tensor:
+        """The velocity for latents `x` at `timesteps` given the prepared text (`prepare_text` for x's size)."""
+        h, w = x.shape[-2:]
+        if (h, w) != text.grid:
+            raise ValueError(f"the text conditioning was prepared for latents {text.grid}, not {(h, w)}")
+        t_pad = text.tokens.shape[1]
+        seq, t_emb, mod = self._region("_embed_image_and_time")(
+            x, timesteps.to(x.device, non_blocking=True), text.tokens)
+        skip = set(skip_layers or ())
+        swap = self._block_offloader
+        if swap is not None:
+            swap.begin_forward(torch.is_grad_enabled(), self.gradient_checkpointing)
+        for i, block in enumerate(self.layers):
+            if swap is not None:
+                swap.wait_for_block(i)
+            if i not in skip:
+                seq = self._run_block(block, seq, text.cos, text.sin, text.key_mask, mod)
+            if swap is not None:
+                seq = swap.block_done(i, seq)
+        return self._region("_final")(seq, t_emb, t_pad, h, w)
 
     def forward(
         self,
@@ -368,47 +548,8 @@ class MossImage(nn.Module):
         attn_mask: torch.Tensor | None = None,
         skip_layers: Iterable[int] | None = None,
     ) -> torch.Tensor:
-        cfg = self.config
-        b, c, h, w = x.shape
-        dtype = self.dtype
-        if attn_mask is None:
-            attn_mask = torch.ones(prompt_embeds.shape[:2], dtype=torch.bool, device=prompt_embeds.device)
-        attn_mask = attn_mask.to(device=x.device, dtype=torch.bool)
-        t_pad = prompt_embeds.shape[1]
-
-        img = self.video_embedder(x.to(dtype).flatten(2).transpose(1, 2))
-        t_emb = self.t_embedder(timesteps.to(x.device), dtype)
-        mod = self.modulation(F.silu(t_emb)).unflatten(-1, (6, cfg.hidden_size))
-
-        pos = self._positions(attn_mask.sum(dim=1), t_pad, h, w)
-        cos, sin = rope_cos_sin(pos, cfg.rope_axes_dims, cfg.rope_theta)
-
-        # Decided once per forward (one host sync), not in every block: without padding no mask reaches attention,
-        # so the fast kernels run and compiled blocks keep one graph.
-        padded = not bool(attn_mask.all())
-        txt = self.text_embedder.proj(self.text_embedder.norm(prompt_embeds.to(x.device, dtype)))
-        txt_cos, txt_sin = cos[:, :t_pad], sin[:, :t_pad]
-        for block in self.text_embedder.blocks:
-            txt = self._run_block(block, txt, txt_cos, txt_sin, attn_mask if padded else None)
-
-        seq = torch.cat([txt, img], dim=1)
-        key_mask = None
-        if padded:
-            key_mask = torch.cat([attn_mask, torch.ones(b, h * w, dtype=torch.bool, device=x.device)], dim=1)
-        skip = set(skip_layers or ())
-        swap = self._block_offloader
-        if swap is not None:
-            swap.begin_forward(torch.is_grad_enabled(), self.gradient_checkpointing)
-        for i, block in enumerate(self.layers):
-            if swap is not None:
-                swap.wait_for_block(i)
-            if i not in skip:
-                seq = self._run_block(block, seq, cos, sin, key_mask, mod)
-            if swap is not None:
-                seq = swap.block_done(i, seq)
-
-        out = self.final_layer(seq[:, t_pad:], t_emb)
-        return out.transpose(1, 2).reshape(b, cfg.in_channels, h, w)
+        return self.forward_with_text(x, timesteps, self.prepare_text(prompt_embeds, attn_mask, x.shape[-2:]),
+                                      skip_layers)
 
 
 def count_parameters(config: MossImageConfig) -> tuple[int, int]:

@@ -68,6 +68,8 @@ TRAINING_IMPLICATIONS: tuple[Implication, ...] = (
                 "cache_latents_to_disk is enabled, so cache_latents is also enabled"),
     _implies_gradient_checkpointing("unsloth_offload_checkpointing"),
     _implies_gradient_checkpointing("cpu_offload_checkpointing"),
+    Implication(lambda a: a.checkpointing_policy == "selective", {"gradient_checkpointing": True},
+                "checkpointing_policy selective is set, so gradient_checkpointing is also enabled"),
     # the default swap mode only: --block_swap_h2d_only without --gradient_checkpointing is an error (its check)
     Implication(lambda a: (a.blocks_to_swap or 0) > 0 and not a.block_swap_h2d_only, {"gradient_checkpointing": True},
                 "blocks_to_swap is enabled, so gradient_checkpointing is also enabled (a swapped block's weights leave"

@@ -1,12 +1,14 @@
-"""`--compile`: per-block torch.compile of the DiT blocks, and the CUDA speed switches.
+"""`--compile`: torch.compile of the DiT (each block, the embedders, the text refiner and the final layer), and the
+CUDA speed switches.
 
-Each of the main blocks is compiled on its own (same code, so the compiled graph is shared and compile time stays
-small). Buckets (training) or image sizes (inference) of different sizes change the sequence length: with
-`--compile_dynamic auto` the blocks are compiled with dynamic shapes when the run has several of them, and the dynamo
-recompile limit is raised to cover them. ConvRot INT8 layers are registered torch.library ops
-(`library.quant.convrot_ops`), so an int8 block compiles to one graph like a bf16 one (`--compile_fullgraph`
-included). Skipped blocks (the unconditional CFG pass) and block swap live in the model's block loop, outside the
-compiled blocks.
+Each block is compiled on its own (same code, so the compiled graph is shared and compile time stays small);
+gradient checkpointing happens inside the compiled blocks (`library.runtime.checkpointing`), so the compiled
+backward recomputes only what the policy does not keep. Buckets (training) or image sizes (inference) of different
+sizes change the sequence length: with `--compile_dynamic auto` the blocks are compiled with dynamic shapes when the
+run has several of them, and the dynamo recompile limit is raised to cover them. ConvRot INT8 layers are registered
+torch.library ops (`library.quant.convrot_ops`), so an int8 block compiles to one graph like a bf16 one
+(`--compile_fullgraph` included). Skipped blocks (the unconditional CFG pass) and block swap live in the model's
+block loop, outside the compiled blocks.
 
 The options are shared by the trainer and the inference script (declared by
 `library.options.groups.add_compile_arguments`). torch is imported inside the functions so that importing this module
@@ -85,7 +87,9 @@ def apply_cuda_optimizations(args: argparse.Namespace) -> None:
 
 
 def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> None:
-    """Replace each block of `dit.layers` by its torch.compile'd version (in place)."""
+    """torch.compile the DiT in place (`MossImage.compile_regions`): every block, text refiner blocks included, and
+    the embedders and the final layer. The blocks share one compiled code object, whose entries (main and refiner
+    blocks, with and without gradients, per shape) the recompile limit must cover."""
     import torch
 
     from library.quant.convrot_ops import enable_inductor_quantize_dedupe  # torch and triton: loaded when compiling
@@ -94,14 +98,14 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
     dynamic = {"true": True, "false": False}.get(args.compile_dynamic, None)
     if dynamic is None:
         dynamic = True if num_shapes > 1 else None
-    limit = args.compile_cache_size_limit or max(8, 2 * num_shapes)
+    limit = args.compile_cache_size_limit or max(16, 4 * num_shapes)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
-    logger.info("torch.compile of %d blocks: backend=%s mode=%s dynamic=%s fullgraph=%s recompile limit=%d",
-                len(dit.layers), args.compile_backend, args.compile_mode, dynamic, args.compile_fullgraph,
+    logger.info("torch.compile of %d blocks (+ %d text refiner blocks, the embedders and the final layer): backend=%s"
+                " mode=%s dynamic=%s fullgraph=%s recompile limit=%d", len(dit.layers),
+                len(dit.text_embedder.blocks), args.compile_backend, args.compile_mode, dynamic, args.compile_fullgraph,
                 torch._dynamo.config.cache_size_limit)
-    for i, block in enumerate(dit.layers):
-        dit.layers[i] = torch.compile(block, backend=args.compile_backend, mode=args.compile_mode, dynamic=dynamic,
-                                      fullgraph=args.compile_fullgraph)
+    dit.compile_regions(backend=args.compile_backend, mode=args.compile_mode, dynamic=dynamic,
+                        fullgraph=args.compile_fullgraph)
 
 
 def enable_expandable_segments() -> None:

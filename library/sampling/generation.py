@@ -47,8 +47,9 @@ class GenerationSettings:
 
 
 def _batch(out: TextOutputs, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embeddings on `device`; the mask stays where it is (the sampler reads it on the host)."""
     e, m = out
-    return e.to(device, dtype)[None] if e.ndim == 2 else e.to(device, dtype), (m[None] if m.ndim == 1 else m).to(device)
+    return e.to(device, dtype)[None] if e.ndim == 2 else e.to(device, dtype), (m[None] if m.ndim == 1 else m)
 
 
 def denoise(

@@ -12,7 +12,9 @@ Sampler (the official pipeline's, as docs/architecture.md describes it):
   with equal shapes, the two passes run as one batch.
 
 The model interface: ``model(x [B, 128, h, w], timesteps float32 [B], prompt_embeds [B, T, D], attn_mask [B, T],
-skip_layers=None) -> velocity [B, 128, h, w]`` with ``h, w = H/16, W/16``.
+skip_layers=None) -> velocity [B, 128, h, w]`` with ``h, w = H/16, W/16``. A model that also has
+``prepare_text(prompt_embeds, attn_mask, (h, w))`` and ``forward_with_text(x, timesteps, prepared, skip_layers)`` (the
+MossImage DiT) gets its timestep-independent work (text refiner, RoPE tables, masks) done once per image.
 
 Prompt files (``--sample_prompts`` / ``--from_file``): ``.txt`` with one prompt per line and the options
 ``--w --h --s --l --fs --n --d`` (``#`` starts a comment line, ``\\n`` in the text is a line break), or the
@@ -204,10 +206,29 @@ def _batched(t: torch.Tensor, batch: int, what: str) -> torch.Tensor:
     raise ValueError(f"{what} has batch {t.shape[0]}, the noise has {batch}")
 
 
-def _mask_for(embeds: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def _host_mask(embeds: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The text mask on the host (all ones when None): read there once per image, never per pass."""
     if mask is None:
-        return torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
-    return mask
+        return torch.ones(embeds.shape[:2], dtype=torch.bool)
+    return mask.cpu()
+
+
+class _Velocity:
+    """The model's velocity for one text condition. A model with ``prepare_text`` / ``forward_with_text`` (the
+    MossImage DiT) gets its timestep-independent work (text refiner, RoPE, masks) done once, here; any other model
+    is called as ``model(x, t, embeds, mask[, skip_layers=...])`` every pass."""
+
+    def __init__(self, model: VelocityModel, embeds: torch.Tensor, mask: torch.Tensor, grid: tuple[int, int]):
+        self.model = model
+        self.prepared = hasattr(model, "prepare_text") and hasattr(model, "forward_with_text")
+        self.cond = model.prepare_text(embeds, mask, grid) if self.prepared else (embeds, mask)
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor, skip: Sequence[int] = ()) -> torch.Tensor:
+        if self.prepared:
+            return self.model.forward_with_text(x, t, self.cond, skip_layers=list(skip) or None).float()
+        if skip:
+            return self.model(x, t, *self.cond, skip_layers=list(skip)).float()
+        return self.model(x, t, *self.cond).float()
 
 
 def cfg_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
@@ -234,42 +255,42 @@ def sample(
     ``cond_embeds`` / ``uncond_embeds`` are [B or 1, T, D] prompt embeddings with masks [B or 1, T] (None: all
     tokens valid); the unconditional ones (the encoded negative prompt, empty by default) are needed unless
     ``guidance_scale`` is 1.0. ``callback(step, steps, x)`` runs after every step. The model runs in whatever mode it
-    is in: put it in eval mode first.
+    is in: put it in eval mode first. A model with ``prepare_text`` / ``forward_with_text`` has its text refiner,
+    RoPE tables and masks computed once per call (per image), not once per pass.
     """
     sigmas = sampling_sigmas(steps, shift)
     grid = sampling_grid(steps, shift)
     x = noise.to(torch.float32)
     batch = x.shape[0]
+    size = (x.shape[-2], x.shape[-1])
     use_cfg = float(guidance_scale) != 1.0
     skip = parse_uncond_skip_layers(uncond_skip_layers)
 
     cond_embeds = _batched(cond_embeds, batch, "cond_embeds")
-    cond_mask = _batched(_mask_for(cond_embeds, cond_mask), batch, "cond_mask")
+    cond_mask = _batched(_host_mask(cond_embeds, cond_mask), batch, "cond_mask")
     one_batch = False
     if use_cfg:
         if uncond_embeds is None:
             raise ValueError("guidance_scale != 1.0 needs the unconditional (negative prompt) embeddings")
         uncond_embeds = _batched(uncond_embeds, batch, "uncond_embeds")
-        uncond_mask = _batched(_mask_for(uncond_embeds, uncond_mask), batch, "uncond_mask")
+        uncond_mask = _batched(_host_mask(uncond_embeds, uncond_mask), batch, "uncond_mask")
         one_batch = not skip and cond_embeds.shape == uncond_embeds.shape and cond_mask.shape == uncond_mask.shape
-        if one_batch:
-            both_embeds = torch.cat([cond_embeds, uncond_embeds])
-            both_masks = torch.cat([cond_mask, uncond_mask.to(cond_mask.dtype)])
+    if one_batch:
+        both = _Velocity(model, torch.cat([cond_embeds, uncond_embeds]),
+                         torch.cat([cond_mask, uncond_mask.to(cond_mask.dtype)]), size)
+    else:
+        cond = _Velocity(model, cond_embeds, cond_mask, size)
+        uncond = _Velocity(model, uncond_embeds, uncond_mask, size) if use_cfg else None
 
     for i in range(len(grid) - 1):
         t = torch.full((batch,), float(grid[i]), dtype=torch.float32, device=x.device)
         if not use_cfg:
-            v = model(x, t, cond_embeds, cond_mask).float()
+            v = cond(x, t)
         elif one_batch:
-            v_cond, v_uncond = model(torch.cat([x, x]), torch.cat([t, t]), both_embeds, both_masks).float().chunk(2)
+            v_cond, v_uncond = both(torch.cat([x, x]), torch.cat([t, t])).chunk(2)
             v = cfg_velocity(v_cond, v_uncond, guidance_scale)
         else:
-            v_cond = model(x, t, cond_embeds, cond_mask).float()
-            if skip:
-                v_uncond = model(x, t, uncond_embeds, uncond_mask, skip_layers=list(skip)).float()
-            else:
-                v_uncond = model(x, t, uncond_embeds, uncond_mask).float()
-            v = cfg_velocity(v_cond, v_uncond, guidance_scale)
+            v = cfg_velocity(cond(x, t), uncond(x, t, skip), guidance_scale)
         x = x + (sigmas[i + 1] - sigmas[i]).item() * v
         if callback is not None:
             callback(i, len(grid) - 1, x)

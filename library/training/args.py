@@ -19,6 +19,7 @@ from library.errors import UserError
 from library.files.safetensors_io import write_text_atomic
 from library.options import groups, sd_scripts
 from library.options.implications import FP8_OPTIONS
+from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY
 from library.sampling.sampler import EULER_SAMPLER_NAMES
 from library.training.sensitive_options import without_secrets
 
@@ -69,6 +70,10 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                    help="stop training after this many steps in a row with a NaN or infinite loss (1: the first)")
     groups.add_seed_argument(g)
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward")
+    g.add_argument("--checkpointing_policy", type=str, default=DEFAULT_CHECKPOINTING_POLICY,
+                   choices=list(CHECKPOINTING_POLICIES),
+                   help="what a checkpointed DiT block keeps: full = only its inputs (least memory), selective = also"
+                        " the attention and down-projection outputs (faster, more memory)")
     g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="steps accumulated per update")
     g.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"],
                    help="mixed precision (bf16 recommended)")

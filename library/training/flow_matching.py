@@ -448,8 +448,9 @@ def get_noisy_model_input_and_timesteps(
         if flat.numel() != bsz:
             raise ValueError(f"{flat.numel()} fixed sigmas given for a batch of {bsz}")
         timesteps = flat * NUM_TRAIN_TIMESTEPS
-    timesteps = timesteps.to(device=device, dtype=torch.float32)
-    flat = flat.to(device=device, dtype=torch.float32)
+    # host-to-device without waiting for the queued work (a blocking copy would drain the GPU queue every step)
+    timesteps = timesteps.to(device=device, dtype=torch.float32, non_blocking=True)
+    flat = flat.to(device=device, dtype=torch.float32, non_blocking=True)
     s = _broadcastable(flat, latents.ndim)
 
     latents = latents.to(device)

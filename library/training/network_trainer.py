@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import argparse
 import contextlib
+import gc
 import importlib
 import logging
 import math
@@ -32,6 +33,7 @@ from library.errors import UserError
 from library.files import base_model_hash, model_spec
 from library.options.implications import TRAINING_IMPLICATIONS, apply_implications
 from library.runtime.compile import apply_cuda_backend_options
+from library.runtime.checkpointing import check_checkpointing_args
 from library.training import checkpoints as train_checkpoints
 from library.training import flow_matching
 from library.training import nonfinite, run_checks, sensitive_options, state_io
@@ -227,6 +229,7 @@ class NetworkTrainer(abc.ABC):
             raise UserError("--initial_epoch counts from 1.")
         if args.skip_until_initial_step and args.initial_step is None and args.initial_epoch is None:
             raise UserError("--skip_until_initial_step needs --initial_step or --initial_epoch.")
+        check_checkpointing_args(args)
 
     # -------------------------------------------------------------------------------------------- phases
     def _prepare_accelerator(self, args: argparse.Namespace, log_with: str | None) -> Any:
@@ -313,7 +316,10 @@ class NetworkTrainer(abc.ABC):
         result = (prepare or run.network.prepare_optimizer_params)(te_lr, args.unet_lr, args.learning_rate)
         params, descriptions = result if isinstance(result, tuple) else (result, None)
         run.lr_descriptions = descriptions
-        name, desc, run.optimizer = optimizers.get_optimizer(run.options.optimizer, params)
+        defaults = optimizers.fused_adamw_defaults(run.options.optimizer, run.accelerator.device)
+        if defaults:
+            logger.info("AdamW: fused CUDA kernel (set fused=False or foreach=True in --optimizer_args to change)")
+        name, desc, run.optimizer = optimizers.get_optimizer(run.options.optimizer, params, defaults)
         run.optimizer_name = f"{name}({desc})" if desc else name
 
     def _dataloaders(self, run: RunState) -> None:
@@ -440,7 +446,8 @@ class NetworkTrainer(abc.ABC):
     def enable_gradient_checkpointing(self, run: RunState) -> None:
         args = run.args
         run.unet.enable_gradient_checkpointing(
-            cpu_offload=args.cpu_offload_checkpointing, unsloth_offload=args.unsloth_offload_checkpointing
+            cpu_offload=args.cpu_offload_checkpointing, unsloth_offload=args.unsloth_offload_checkpointing,
+            policy=args.checkpointing_policy,
         )
         if run.train_text_encoder:
             for te in run.text_encoders:  # newer transformers renamed the switch (and its keyword)
@@ -516,40 +523,59 @@ class NetworkTrainer(abc.ABC):
                         desc="steps", smoothing=0.1)
         if args.sample_at_first and run.global_step == 0:
             self.sample_images(run, None, 0)
-        skip_batches = run.skip_batches
         start_epoch = run.epoch
         loss_guard = nonfinite.NonFiniteLossGuard(args.max_nan_loss_steps)
-        for epoch in range(start_epoch, run.num_train_epochs):
-            run.epoch = epoch
-            if run.global_step >= run.max_train_steps:
-                break
-            acc.print(f"\nepoch {epoch + 1}/{run.num_train_epochs}")
-            run.train_group.set_current_epoch(epoch + 1)
-            run.network.on_epoch_start(run.text_encoders, run.unet)
-            dataloader = run.train_dataloader
-            if hasattr(dataloader, "set_epoch"):
-                dataloader.set_epoch(epoch)
-            if epoch == start_epoch and skip_batches > 0:
-                dataloader = acc.skip_first_batches(dataloader, skip_batches)
-            epoch_losses: list[float] = []
-            for batch in dataloader:
-                with _step_hooks_entered():
-                    loss = self._train_step(run, batch)
-                if not acc.sync_gradients:
-                    continue
-                run.global_step += 1
-                progress.update(1)
-                epoch_losses.append(loss)
-                run.loss_history.append(loss)
-                loss_guard.observe(loss, run.global_step, run.network, acc)
-                self._after_step(run, progress, loss)
+        with StepGarbageCollector() as collector:
+            for epoch in range(start_epoch, run.num_train_epochs):
+                run.epoch = epoch
                 if run.global_step >= run.max_train_steps:
                     break
-            self._after_epoch(run, epoch + 1, epoch_losses)
+                acc.print(f"\nepoch {epoch + 1}/{run.num_train_epochs}")
+                run.train_group.set_current_epoch(epoch + 1)
+                run.network.on_epoch_start(run.text_encoders, run.unet)
+                dataloader = run.train_dataloader
+                if hasattr(dataloader, "set_epoch"):
+                    dataloader.set_epoch(epoch)
+                if epoch == start_epoch and run.skip_batches > 0:
+                    dataloader = acc.skip_first_batches(dataloader, run.skip_batches)
+                epoch_losses = self._run_epoch(run, dataloader, progress, collector, loss_guard)
+                self._after_epoch(run, epoch + 1, epoch_losses)
         progress.close()
         self._finish(run)
 
-    def _train_step(self, run: RunState, batch: dict[str, Any]) -> float:
+    def _run_epoch(self, run: RunState, dataloader: Any, progress: Any, collector: StepGarbageCollector,
+                   loss_guard: nonfinite.NonFiniteLossGuard) -> list[float]:
+        """The steps of one epoch; returns their losses. A step's loss is read after the next step is queued (its copy
+        to the host is done by then, so reading it does not stall the GPU), or at once when something happens at
+        that step (sample images, a save, a validation), so that the non-finite guard and the validation divergence
+        see it first; the values and the step numbers logged are those of the step itself."""
+        acc = run.accelerator
+        epoch_losses: list[float] = []
+        pending: _StepLog | None = None
+        for batch in dataloader:
+            with _step_hooks_entered():
+                loss = self._train_step(run, batch)
+            if not acc.sync_gradients:
+                continue
+            run.global_step += 1
+            progress.update(1)
+            if pending is not None:
+                self._log_step(run, progress, pending, epoch_losses, loss_guard)
+            pending = _StepLog(run.global_step, _HostScalar(loss), self._learning_rates(run))
+            if self._step_has_work(run):
+                self._log_step(run, progress, pending, epoch_losses, loss_guard)
+                pending = None
+            self._after_step(run)
+            collector.step(run.global_step)
+            if run.global_step >= run.max_train_steps:
+                break
+        if pending is not None:
+            self._log_step(run, progress, pending, epoch_losses, loss_guard)
+        return epoch_losses
+
+    def _train_step(self, run: RunState, batch: dict[str, Any]) -> torch.Tensor:
+        """One micro-batch (forward, backward and, at the end of an accumulation, the optimizer step), queued without
+        a host sync; returns the loss as a detached device tensor."""
         args, acc = run.args, run.accelerator
         run.train_group.set_current_step(run.global_step)
         with acc.accumulate():
@@ -568,7 +594,7 @@ class NetworkTrainer(abc.ABC):
                 run.optimizer.zero_grad(set_to_none=True)
         if acc.sync_gradients and args.scale_weight_norms:
             run.network.apply_max_norm_regularization(args.scale_weight_norms, acc.device)
-        return float(loss.detach().item())
+        return loss.detach()
 
     def _all_reduce_network(self, run: RunState) -> None:
         """The network is not wrapped in DDP (its layers live inside the frozen models), so its gradients are
@@ -597,31 +623,57 @@ class NetworkTrainer(abc.ABC):
             loss = loss * weighting.to(loss.device, loss.dtype)
         masks = batch.get("alpha_masks")
         if masks is not None and (args.masked_loss or args.alpha_mask):
-            m = masks.to(loss.device, loss.dtype)[:, None]
+            m = masks.to(loss.device, loss.dtype, non_blocking=True)[:, None]  # host batches: no blocking copy
             m = torch.nn.functional.interpolate(m, size=loss.shape[-2:], mode="area")
             loss = loss * m
         loss = loss.mean(dim=list(range(1, loss.ndim)))
         weights = batch.get("loss_weights")
         if weights is not None:
-            loss = loss * torch.as_tensor(weights, device=loss.device, dtype=loss.dtype)
+            loss = loss * torch.as_tensor(weights, dtype=loss.dtype).to(loss.device, non_blocking=True)
         return loss.mean()
 
-    def _after_step(self, run: RunState, progress: Any, loss: float) -> None:
-        args, acc = run.args, run.accelerator
-        window = run.loss_history[-len(run.train_dataloader):]
-        avg = sum(window) / len(window)
-        progress.set_postfix(loss=f"{avg:.4f}")
-        logs = {"loss/current": loss, "loss/average": avg}
+    def _learning_rates(self, run: RunState) -> dict[str, float]:
+        """The tracker entries of the learning rates now (after this step's scheduler step)."""
+        logs = {}
         for i, group in enumerate(run.optimizer.param_groups):
             name = run.lr_descriptions[i] if i < len(getattr(run, "lr_descriptions", []) or []) else f"group{i}"
             logs[f"lr/{name}"] = group["lr"]
-        if acc.trackers:
-            acc.log(logs, step=run.global_step)
+        return logs
+
+    def _log_step(self, run: RunState, progress: Any, entry: _StepLog, epoch_losses: list[float],
+                  loss_guard: nonfinite.NonFiniteLossGuard) -> None:
+        """A step's loss into the histories and the non-finite guard, the progress bar and the trackers (at that
+        step's number)."""
+        loss = entry.loss.get()
+        epoch_losses.append(loss)
+        run.loss_history.append(loss)
+        loss_guard.observe(loss, entry.step, run.network, run.accelerator)
+        window = run.loss_history[-len(run.train_dataloader):]
+        avg = sum(window) / len(window)
+        progress.set_postfix(loss=f"{avg:.4f}")
+        if run.accelerator.trackers:
+            run.accelerator.log({"loss/current": loss, "loss/average": avg, **entry.learning_rates}, step=entry.step)
+
+    @staticmethod
+    def _validation_due(run: RunState) -> bool:
+        every = run.args.validate_every_n_steps
+        return bool(every) and run.global_step % every == 0 and run.val_dataloader is not None
+
+    def _step_has_work(self, run: RunState) -> bool:
+        """Sample images, a save or a validation at this step (`_after_step`)."""
+        args, step = run.args, run.global_step
+        sampling = bool(args.sample_prompts and args.sample_every_n_steps) and step % args.sample_every_n_steps == 0
+        saving = bool(args.save_every_n_steps) and step % args.save_every_n_steps == 0
+        return sampling or saving or self._validation_due(run)
+
+    def _after_step(self, run: RunState) -> None:
+        """Sample images, saving and validation of the step just taken."""
+        args = run.args
         self.sample_images(run, None, run.global_step)
         if args.save_every_n_steps and run.global_step % args.save_every_n_steps == 0 \
                 and run.global_step < run.max_train_steps:
             self._save_checkpoint(run, train_checkpoints.step_name(self._output_name(run), run.global_step), step_save=True)
-        if args.validate_every_n_steps and run.global_step % args.validate_every_n_steps == 0:
+        if self._validation_due(run):
             self._validate(run, f"step {run.global_step}", "loss/validation/step_average")
 
     def _after_epoch(self, run: RunState, epoch: int, epoch_losses: list[float]) -> None:
@@ -780,6 +832,55 @@ class NetworkTrainer(abc.ABC):
                                          else run.epoch + 1, final=True)
         acc.end_training()
         logger.info("training finished: %d steps", run.global_step)
+
+
+class _HostScalar:
+    """A device scalar on its way to the host: the copy is queued behind the step's work (into pinned memory) and
+    read later, so reading it does not drain the queue. On other devices it is read when asked for."""
+
+    def __init__(self, value: torch.Tensor):
+        self._event = None
+        self._value = value
+        if value.device.type == "cuda":
+            self._value = value.to("cpu", non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def get(self) -> float:
+        if self._event is not None:
+            self._event.synchronize()  # the step that made the value, not the steps queued after it
+        return float(self._value)
+
+
+@dataclass
+class _StepLog:
+    step: int
+    loss: _HostScalar
+    learning_rates: dict[str, float]
+
+
+class StepGarbageCollector:
+    """Python's cyclic garbage collector kept out of the steps: on entry everything alive (models, datasets, caches)
+    is frozen, so no collection scans it again, and automatic collection is off; the young generations are collected
+    at every step boundary, while the queued GPU work runs, and everything every FULL_EVERY steps. On exit the
+    collector is as before."""
+
+    FULL_EVERY = 100
+
+    def __enter__(self) -> StepGarbageCollector:
+        self._was_enabled = gc.isenabled()
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        return self
+
+    def step(self, step: int) -> None:
+        gc.collect(2 if step % self.FULL_EVERY == 0 else 1)
+
+    def __exit__(self, *exc: object) -> None:
+        gc.unfreeze()
+        if self._was_enabled:
+            gc.enable()
 
 
 GRAD_BUCKET_BYTES = 64 * 1024 * 1024

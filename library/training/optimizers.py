@@ -433,11 +433,22 @@ def _check_adaptive_lr(optimizer_type: str, lr: float, param_groups: ParamGroups
         logger.warning(f"{optimizer_type}: different learning rates per parameter group scale its adapted step size")
 
 
-def get_optimizer(config: OptimizerConfig, param_groups: ParamGroups) -> tuple[str, str, torch.optim.Optimizer]:
+def fused_adamw_defaults(config: OptimizerConfig, device: torch.device | str) -> dict[str, Any]:
+    """``{"fused": True}`` for torch's AdamW on a CUDA device (the same update as the default foreach kernels, one
+    kernel per step instead of a chain of them) unless --optimizer_args chooses ``fused`` or ``foreach``; else ``{}``."""
+    if config.optimizer_type.lower() != "adamw" or torch.device(device).type != "cuda":
+        return {}
+    chosen = config.optimizer_args
+    return {} if "fused" in chosen or "foreach" in chosen else {"fused": True}
+
+
+def get_optimizer(config: OptimizerConfig, param_groups: ParamGroups, defaults: Mapping[str, Any] | None = None
+                  ) -> tuple[str, str, torch.optim.Optimizer]:
     """Build the optimizer of --optimizer_type for ``param_groups`` (parameters or dicts with "params" / "lr").
 
-    Returns ``(name, description, optimizer)``: name is ``module.Class`` and description is the optimizer arguments
-    as ``k=v,k=v`` (together they make sd-scripts' ``ss_optimizer`` metadata).
+    ``defaults``: constructor arguments the run adds (e.g. `fused_adamw_defaults`); --optimizer_args wins over them
+    and they stay out of the description. Returns ``(name, description, optimizer)``: name is ``module.Class`` and
+    description is the optimizer arguments as ``k=v,k=v`` (together they make sd-scripts' ``ss_optimizer`` metadata).
     """
     optimizer_type = config.optimizer_type
     key = optimizer_type.lower()
@@ -481,7 +492,7 @@ def get_optimizer(config: OptimizerConfig, param_groups: ParamGroups) -> tuple[s
 
     logger.info(f"use {optimizer_type} optimizer | {kwargs}")
     try:
-        optimizer = cls(param_groups, lr=lr_arg, **kwargs)
+        optimizer = cls(param_groups, lr=lr_arg, **{**(defaults or {}), **kwargs})
     except (TypeError, ValueError) as e:
         raise UserError(
             f"--optimizer_type {optimizer_type} rejected its arguments ({e}); check --optimizer_args and"

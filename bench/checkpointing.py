@@ -1,0 +1,337 @@
+"""The trainer's own training step per checkpointing configuration: median step time and peak reserved memory.
+
+    python -m bench.make_full_snapshot /tmp/full --what dit
+    python -m bench.checkpointing --snapshot /tmp/full --out checkpointing.json [--configs a,b] [--steps 20]
+    python -m bench.checkpointing --tiny --out tiny.json        # the tiny snapshot on the CPU, in seconds
+
+Run from the repository root. Each configuration is a set of trainer options (CONFIGS) parsed by the trainer's own
+parser and set up by `MossImageNetworkTrainer` the way `train()` does it (DiT load with block swap, LoRA network,
+gradient checkpointing and its policy, optimizer with fused AdamW on CUDA, device placement and --compile); the
+steps are the trainer's `_run_epoch` over one cached batch (1024x1024 latents, 256 text tokens, batch 1, LoRA rank
+16, --mixed_precision bf16): forward, backward, clipping, optimizer and scheduler steps, the loss read one step later, GC at step
+boundaries. A CUDA event at every step boundary (no host sync) gives each step's time including any GPU idle
+between steps; the median is over `--steps` steps after `--warmup` steps (compiling happens in the warm-up).
+`max_memory_reserved` is read over the measured steps and over the whole process (with the load). Three more steps
+run with CUDA's sync debug mode to count the host syncs per step. Every configuration sees the same inputs, noise and
+initial LoRA, so the losses must agree (`max_rel_loss_diff` against `gc_full_compile`, bf16 rounding aside). Each
+configuration runs in a process of its own (clean memory statistics); `--tiny` runs them in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+import moss_image_train_network as trainer_script
+from library.training import nonfinite, optimizers
+from library.training.network_trainer import RunState, StepGarbageCollector
+from library.training.run_options import RunOptions
+
+logger = logging.getLogger("bench.checkpointing")
+
+GC = ["--gradient_checkpointing"]
+SELECTIVE = [*GC, "--checkpointing_policy", "selective"]
+SWAP20_H2D = ["--blocks_to_swap", "20", "--block_swap_h2d_only"]
+CONFIGS: dict[str, list[str]] = {
+    "no_gc_compile": ["--compile"],
+    "gc_full_compile": [*GC, "--compile"],
+    "gc_selective_compile": [*SELECTIVE, "--compile"],
+    "gc_full_eager": GC,
+    "gc_selective_eager": SELECTIVE,
+    "swap20_h2d_full_compile": [*SWAP20_H2D, *GC, "--compile"],
+    "swap20_h2d_selective_compile": [*SWAP20_H2D, *SELECTIVE, "--compile"],
+}
+REFERENCE = "gc_full_compile"
+REPO = Path(__file__).resolve().parent.parent
+GIB = 2**30
+
+
+
+
+class Shape(SimpleNamespace):
+    """image (square, pixels), text tokens, LoRA rank, device, --mixed_precision, compile backend, steps."""
+
+
+FULL = Shape(image=1024, text_tokens=256, rank=16, device="cuda", precision="bf16", backend="inductor", steps=20,
+             warmup=3)
+# fp32 on the CPU (bf16 matmuls there are slow) and dynamo without code generation: a smoke run in seconds
+TINY = Shape(image=64, text_tokens=8, rank=4, device="cpu", precision="no", backend="eager", steps=3, warmup=1)
+
+
+class _OneBucket:
+    """What the step asks of the dataset group: the step counter, and (for --compile) the buckets."""
+
+    def __init__(self, image: int):
+        self.image = image
+
+    def set_current_step(self, step: int) -> None:
+        pass
+
+    def image_infos(self) -> list[Any]:
+        return [SimpleNamespace(bucket_reso=(self.image, self.image))]
+
+
+class _Progress:
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+
+def trainer_args(snapshot: Path, flags: list[str], shape: Shape, out_dir: Path, total_steps: int
+                 ) -> argparse.Namespace:
+    argv = ["--pretrained_model_name_or_path", str(snapshot), "--output_dir", str(out_dir),
+            "--network_module", "networks.lora_generic", "--network_dim", str(shape.rank),
+            "--network_alpha", str(shape.rank), "--network_train_unet_only", "--cache_text_encoder_outputs",
+            "--mixed_precision", shape.precision, "--seed", "0", "--max_train_steps", str(total_steps),
+            "--compile_backend", shape.backend, *flags]
+    return trainer_script.setup_parser().parse_args(argv)
+
+
+def build(snapshot: Path, flags: list[str], shape: Shape, out_dir: Path, total_steps: int
+          ) -> tuple[Any, RunState, dict[str, Any]]:
+    """The trainer, its run state after `train()`'s set-up, and one cached batch (the trainer's batch layout)."""
+    args = trainer_args(snapshot, flags, shape, out_dir, total_steps)
+    trainer = trainer_script.MossImageNetworkTrainer()
+    trainer.resolve_args(args)  # train()'s order: implications, checks, derived options, accelerator, models
+    trainer.verify_args(args)
+    trainer._check_swap_and_int8_args(args)
+    run = RunState(args, RunOptions.from_args(args, False))
+    run.accelerator = trainer._prepare_accelerator(args, run.options.log_with)
+    run.train_group, run.text_encoders, run.max_train_steps = _OneBucket(shape.image), [None], total_steps
+    run.unet, run.text_encoders = trainer.load_unet_lazily(args, run.weight_dtype, run.accelerator, run.text_encoders)
+    trainer._create_network(run)
+    if args.gradient_checkpointing:
+        trainer.enable_gradient_checkpointing(run)
+    trainer._optimizer_and_scheduler(run)
+    run.lr_scheduler = optimizers.get_scheduler(run.options.scheduler, run.optimizer, 1, total_steps)
+    trainer._place_models(run)
+    run.optimizer, run.lr_scheduler = run.accelerator.prepare(run.optimizer, run.lr_scheduler)
+    trainer._install_fused_backward_pass(run)
+    gen = torch.Generator().manual_seed(1)
+    channels = run.unet.config.in_channels
+    trainer.bn_running_mean = torch.randn(channels, generator=gen) * 0.3
+    trainer.bn_running_var = torch.rand(channels, generator=gen) * 1.5 + 0.5
+    side = shape.image // 8
+    embeds = (torch.randn(shape.text_tokens, run.unet.config.text_dim, generator=gen) * 0.5).to(torch.bfloat16)
+    batch = {"latents": torch.randn(1, channels // 4, side, side, generator=gen),
+             "text_encoder_outputs": [(embeds, torch.ones(shape.text_tokens, dtype=torch.bool))],
+             "captions": ["a benchmark caption"], "loss_weights": torch.ones(1)}
+    return trainer, run, batch
+
+
+def _marks(batch: dict[str, Any], n: int, device: torch.device, marks: list[Any]) -> Any:
+    """`n` times the batch; a mark (CUDA event, or the host clock on the CPU) at every step boundary."""
+    for _ in range(n + 1):
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append(event)
+        else:
+            marks.append(time.perf_counter())
+        if len(marks) > n:
+            return
+        yield batch
+
+
+def _step_ms(marks: list[Any], device: torch.device) -> list[float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+    return [(b - a) * 1000 for a, b in itertools.pairwise(marks)]
+
+
+def _sync_debug(batch: dict[str, Any], steps: int) -> Any:
+    """`steps` times the batch with CUDA's sync debug mode on while the steps run (not for the loss read after the
+    last one)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(steps):
+            yield batch
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _syncs_per_step(trainer: Any, run: RunState, batch: dict[str, Any], steps: int, loop: tuple[Any, Any]
+                    ) -> float | None:
+    """Host syncs per step as CUDA's sync debug mode reports them (None on the CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer._run_epoch(run, _sync_debug(batch, steps), _Progress(), *loop)
+        torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught) / steps
+
+
+def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
+    flags = CONFIGS[name]
+    device = torch.device(shape.device)
+    if "--blocks_to_swap" in flags and device.type != "cuda":
+        return {"config": name, "flags": flags, "ok": False, "skipped": "block swap needs a CUDA device"}
+    torch.manual_seed(0)
+    total = shape.warmup + shape.steps + 3
+    with tempfile.TemporaryDirectory() as out:
+        t0 = time.perf_counter()
+        trainer, run, batch = build(snapshot, flags, shape, Path(out), total + 1)
+        setup_s = time.perf_counter() - t0
+        run.train_dataloader = [batch] * shape.steps  # its length is the loss-average window
+        with StepGarbageCollector() as collector:
+            loop = (collector, nonfinite.NonFiniteLossGuard(run.args.max_nan_loss_steps))
+            warm: list[Any] = []
+            t0 = time.perf_counter()
+            trainer._run_epoch(run, _marks(batch, shape.warmup, device, warm), _Progress(), *loop)
+            warmup_s = time.perf_counter() - t0
+            with_load = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            marks: list[Any] = []
+            t0 = time.perf_counter()
+            trainer._run_epoch(run, _marks(batch, shape.steps, device, marks), _Progress(), *loop)
+            times = _step_ms(marks, device)
+            wall_s = time.perf_counter() - t0
+            peak = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()) if device.type == "cuda" \
+                else (0, 0)
+            syncs = _syncs_per_step(trainer, run, batch, 3, loop)
+    result: dict[str, Any] = {
+        "config": name, "flags": flags, "ok": True, "steps": shape.steps, "warmup": shape.warmup,
+        "step_ms_median": round(statistics.median(times), 1), "step_ms": [round(t, 1) for t in times],
+        "wall_ms_per_step": round(wall_s * 1000 / shape.steps, 1),
+        "peak_reserved_gib": round(peak[0] / GIB, 2), "peak_allocated_gib": round(peak[1] / GIB, 2),
+        "peak_reserved_with_load_gib": round(max(with_load, peak[0]) / GIB, 2),
+        "host_syncs_per_step": syncs, "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
+        "checkpointing": run.unet.checkpoint_mode, "policy": run.unet.checkpoint_policy,
+        "losses": list(run.loss_history),
+    }
+    if "--compile" in flags:
+        from torch._dynamo.utils import counters
+
+        result["dynamo_stats"] = {k: int(v) for k, v in counters["stats"].items()}
+    return result
+
+
+def compare(results: list[dict[str, Any]]) -> None:
+    """max relative loss difference of each configuration against the reference (same inputs and RNG)."""
+    ref = next((r for r in results if r.get("config") == REFERENCE and r.get("ok")), None)
+    for r in results:
+        if ref is not None and r.get("ok") and r is not ref:
+            pairs = list(zip(r["losses"], ref["losses"]))
+            r["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
+
+
+def _child(name: str, ns: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.checkpointing", "--single", name, "--snapshot", str(ns.snapshot),
+           "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ns.timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"config": name, "flags": CONFIGS[name], "ok": False, "error": f"timeout after {ns.timeout_s} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"config": name, "flags": CONFIGS[name], "ok": False, "error": proc.stderr[-2000:]}
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def _write(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [f"{'config':<30} {'step_ms':>8} {'reserved_GiB':>13} {'alloc_GiB':>10} {'syncs/step':>10} {'dloss':>8}"]
+    for r in results:
+        if not r.get("ok"):
+            rows.append(f"{r['config']:<30} {r.get('skipped') or 'FAILED: ' + r.get('error', '')[-160:]!s}")
+            continue
+        syncs = "-" if r["host_syncs_per_step"] is None else f"{r['host_syncs_per_step']:.1f}"
+        rows.append(f"{r['config']:<30} {r['step_ms_median']:>8} {r['peak_reserved_gib']:>13} "
+                    f"{r['peak_allocated_gib']:>10} {syncs:>10} {r.get('max_rel_loss_diff', 0):>8.1e}")
+    return "\n".join(rows)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="MOSS-Image training step per checkpointing configuration")
+    p.add_argument("--snapshot", type=Path, default=None, help="snapshot folder (bench/make_full_snapshot.py)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny shapes on the CPU, in this process (a smoke run); the tiny snapshot unless --snapshot")
+    p.add_argument("--configs", default=None, help=f"comma-separated, of {', '.join(CONFIGS)} (default: all)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per configuration (default 20; tiny 3)")
+    p.add_argument("--warmup", type=int, default=None, help="steps before measuring (default 3; tiny 1)")
+    p.add_argument("--out", type=Path, default=Path("checkpointing.json"), help="JSON results")
+    p.add_argument("--timeout_s", type=float, default=480, help="limit per configuration (its own process)")
+    p.add_argument("--single", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ns = parse(argv)
+    shape = Shape(**vars(TINY if ns.tiny else FULL))
+    shape.steps = ns.steps or shape.steps
+    shape.warmup = ns.warmup if ns.warmup is not None else shape.warmup
+    ns.steps, ns.warmup = shape.steps, shape.warmup
+    names = [n.strip() for n in (ns.configs or ",".join(CONFIGS)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        print(f"unknown configurations {unknown}: choose from {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    if not ns.tiny and not torch.cuda.is_available():
+        print("bench.checkpointing needs a CUDA GPU (or --tiny for the CPU smoke run)", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        if ns.tiny:
+            from library.moss_image.tiny_snapshot import build_tiny_snapshot
+
+            torch.set_num_threads(1)  # tiny shapes: more threads only wait for each other
+            ns.snapshot = ns.snapshot or build_tiny_snapshot(Path(tmp) / "moss-image-tiny")
+        elif ns.snapshot is None:
+            print("give --snapshot (bench/make_full_snapshot.py writes one) or --tiny", file=sys.stderr)
+            return 2
+        if ns.single:
+            print("RESULT " + json.dumps(run_config(ns.single, ns.snapshot, shape)), flush=True)
+            return 0
+        payload: dict[str, Any] = {
+            "command": " ".join([Path(sys.executable).name, "-m", "bench.checkpointing", *(argv or sys.argv[1:])]),
+            "device": torch.cuda.get_device_name() if shape.device == "cuda" else "cpu", "torch": torch.__version__,
+            "image": shape.image, "text_tokens": shape.text_tokens, "lora_rank": shape.rank, "batch": 1,
+            "results": [],
+        }
+        for name in names:
+            if ns.tiny:
+                from accelerate.state import AcceleratorState
+
+                AcceleratorState._reset_state(reset_partial_state=True)
+                torch._dynamo.reset()
+                result = run_config(name, ns.snapshot, shape)
+            else:
+                result = _child(name, ns)
+            payload["results"].append(result)
+            compare(payload["results"])
+            _write(ns.out, payload)
+            print(table([result]).splitlines()[-1], flush=True)
+    print(table(payload["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""bench/checkpointing.py --tiny: the trainer's step per checkpointing configuration runs on the CPU and writes its
+JSON (the GPU figures come from the same code on the full-size snapshot)."""
+
+from __future__ import annotations
+
+import json
+
+from bench import checkpointing as bench
+
+
+def test_tiny_bench_runs_the_trainer_step_per_configuration(tiny_snapshot, tmp_path):
+    out = tmp_path / "tiny.json"
+    names = ["gc_full_eager", "gc_selective_eager", "gc_full_compile", "swap20_h2d_selective_compile"]
+    argv = ["--tiny", "--snapshot", str(tiny_snapshot), "--configs", ",".join(names), "--steps", "2", "--warmup", "1"]
+    assert bench.main([*argv, "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["image"] == 64 and payload["device"] == "cpu"
+    results = {r["config"]: r for r in payload["results"]}
+    assert list(results) == names
+    assert results["swap20_h2d_selective_compile"]["skipped"] == "block swap needs a CUDA device"
+    for name in names[:3]:
+        r = results[name]
+        assert r["ok"] and len(r["step_ms"]) == 2 and r["step_ms_median"] > 0 and len(r["losses"]) == 3
+        assert r["checkpointing"] == "plain" and r["policy"] == ("selective" if "selective" in name else "full")
+    # the same inputs, noise and initial LoRA in every configuration: the same losses (fp32 on the CPU)
+    ref = results["gc_full_compile"]["losses"]
+    for name in ("gc_full_eager", "gc_selective_eager"):
+        assert results[name]["max_rel_loss_diff"] < 1e-6, results[name]["losses"]
+    assert all(v > 0 for v in ref) and results["gc_full_compile"]["dynamo_stats"]["unique_graphs"] >= 1

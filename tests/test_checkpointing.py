@@ -1,0 +1,262 @@
+"""--checkpointing_policy: the selective policy's choices, the same LoRA gradients as full checkpointing (eager, inside
+compiled blocks, with block swap and with ConvRot INT8), what it keeps (fewer recomputed operators), the refusals."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.checkpoint import CheckpointPolicy
+
+from library.errors import UserError
+from library.memory.block_swap import place_model
+from library.moss_image.loaders import load_moss_image_model
+from library.quant.convrot import convert_model_to_convrot_int8, dit_convrot_filter
+from library.runtime.checkpointing import ATTENTION_OPS, check_checkpointing_args, selective_policy
+from networks.lora_generic import create_network
+
+TINY_LAYERS = 24
+# per block, the selective policy keeps the FFN down-projection and the six LoRA down-projections
+KEPT_PRODUCTS_PER_BLOCK = 7
+aten = torch.ops.aten
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operators that run (including those inside `run_with_rng_state`, which a compiled backward
+    uses to recompute an attention)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[func] += 1
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            if func.name() == "run_with_rng_state":
+                self.ops[args[1]] += 1
+            with _disable_current_modes():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+    def attention_forwards(self) -> int:
+        return sum(n for op, n in self.ops.items() if op in ATTENTION_OPS)
+
+
+# ---------------------------------------------------------------------------------------------------- the policy
+def _meta(*shape: int) -> torch.Tensor:
+    return torch.empty(shape, device="meta")
+
+
+@pytest.mark.parametrize("op, args, kept", [
+    (aten.mm.default, (_meta(4352, 8192), _meta(8192, 3072)), True),  # FFN down-projection
+    (aten.mm.default, (_meta(4352, 3072), _meta(3072, 16)), True),  # LoRA down-projection
+    (aten.mm.default, (_meta(4352, 3072), _meta(3072, 3072)), False),  # q / k / v / o
+    (aten.mm.default, (_meta(4352, 3072), _meta(3072, 16384)), False),  # FFN up-projection
+    (aten.mm.default, (_meta(4352, 16), _meta(16, 3072)), False),  # LoRA up-projection
+    (aten.addmm.default, (_meta(16), _meta(8, 64), _meta(64, 16)), True),  # with a bias: operands 1 and 2
+    (aten.addmm.default, (_meta(64), _meta(8, 64), _meta(64, 64)), False),
+    (aten.bmm.default, (_meta(2, 8, 64), _meta(2, 64, 8)), True),
+    (aten.add.Tensor, (_meta(8, 64), _meta(8, 64)), False),
+    (aten.mul.Tensor, (_meta(8, 64), _meta(8, 64)), False),
+])
+def test_selective_policy_keeps_attention_and_narrowing_products(op, args, kept):
+    want = CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+    assert selective_policy(None, op, *args) is want
+
+
+def test_selective_policy_keeps_every_attention_kernel_and_recomputes_unknown_ops():
+    assert aten._scaled_dot_product_flash_attention_for_cpu.default in ATTENTION_OPS
+    assert aten._scaled_dot_product_efficient_attention.default in ATTENTION_OPS
+    assert all(selective_policy(None, op) is CheckpointPolicy.MUST_SAVE for op in ATTENTION_OPS)
+    lib = torch.library.Library("moss_ckpt_test", "FRAGMENT")  # a custom op, like the ConvRot INT8 Linear
+    lib.define("int8_linear(Tensor x, Tensor w) -> Tensor")
+    custom = torch.ops.moss_ckpt_test.int8_linear.default
+    assert selective_policy(None, custom, _meta(8, 64), _meta(16, 64)) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# ------------------------------------------------------------------------------------------- the tiny DiT + LoRA
+def tiny_dit_with_lora(tiny_snapshot, policy: str | None, int8: bool = False, swap: int | None = None,
+                       h2d_only: bool = True):
+    model = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32)
+    model.requires_grad_(False)
+    if int8:
+        convert_model_to_convrot_int8(model, dit_convrot_filter, group_size=64)
+    if swap:
+        place_model(model, "cpu", swap, h2d_only=h2d_only, allow_cpu_for_tests=True)
+    network = create_network(1.0, 4, 1.0, None, None, model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in network.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    network.apply_to(None, model, False, True)
+    if policy is not None:
+        model.enable_gradient_checkpointing(policy=policy)
+    return model, network
+
+
+def dit_inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.tensor([[True, True, True, True, False]])  # a padded caption: the key mask reaches attention
+    return torch.randn(1, 128, 4, 4, generator=g), torch.tensor([600.0]), torch.randn(1, 5, 64, generator=g), mask
+
+
+def loss_and_grads(model, network, seed: int = 0, counter: OpCounter | None = None):
+    x, t, emb, mask = dit_inputs(seed)
+    network.zero_grad(set_to_none=True)
+    loss = model(x.requires_grad_(True), t, emb, mask).pow(2).mean()  # the trainer's input requires grad too
+    if counter is None:
+        loss.backward()
+    else:
+        with counter:
+            loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in network.named_parameters()}
+
+
+def assert_same(got, ref, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(got[0], ref[0], rtol=rtol, atol=atol)
+    assert got[1].keys() == ref[1].keys()
+    for name, grad in ref[1].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(got[1][name], grad, rtol=rtol, atol=atol, msg=name)
+
+
+def test_selective_gives_the_lora_gradients_of_full_checkpointing_and_recomputes_less(tiny_snapshot):
+    ref = loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, None))
+    counts = {}
+    for policy in ("full", "selective"):
+        counter = OpCounter()
+        got = loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, policy), counter=counter)
+        assert_same(got, ref, rtol=0, atol=0)  # the same operators on the same values: bitwise
+        counts[policy] = counter
+    # full recomputes every block's attention in backward, selective none; and it keeps 7 products per block
+    assert counts["full"].attention_forwards() == TINY_LAYERS and counts["selective"].attention_forwards() == 0
+    mm = aten.mm.default
+    assert counts["full"].ops[mm] - counts["selective"].ops[mm] == TINY_LAYERS * KEPT_PRODUCTS_PER_BLOCK
+
+
+@pytest.mark.parametrize("h2d_only", [False, True])
+def test_selective_with_block_swap(tiny_snapshot, h2d_only):
+    """Block swap moves the weights between the forward and the backward: the kept outputs are from the forward,
+    the recomputation reads the weights brought back; two steps, so that the ring goes round."""
+    ref_model, ref_net = tiny_dit_with_lora(tiny_snapshot, "full")
+    model, network = tiny_dit_with_lora(tiny_snapshot, "selective", swap=14, h2d_only=h2d_only)
+    for seed in (0, 1):
+        assert_same(loss_and_grads(model, network, seed), loss_and_grads(ref_model, ref_net, seed), rtol=0, atol=0)
+    assert model.block_offloader.is_armed()
+
+
+def test_selective_inside_compiled_blocks_with_block_swap(tiny_snapshot):
+    """The compiled backward (inductor's partitioner, aot_eager_decomp_partition: no C++ build) of the checkpoint
+    compiled inside each block: full recomputes each attention, selective none; block swap (host-to-device ring on the
+    CPU test slots) moves the weights between the forward and the backward, and the gradients stay the same."""
+    ref = loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, None))
+    torch._dynamo.reset()
+    try:
+        counts = {}
+        for policy, swap in (("full", None), ("selective", 14)):
+            model, network = tiny_dit_with_lora(tiny_snapshot, policy, swap=swap)
+            model.compile_regions(backend="aot_eager_decomp_partition")
+            for seed in (0, 1):  # the first step compiles, the second runs the compiled code again
+                counter = OpCounter()
+                got = loss_and_grads(model, network, counter=counter)
+                assert_same(got, ref)
+            counts[policy] = counter
+            if swap:
+                assert model.block_offloader.is_armed() and model.block_offloader.loads > swap
+    finally:
+        torch._dynamo.reset()
+    assert counts["full"].attention_forwards() == TINY_LAYERS and counts["selective"].attention_forwards() == 0
+
+
+def test_selective_with_convrot_int8_layers(tiny_snapshot):
+    """The int8 Linears are operators the policy does not know (recomputed); attention is still kept. Compiled
+    (dynamo with the eager backend), the int8 layers run outside the graphs and the results stay exact."""
+    ref = loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, "full", int8=True))
+    counter = OpCounter()
+    assert_same(loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, "selective", int8=True), counter=counter), ref,
+                rtol=0, atol=0)
+    assert counter.attention_forwards() == 0
+    torch._dynamo.reset()
+    try:
+        model, network = tiny_dit_with_lora(tiny_snapshot, "selective", int8=True)
+        model.compile_regions(backend="eager")
+        assert_same(loss_and_grads(model, network), ref, rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+def _args(**kw) -> argparse.Namespace:
+    base = {"checkpointing_policy": "full", "gradient_checkpointing": False, "cpu_offload_checkpointing": False,
+            "unsloth_offload_checkpointing": False}
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("flag", ["cpu_offload_checkpointing", "unsloth_offload_checkpointing"])
+def test_selective_with_the_offloaded_modes_is_refused(flag):
+    with pytest.raises(UserError, match=f"--checkpointing_policy selective cannot be used with --{flag}"):
+        check_checkpointing_args(_args(checkpointing_policy="selective", gradient_checkpointing=True, **{flag: True}))
+    check_checkpointing_args(_args(gradient_checkpointing=True, **{flag: True}))  # full: fine
+
+
+def test_selective_turns_gradient_checkpointing_on(caplog):
+    import moss_image_train_network as trainer
+    from library.options.implications import TRAINING_IMPLICATIONS, apply_implications
+
+    args = trainer.setup_parser().parse_args(["--checkpointing_policy", "selective"])
+    with caplog.at_level(logging.WARNING):
+        apply_implications(args, TRAINING_IMPLICATIONS)
+    assert args.gradient_checkpointing and "checkpointing_policy selective is set, so gradient_checkpointing is" \
+        " also enabled" in caplog.text
+    before = vars(args).copy()
+    check_checkpointing_args(args)  # the check changes nothing
+    assert vars(args) == before
+    args = trainer.setup_parser().parse_args([])
+    apply_implications(args, TRAINING_IMPLICATIONS)
+    assert args.checkpointing_policy == "full" and not args.gradient_checkpointing  # full alone changes nothing
+
+
+def test_model_refuses_a_policy_for_the_offloaded_modes(tiny_snapshot):
+    model = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32)
+    with pytest.raises(ValueError, match="does not apply to the offloaded modes"):
+        model.enable_gradient_checkpointing(unsloth_offload=True, policy="selective")
+    with pytest.raises(ValueError, match="unknown checkpointing policy"):
+        model.enable_gradient_checkpointing(policy="everything")
+    model.enable_gradient_checkpointing(policy="selective")
+    assert {b.checkpointing for b in model.layers} == {"selective"}
+    model.enable_gradient_checkpointing(cpu_offload=True)  # the offloaded modes checkpoint around the block
+    assert {b.checkpointing for b in model.layers} == {None} and model.checkpoint_mode == "cpu_offload"
+    model.disable_gradient_checkpointing()
+    assert model.checkpoint_mode == "none" and {b.checkpointing for b in model.text_embedder.blocks} == {None}
+
+
+# ----------------------------------------------------------------------------------------------------- the trainer
+def test_trainer_selective_policy_trains_the_same_lora_as_full(tiny_snapshot, tmp_path):
+    from library.files.safetensors_io import load_safetensors
+    from tests.test_trainer import base_args, make_toy_dataset, train
+
+    data = make_toy_dataset(tmp_path / "data", n=2)
+    files = {}
+    for policy in ("full", "selective"):
+        out = tmp_path / policy
+        run = train(base_args(tiny_snapshot, data, out, "--max_train_steps", "3", "--learning_rate", "1e-2",
+                              "--gradient_checkpointing", "--checkpointing_policy", policy))
+        assert run.unet.checkpoint_policy == policy and {b.checkpointing for b in run.unet.layers} == {policy}
+        files[policy] = load_safetensors(out / "toy.safetensors")
+    assert files["full"].keys() == files["selective"].keys()
+    for key, value in files["full"].items():
+        torch.testing.assert_close(files["selective"][key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_trainer_refuses_selective_with_unsloth_offload(tiny_snapshot, tmp_path):
+    from tests.test_trainer import base_args, train
+
+    with pytest.raises(UserError, match="--checkpointing_policy selective cannot be used with --unsloth_offload"):
+        train(base_args(tiny_snapshot, tmp_path, tmp_path / "out", "--checkpointing_policy", "selective",
+                        "--unsloth_offload_checkpointing"))
