@@ -175,8 +175,8 @@ def test_selective_inside_compiled_blocks_with_block_swap(tiny_snapshot):
 
 
 def test_selective_with_convrot_int8_layers(tiny_snapshot):
-    """The int8 Linears are operators the policy does not know (recomputed); attention is still kept. Compiled
-    (dynamo with the eager backend), the int8 layers run outside the graphs and the results stay exact."""
+    """The int8 Linears are registered ops the policy does not know (recomputed); attention is still kept. Compiled
+    (dynamo with the eager backend: the int8 ops inside the traced checkpoint), the results stay exact."""
     ref = loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, "full", int8=True))
     counter = OpCounter()
     assert_same(loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, "selective", int8=True), counter=counter), ref,
