@@ -12,9 +12,10 @@ steps are the trainer's `_run_epoch` over one cached batch (1024x1024 latents, 2
 boundaries. A CUDA event at every step boundary (no host sync) gives each step's time including any GPU idle
 between steps; the median is over `--steps` steps after `--warmup` steps (compiling happens in the warm-up).
 `max_memory_reserved` is read over the measured steps and over the whole process (with the load). Three more steps
-run with CUDA's sync debug mode to count the host syncs per step. Every configuration sees the same inputs, noise and
-initial LoRA, so the losses must agree (`max_rel_loss_diff` against `gc_full_compile`, bf16 rounding aside). Each
-configuration runs in a process of its own (clean memory statistics); `--tiny` runs them in this process.
+run with CUDA's sync debug mode to count the host syncs per step and name their Python lines (`host_sync_sites`).
+Every configuration sees the same inputs, noise and initial LoRA, so the losses must agree (`max_rel_loss_diff`
+against `gc_full_compile`, bf16 rounding aside). Each configuration runs in a process of its own (clean memory
+statistics); `--tiny` runs them in this process.
 """
 
 from __future__ import annotations
@@ -168,15 +169,21 @@ def _sync_debug(batch: dict[str, Any], steps: int) -> Any:
 
 
 def _syncs_per_step(trainer: Any, run: RunState, batch: dict[str, Any], steps: int, loop: tuple[Any, Any]
-                    ) -> float | None:
-    """Host syncs per step as CUDA's sync debug mode reports them (None on the CPU)."""
+                    ) -> tuple[float | None, dict[str, int]]:
+    """Host syncs per step as CUDA's sync debug mode reports them, and where (the Python line that called the
+    synchronising operation, with its count); (None, {}) on the CPU."""
     if not torch.cuda.is_available():
-        return None
+        return None, {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer._run_epoch(run, _sync_debug(batch, steps), _Progress(), *loop)
         torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message) for w in caught) / steps
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    sites: dict[str, int] = {}
+    for w in syncs:
+        site = f"{os.path.relpath(w.filename, REPO) if w.filename.startswith(str(REPO)) else w.filename}:{w.lineno}"
+        sites[site] = sites.get(site, 0) + 1
+    return len(syncs) / steps, sites
 
 
 def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
@@ -208,14 +215,14 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
             wall_s = time.perf_counter() - t0
             peak = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()) if device.type == "cuda" \
                 else (0, 0)
-            syncs = _syncs_per_step(trainer, run, batch, 3, loop)
+            syncs, sync_sites = _syncs_per_step(trainer, run, batch, 3, loop)
     result: dict[str, Any] = {
         "config": name, "flags": flags, "ok": True, "steps": shape.steps, "warmup": shape.warmup,
         "step_ms_median": round(statistics.median(times), 1), "step_ms": [round(t, 1) for t in times],
         "wall_ms_per_step": round(wall_s * 1000 / shape.steps, 1),
         "peak_reserved_gib": round(peak[0] / GIB, 2), "peak_allocated_gib": round(peak[1] / GIB, 2),
         "peak_reserved_with_load_gib": round(max(with_load, peak[0]) / GIB, 2),
-        "host_syncs_per_step": syncs, "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
+        "host_syncs_per_step": syncs, "host_sync_sites": sync_sites, "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
         "checkpointing": run.unet.checkpoint_mode, "policy": run.unet.checkpoint_policy,
         "losses": list(run.loss_history),
     }

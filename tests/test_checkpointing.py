@@ -260,3 +260,13 @@ def test_trainer_refuses_selective_with_unsloth_offload(tiny_snapshot, tmp_path)
     with pytest.raises(UserError, match="--checkpointing_policy selective cannot be used with --unsloth_offload"):
         train(base_args(tiny_snapshot, tmp_path, tmp_path / "out", "--checkpointing_policy", "selective",
                         "--unsloth_offload_checkpointing"))
+
+
+def test_selective_without_compile_warns(caplog):
+    with caplog.at_level(logging.WARNING):
+        check_checkpointing_args(_args(checkpointing_policy="selective", gradient_checkpointing=True, compile=False))
+    assert "without --compile" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        check_checkpointing_args(_args(checkpointing_policy="selective", gradient_checkpointing=True, compile=True))
+    assert not caplog.text

@@ -98,3 +98,6 @@ def check_checkpointing_args(args: argparse.Namespace) -> None:
         if getattr(args, flag, False):
             raise UserError(f"--checkpointing_policy {policy} cannot be used with --{flag}: that mode keeps only the"
                             f" block inputs, in host memory, and recomputes the whole block; use one of them.")
+    if not getattr(args, "compile", False):
+        logger.warning("checkpointing_policy %s without --compile decides per operation in Python, which costs more"
+                       " host time than it saves (slower than full checkpointing); add --compile", policy)
