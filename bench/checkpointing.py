@@ -8,9 +8,10 @@ Run from the repository root. Each configuration is a set of trainer options (CO
 parser and set up by `MossImageNetworkTrainer` the way `train()` does it (DiT load with block swap, LoRA network,
 gradient checkpointing and its policy, optimizer with fused AdamW on CUDA, device placement and --compile); the
 steps are the trainer's `_run_epoch` over one cached batch (1024x1024 latents, 256 text tokens, batch 1, LoRA rank
-16, --mixed_precision bf16): forward, backward, clipping, optimizer and scheduler steps, the loss read one step later, GC at step
-boundaries. A CUDA event at every step boundary (no host sync) gives each step's time including any GPU idle
-between steps; the median is over `--steps` steps after `--warmup` steps (compiling happens in the warm-up).
+16, --mixed_precision bf16): forward, backward, clipping, optimizer and scheduler steps, the loss read one step
+later, GC at step boundaries. A CUDA event at every step boundary (no host sync) gives each step's time including
+any GPU idle between steps; the median is over `--steps` steps after `--warmup` steps (compiling happens in the
+warm-up).
 `max_memory_reserved` is read over the measured steps and over the whole process (with the load). Three more steps
 run with CUDA's sync debug mode to count the host syncs per step and name their Python lines (`host_sync_sites`).
 Every configuration sees the same inputs, noise and initial LoRA, so the losses must agree (`max_rel_loss_diff`
@@ -222,7 +223,8 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
         "wall_ms_per_step": round(wall_s * 1000 / shape.steps, 1),
         "peak_reserved_gib": round(peak[0] / GIB, 2), "peak_allocated_gib": round(peak[1] / GIB, 2),
         "peak_reserved_with_load_gib": round(max(with_load, peak[0]) / GIB, 2),
-        "host_syncs_per_step": syncs, "host_sync_sites": sync_sites, "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
+        "host_syncs_per_step": syncs, "host_sync_sites": sync_sites,
+        "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
         "checkpointing": run.unet.checkpoint_mode, "policy": run.unet.checkpoint_policy,
         "losses": list(run.loss_history),
     }
