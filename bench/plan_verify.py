@@ -61,10 +61,12 @@ def _child(args: argparse.Namespace, train_argv: list[str]) -> dict[str, Any]:
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory
         cap = (args.budget - CUDA_CONTEXT_GIB) * GIB
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
-        report.update(cap_gib=round(cap / GIB, 3), device_total_gib=round(total / GIB, 2))
+        if not args.no_cap:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
+        report.update(cap_gib=None if args.no_cap else round(cap / GIB, 3), device_total_gib=round(total / GIB, 2))
     plans: list[Any] = []
     steps: list[float] = []
+    step_peaks: list[float] = []  # max allocated since the first step began, read after each step
     peaks: dict[str, dict[str, float]] = {}
 
     def read_peaks(phase: str) -> None:
@@ -85,11 +87,14 @@ def _child(args: argparse.Namespace, train_argv: list[str]) -> dict[str, Any]:
         if not steps and cuda:
             torch.cuda.synchronize()
             read_peaks("startup")
+            report["static_allocated_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
+            report["static_reserved_gib"] = round(torch.cuda.memory_reserved() / GIB, 3)
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         out = real_step(self, *a, **k)
         if cuda:
             torch.cuda.synchronize()
+            step_peaks.append(round(torch.cuda.max_memory_allocated() / GIB, 3))
         steps.append(round(time.perf_counter() - t0, 4))
         return out
 
@@ -121,7 +126,11 @@ def _child(args: argparse.Namespace, train_argv: list[str]) -> dict[str, Any]:
                           "predicted_allocated_gib": chosen["predicted_allocated_gib"],
                           "peak_phase": chosen["peak_phase"], "needs_gib": chosen["needs_gib"],
                           "relative_time": chosen["relative_time"], "lines": plans[0].lines()}
+        training = plans[0].chosen.estimate.phase("training")
+        report["plan"]["predicted_training_static_gib"] = round((training.allocated - training.activations) / GIB, 3)
+        report["plan"]["predicted_training_activations_gib"] = round(training.activations / GIB, 3)
     report["steps_s"] = steps
+    report["step_max_allocated_gib"] = step_peaks
     if len(steps) > 1:
         report["step_median_s"] = statistics.median(steps[1:])
     if peaks:
@@ -205,6 +214,7 @@ def _train_argv(args: argparse.Namespace, snap: Path, data: Path, out: Path) -> 
         "--max_train_steps", str(args.steps), "--seed", "1", "--mixed_precision", "bf16",
         "--cache_latents", "--cache_latents_to_disk", "--cache_text_encoder_outputs",
         "--cache_text_encoder_outputs_to_disk", "--max_data_loader_n_workers", "0", "--save_model_as", "safetensors",
+        *(["--cuda_expandable_segments"] if args.expandable else []),
     ]
 
 
@@ -232,7 +242,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
         run_data = _fresh_copy(data, Path(args.root) / "runs" / label / "data")
         js = out / f"{label}.json"
         cmd = [sys.executable, "-m", "bench.plan_verify", "--child", str(js), "--budget", str(budget),
-               *(["--tiny"] if args.tiny else []), "--",
+               *(["--tiny"] if args.tiny else []), *(["--no_cap"] if args.no_cap else []), "--",
                *_train_argv(args, snap, run_data, Path(args.root) / "runs" / label / "out")]
         t0 = time.perf_counter()
         try:
@@ -279,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time_limit_s", type=int, default=330, help="no new run starts after this")
     p.add_argument("--run_timeout_s", type=int, default=240)
     p.add_argument("--tiny", action="store_true", help="the tiny snapshot on the CPU (plumbing check)")
+    p.add_argument("--no_cap", action="store_true",
+                   help="do not cap the allocator: measure each plan's real peak (an OOM under the cap hides it)")
+    p.add_argument("--expandable", action="store_true",
+                   help="train with --cuda_expandable_segments (the plan then counts on its smaller slack)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

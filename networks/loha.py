@@ -15,7 +15,6 @@ module's output change (rank dropout drops output features), as LyCORIS defines 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -25,7 +24,7 @@ from torch import nn
 from library.lora.conventions import ALPHA
 from library.lora.weights import delta_weight, hadamard_product
 from networks.network_args import DEFAULT_NETWORK_ALPHA, DEFAULT_NETWORK_DIM
-from networks.network_base import AdapterModule, AdapterNetwork, build_network, build_network_from_weights
+from networks.network_base import AdapterModule, AdapterNetwork, entry_points
 
 
 class LoHaModule(AdapterModule):
@@ -88,31 +87,4 @@ class LoHaNetwork(AdapterNetwork):
         return {"lora_dim": int(parts["hada_w1_b"].shape[0]), "alpha": parts.get(ALPHA)}
 
 
-def create_network(
-    multiplier: float,
-    network_dim: int | None,
-    network_alpha: float | None,
-    vae: Any,
-    text_encoders: Any,
-    unet: nn.Module | None,
-    neuron_dropout: float | None = None,
-    **kwargs: Any,
-) -> LoHaNetwork:
-    """The LoHa network for training (`--network_dim`, `--network_alpha`, `--network_dropout`, `--network_args`)."""
-    return build_network(LoHaNetwork, multiplier, network_dim, network_alpha, text_encoders, unet, neuron_dropout,
-                         kwargs)
-
-
-def create_network_from_weights(
-    multiplier: float,
-    file: str | os.PathLike | None,
-    vae: Any,
-    text_encoders: Any,
-    unet: nn.Module | None,
-    weights_sd: Mapping[str, torch.Tensor] | None = None,
-    for_inference: bool = False,
-    **kwargs: Any,
-) -> tuple[LoHaNetwork, dict[str, torch.Tensor]]:
-    """The LoHa network whose modules and ranks are those of a LoHa file (`--dim_from_weights`, inference)."""
-    return build_network_from_weights(LoHaNetwork, multiplier, file, text_encoders, unet, weights_sd, for_inference,
-                                      kwargs)
+create_network, create_network_from_weights = entry_points(LoHaNetwork)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -40,7 +39,7 @@ from library.errors import UserError
 from library.lora.conventions import ALPHA
 from library.lora.weights import delta_weight, factorization, kron_linear
 from networks.network_args import DEFAULT_NETWORK_ALPHA, DEFAULT_NETWORK_DIM, parse_bool, parse_int
-from networks.network_base import AdapterModule, AdapterNetwork, build_network, build_network_from_weights
+from networks.network_base import AdapterModule, AdapterNetwork, entry_points
 
 logger = logging.getLogger(__name__)
 
@@ -210,31 +209,4 @@ class LoKrNetwork(AdapterNetwork):
             )
 
 
-def create_network(
-    multiplier: float,
-    network_dim: int | None,
-    network_alpha: float | None,
-    vae: Any,
-    text_encoders: Any,
-    unet: nn.Module | None,
-    neuron_dropout: float | None = None,
-    **kwargs: Any,
-) -> LoKrNetwork:
-    """The LoKr network for training (`--network_dim`, `--network_alpha`, `--network_dropout`, `--network_args`)."""
-    return build_network(LoKrNetwork, multiplier, network_dim, network_alpha, text_encoders, unet, neuron_dropout,
-                         kwargs)
-
-
-def create_network_from_weights(
-    multiplier: float,
-    file: str | os.PathLike | None,
-    vae: Any,
-    text_encoders: Any,
-    unet: nn.Module | None,
-    weights_sd: Mapping[str, torch.Tensor] | None = None,
-    for_inference: bool = False,
-    **kwargs: Any,
-) -> tuple[LoKrNetwork, dict[str, torch.Tensor]]:
-    """The LoKr network whose modules and factors are those of a LoKr file (`--dim_from_weights`, inference)."""
-    return build_network_from_weights(LoKrNetwork, multiplier, file, text_encoders, unet, weights_sd, for_inference,
-                                      kwargs)
+create_network, create_network_from_weights = entry_points(LoKrNetwork)

@@ -21,7 +21,6 @@ DiT and `lora_te_<...>` for the text encoder (sd-scripts single text-encoder nam
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -44,9 +43,8 @@ from networks.network_args import (
 from networks.network_base import (
     AdapterModule,
     AdapterNetwork,
-    build_network,
-    build_network_from_weights,
     dit_candidates,
+    entry_points,
     is_linear_like,
     normalize_lora_state_dict,
     text_encoder_candidates,
@@ -122,31 +120,4 @@ class LoRANetwork(AdapterNetwork):
         return {"lora_dim": int(parts[LORA_DOWN].shape[0]), "alpha": parts.get(ALPHA)}
 
 
-def create_network(
-    multiplier: float,
-    network_dim: int | None,
-    network_alpha: float | None,
-    vae: Any,
-    text_encoders: Any,
-    unet: nn.Module | None,
-    neuron_dropout: float | None = None,
-    **kwargs: Any,
-) -> LoRANetwork:
-    """The LoRA network for training (`--network_dim`, `--network_alpha`, `--network_dropout`, `--network_args`)."""
-    return build_network(LoRANetwork, multiplier, network_dim, network_alpha, text_encoders, unet, neuron_dropout,
-                         kwargs)
-
-
-def create_network_from_weights(
-    multiplier: float,
-    file: str | os.PathLike | None,
-    vae: Any,
-    text_encoders: Any,
-    unet: nn.Module | None,
-    weights_sd: Mapping[str, torch.Tensor] | None = None,
-    for_inference: bool = False,
-    **kwargs: Any,
-) -> tuple[LoRANetwork, dict[str, torch.Tensor]]:
-    """Build the network whose modules and ranks are those of a LoRA file (`--dim_from_weights`, inference)."""
-    return build_network_from_weights(LoRANetwork, multiplier, file, text_encoders, unet, weights_sd, for_inference,
-                                      kwargs)
+create_network, create_network_from_weights = entry_points(LoRANetwork)

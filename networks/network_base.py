@@ -24,7 +24,7 @@ import logging
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -730,6 +730,46 @@ def build_network_from_weights(
         )
     network.log_summary()
     return network, dict(weights_sd)
+
+
+def entry_points(network_class: type[AdapterNetwork]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The two functions a `--network_module` exposes, with sd-scripts' signatures, for `network_class`:
+    `create_network` (training: `--network_dim`, `--network_alpha`, `--network_dropout`, `--network_args`) and
+    `create_network_from_weights` (the modules and ranks of a file: `--dim_from_weights`, inference)."""
+
+    def create_network(
+        multiplier: float,
+        network_dim: int | None,
+        network_alpha: float | None,
+        vae: Any,
+        text_encoders: Any,
+        unet: nn.Module | None,
+        neuron_dropout: float | None = None,
+        **kwargs: Any,
+    ) -> AdapterNetwork:
+        return build_network(network_class, multiplier, network_dim, network_alpha, text_encoders, unet,
+                             neuron_dropout, kwargs)
+
+    def create_network_from_weights(
+        multiplier: float,
+        file: str | os.PathLike | None,
+        vae: Any,
+        text_encoders: Any,
+        unet: nn.Module | None,
+        weights_sd: Mapping[str, torch.Tensor] | None = None,
+        for_inference: bool = False,
+        **kwargs: Any,
+    ) -> tuple[AdapterNetwork, dict[str, torch.Tensor]]:
+        return build_network_from_weights(network_class, multiplier, file, text_encoders, unet, weights_sd,
+                                          for_inference, kwargs)
+
+    label = network_class.label()
+    create_network.__doc__ = f"The {label} network for training ({network_class.MODULE_NAME})."
+    create_network_from_weights.__doc__ = f"The {label} network whose modules and ranks are those of a {label} file."
+    for fn in (create_network, create_network_from_weights):
+        fn.__module__ = network_class.__module__
+        fn.__qualname__ = fn.__name__
+    return create_network, create_network_from_weights
 
 
 def _report_unmatched(label: str, file: Any, unmatched: list[str], have_te: bool, have_unet: bool) -> None:
