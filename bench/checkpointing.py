@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 import moss_image_train_network as trainer_script
-from library.training import nonfinite, optimizers
+from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState, StepGarbageCollector
 from library.training.run_options import RunOptions
 
@@ -121,7 +121,7 @@ def build(snapshot: Path, flags: list[str], shape: Shape, out_dir: Path, total_s
     if args.gradient_checkpointing:
         trainer.enable_gradient_checkpointing(run)
     trainer._optimizer_and_scheduler(run)
-    run.lr_scheduler = optimizers.get_scheduler(run.options.scheduler, run.optimizer, 1, total_steps)
+    run.lr_scheduler = lr_schedulers.get_scheduler(run.options.scheduler, run.optimizer, 1, total_steps)
     trainer._place_models(run)
     run.optimizer, run.lr_scheduler = run.accelerator.prepare(run.optimizer, run.lr_scheduler)
     trainer._install_fused_backward_pass(run)

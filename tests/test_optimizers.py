@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from library.training import optimizers as opt
+from library.training import lr_schedulers as sch
 from library.errors import UserError
 
 
@@ -21,8 +22,8 @@ def ocfg(*argv: str) -> opt.OptimizerConfig:
     return opt.OptimizerConfig.from_args(make_args(*argv))
 
 
-def scfg(*argv: str) -> opt.SchedulerConfig:
-    return opt.SchedulerConfig.from_args(make_args(*argv))
+def scfg(*argv: str) -> sch.SchedulerConfig:
+    return sch.SchedulerConfig.from_args(make_args(*argv))
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
@@ -66,10 +67,10 @@ def test_step_count_forms():
     with pytest.raises(SystemExit):
         make_args("--lr_warmup_steps", "x")
     # ratios are shares of the run; integers are optimizer steps (x num_processes ticks)
-    assert opt.resolve_step_count(0.1, 200, 2, "--lr_warmup_steps") == 20
-    assert opt.resolve_step_count(1.0, 200, 2, "--lr_warmup_steps") == 200  # 100%
-    assert opt.resolve_step_count(10, 200, 2, "--lr_warmup_steps") == 20
-    assert opt.resolve_step_count("10%", 200, 1, "--lr_warmup_steps") == 20
+    assert sch.resolve_step_count(0.1, 200, 2, "--lr_warmup_steps") == 20
+    assert sch.resolve_step_count(1.0, 200, 2, "--lr_warmup_steps") == 200  # 100%
+    assert sch.resolve_step_count(10, 200, 2, "--lr_warmup_steps") == 20
+    assert sch.resolve_step_count("10%", 200, 1, "--lr_warmup_steps") == 20
 
 
 def test_optimizer_args_are_python_literals():
@@ -225,10 +226,10 @@ def test_schedulefree_wiring_with_a_stand_in_package(monkeypatch):
     assert optimizer.mode == "train"
     eval_fn()
     assert optimizer.mode == "eval"
-    sched = opt.get_scheduler(opt.SchedulerConfig.from_args(args), optimizer, max_train_steps=10)
+    sched = sch.get_scheduler(sch.SchedulerConfig.from_args(args), optimizer, max_train_steps=10)
     assert sched.lr_lambdas[0](5) == 1.0
     with pytest.raises(UserError, match="schedule-free"):
-        opt.get_scheduler(scfg("--lr_scheduler", "cosine"), optimizer, max_train_steps=10)
+        sch.get_scheduler(scfg("--lr_scheduler", "cosine"), optimizer, max_train_steps=10)
     # other optimizers: no-op functions
     _, _, adamw = opt.get_optimizer(ocfg(), model.parameters())
     assert not opt.is_schedulefree_optimizer(adamw)
@@ -253,23 +254,23 @@ def test_adafactor_relative_step_and_its_scheduler():
     assert name == "transformers.optimization.Adafactor"
     assert desc == "relative_step=True"
     assert optimizer.defaults["relative_step"] and optimizer.param_groups[0]["lr"] is None
-    sched = opt.get_scheduler(opt.SchedulerConfig.from_args(args), optimizer, max_train_steps=20)  # cosine replaced
+    sched = sch.get_scheduler(sch.SchedulerConfig.from_args(args), optimizer, max_train_steps=20)  # cosine replaced
     assert type(sched).__name__ == "AdafactorSchedule"
     assert sched.get_last_lr() == [1e-3]
     losses = train_steps(model, optimizer, 4)
     assert losses[-1] < losses[0]
     with pytest.raises(UserError):
-        opt.get_scheduler(scfg("--lr_warmup_steps", "5", "--lr_scheduler", "adafactor"), optimizer, max_train_steps=20)
+        sch.get_scheduler(scfg("--lr_warmup_steps", "5", "--lr_scheduler", "adafactor"), optimizer, max_train_steps=20)
     # relative_step=False keeps --learning_rate and the chosen scheduler; the adafactor scheduler is refused
     args2 = make_args("--optimizer_type", "Adafactor", "--learning_rate", "1e-3", "--optimizer_args",
                       "relative_step=False", "scale_parameter=False", "warmup_init=False",
                       "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "2")
     _, _, optimizer2 = opt.get_optimizer(opt.OptimizerConfig.from_args(args2), tiny_model().parameters())
     assert optimizer2.param_groups[0]["lr"] == 1e-3
-    sched2 = opt.get_scheduler(opt.SchedulerConfig.from_args(args2), optimizer2, max_train_steps=20)
+    sched2 = sch.get_scheduler(sch.SchedulerConfig.from_args(args2), optimizer2, max_train_steps=20)
     assert sched2.lr_lambdas[0](1) == 0.5
     with pytest.raises(UserError, match="relative_step"):
-        opt.get_scheduler(scfg("--lr_scheduler", "adafactor"), optimizer2, max_train_steps=20)
+        sch.get_scheduler(scfg("--lr_scheduler", "adafactor"), optimizer2, max_train_steps=20)
 
 
 def _fused_vs_plain(max_grad_norm: float) -> None:
@@ -318,7 +319,7 @@ def test_fused_backward_pass_checks():
 def sched_for(*argv: str, steps: int = 100, num_processes: int = 1, lr: float = 1.0):
     p = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([p], lr=lr)
-    return opt.get_scheduler(scfg(*argv), optimizer, num_processes=num_processes, max_train_steps=steps), optimizer
+    return sch.get_scheduler(scfg(*argv), optimizer, num_processes=num_processes, max_train_steps=steps), optimizer
 
 
 def lrs(*argv: str, at: tuple[int, ...], **kw) -> list[float]:
@@ -374,7 +375,7 @@ def test_scheduler_steps_the_optimizer_lr():
         optimizer.step()
         sched.step()
     assert seen == pytest.approx([0.8, 0.6, 0.4, 0.2])
-    assert opt.get_scheduler(scfg(), optimizer, max_train_steps=4).state_dict()["last_epoch"] == 0
+    assert sch.get_scheduler(scfg(), optimizer, max_train_steps=4).state_dict()["last_epoch"] == 0
 
 
 def test_custom_scheduler_class():
@@ -406,10 +407,10 @@ def test_scheduler_errors():
         with pytest.raises(UserError):
             sched_for(*argv)
     with pytest.raises(UserError, match="training steps"):
-        opt.get_scheduler(scfg("--lr_scheduler", "cosine"), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))],
+        sch.get_scheduler(scfg("--lr_scheduler", "cosine"), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))],
                                                                              lr=1.0))
     with pytest.raises(UserError):
-        opt.verify_scheduler_arguments(scfg("--lr_scheduler", "bogus"))
+        sch.verify_scheduler_arguments(scfg("--lr_scheduler", "bogus"))
     with pytest.raises(UserError, match="key=value"):
         ocfg("--optimizer_args", "weight_decay")  # parsed with the options, before any model is loaded
 

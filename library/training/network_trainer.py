@@ -411,10 +411,10 @@ class NetworkTrainer(abc.ABC):
         run_checks.check_room_for_saves(args, run.network, run.save_dtype)
         self._dataloaders(run)
         self._steps_and_epochs(run)
-        from library.training import optimizers
+        from library.training import lr_schedulers
 
-        run.lr_scheduler = optimizers.get_scheduler(run.options.scheduler, run.optimizer, run.accelerator.num_processes,
-                                                    run.max_train_steps)
+        run.lr_scheduler = lr_schedulers.get_scheduler(run.options.scheduler, run.optimizer,
+                                                       run.accelerator.num_processes, run.max_train_steps)
         self._place_models(run)
         run.optimizer, run.train_dataloader, run.lr_scheduler = run.accelerator.prepare(
             run.optimizer, run.train_dataloader, run.lr_scheduler

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from library.training import optimizers
+from library.training import lr_schedulers
 from library.training.flow_matching import InputPerturbation, LossConfig, TimestepSamplingConfig
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}
@@ -35,7 +36,7 @@ class RunOptions:
     ip_noise: InputPerturbation
     loss: LossConfig
     optimizer: optimizers.OptimizerConfig
-    scheduler: optimizers.SchedulerConfig
+    scheduler: lr_schedulers.SchedulerConfig
 
     @property
     def text_encoder_needed(self) -> bool:
@@ -50,9 +51,9 @@ class RunOptions:
         weight = dtype_of(args.mixed_precision, torch.float32)
         lora = weight if (args.full_fp16 or args.full_bf16) else torch.float32
         optimizer = optimizers.OptimizerConfig.from_args(args)
-        scheduler = optimizers.SchedulerConfig.from_args(args)
+        scheduler = lr_schedulers.SchedulerConfig.from_args(args)
         optimizers.verify_optimizer_arguments(optimizer, args.gradient_accumulation_steps)
-        optimizers.verify_scheduler_arguments(scheduler)
+        lr_schedulers.verify_scheduler_arguments(scheduler)
         return cls(
             train_unet=not args.network_train_text_encoder_only,
             train_text_encoder=train_text_encoder,
