@@ -28,7 +28,12 @@ from library.planning.run_options import add_vram_budget_argument, apply_vram_bu
 from library.quant.convrot_kernels import HAS_TRITON
 from library.runtime.compile import check_compile_args, check_cpu_compiler
 from library.text_encoder.encoding import LazyEncoder, encode_captions, pad_and_stack, text_encoder_batch_size
-from library.text_encoder.loading import TextEncoderOptions, load_text_encoder, predict_text_encoder_variant
+from library.text_encoder.loading import (
+    TextEncoderOptions,
+    load_text_encoder,
+    place_text_encoder,
+    predict_text_encoder_variant,
+)
 from library.text_encoder.quant import check_text_encoder_memory_args
 from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
 from library.text_encoder.variant import check_predicted_variant
@@ -264,8 +269,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         def make_encode() -> Any:  # called only when something is encoded: a deferred encoder is read here
             if run.text_encoders[0] is None:
                 run.text_encoders[0] = self._load_deferred_text_encoder(args, acc)
-            te = run.text_encoders[0]
-            te.to(self.te_device)
+            te = place_text_encoder(run.text_encoders[0], self.te_device)  # a bitsandbytes one is there already
             return functools.partial(encode_captions, te, self.tokenizer, max_length=args.moss_max_token_length,
                                      batch_size=text_encoder_batch_size(args.text_encoder_batch_size))
 
@@ -279,8 +283,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if self.is_text_encoder_not_needed_for_training(args):
             run.text_encoders[0] = None  # freed before the DiT is read: the two are never in RAM together
             del encode
-        elif run.text_encoders[0] is not None:
-            run.text_encoders[0].to("cpu")
+        elif run.text_encoders[0] is not None:  # offloaded, except a bitsandbytes one (it stays on the GPU)
+            place_text_encoder(run.text_encoders[0], "cpu")
 
     def _load_deferred_text_encoder(self, args: argparse.Namespace, accelerator: Any) -> Any:
         """The text encoder whose loading was deferred, checked against the variant the caches were checked with."""
@@ -318,8 +322,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
     def get_text_conds(self, run: RunState, batch: dict[str, Any], is_train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         outputs = batch.get("text_encoder_outputs")
         if outputs is None:  # gradients flow when the text encoder LoRA is trained (the caller sets the grad mode)
-            te = run.text_encoders[0]
-            te.to(self.te_device)
+            te = place_text_encoder(run.text_encoders[0], self.te_device)
             outputs = encode_captions(te, self.tokenizer, batch["captions"], run.args.moss_max_token_length,
                                       text_encoder_batch_size(run.args.text_encoder_batch_size), grad=True)
         # padded where they are (the host for cached outputs): one copy of the batch, and the mask stays on the host,

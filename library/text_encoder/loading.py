@@ -10,6 +10,11 @@ call, with one dtype rule, and the prediction of what it will load (for checking
   on `device`), then `--te_quant` (bitsandbytes layers, quantised on the move to the GPU: the encoder is read to the
   CPU whenever that may happen). Building the model draws random numbers: the run's RNG is left as it was, so a run
   is the same whether the encoder was read or not.
+- a bitsandbytes encoder (`--te_quant int8/nf4`, or `auto` choosing one) is quantised once, on the device it runs on,
+  and never moved again: it goes there at load whatever `home` says, and `place_text_encoder` leaves it where it is.
+  bitsandbytes quantises on any move off the CPU, the CPU itself included, and a whole-model `.to()` moves only the
+  weight's data: the int8 codes and scales (`CB`/`SCB`, the layer's state) stay on the old device, so an encoder
+  quantised on the CPU and then moved to the GPU (or offloaded after use) runs its CUDA kernels on CPU weights.
 - `predict_text_encoder_variant` gives the cache variant `load_text_encoder` will return from the options and the
   checkpoint's header alone, or None when only the load can tell (`--te_quant auto` on a GPU for a float encoder,
   which depends on the free VRAM then); callers use it to read the encoder only when something is to be encoded
@@ -80,8 +85,33 @@ class LoadedTextEncoder:
         return self.variant.startswith("convrot_int8")
 
     def placed(self) -> nn.Module:
-        """The model, moved to the device it runs on (bitsandbytes layers are quantised by this move)."""
-        return self.model.to(self.device)
+        """The model, moved to the device it runs on (a bitsandbytes encoder is there already)."""
+        return place_text_encoder(self.model, self.device)
+
+
+def stays_on_its_device(model: nn.Module) -> bool:
+    """True for a bitsandbytes-quantised encoder: it is never moved once quantised (see the module docstring)."""
+    return weights_variant(model) in (BNB_VARIANTS["int8"], BNB_VARIANTS["nf4"])
+
+
+def place_text_encoder(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Move the encoder to `device` (to run it there, or to offload it), except a bitsandbytes one, which stays on the
+    device it was quantised on; returns the model."""
+    if stays_on_its_device(model):
+        return model
+    return model.to(device)
+
+
+def resting_device(plan: te_quant.TextEncoderPlan, home: str | torch.device | None) -> torch.device:
+    """Where a freshly read encoder goes: `home` when given (the trainer's CPU), else where it runs; a bitsandbytes
+    encoder always goes where it runs (it is quantised by that move and stays there)."""
+    if home is None or plan.quant != "none":
+        return plan.device
+    return torch.device(home)
+
+
+def _tensor_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def run_device(device: str | torch.device) -> torch.device:
@@ -98,7 +128,8 @@ def load_text_encoder(options: TextEncoderOptions, device: str | torch.device, t
 
     `tensor_hook(key, tensor)` may change each tensor as it is read (a LoRA merge). `frozen`: False when its LoRA is
     trained (`--te_quant auto` then keeps the loaded weights). `home`: where the model waits until it is used (the
-    trainer keeps it on the CPU; `LoadedTextEncoder.placed` moves it); None places it where it runs now."""
+    trainer keeps it on the CPU; `LoadedTextEncoder.placed` moves it); None places it where it runs now. A
+    bitsandbytes encoder is placed where it runs whatever `home` says (`resting_device`)."""
     device = run_device(device)
     first = te_quant.loading_device(options.quant, options.on_cpu, torch.device(home or device))
     dtype = TEXT_ENCODER_DTYPE
@@ -109,7 +140,12 @@ def load_text_encoder(options: TextEncoderOptions, device: str | torch.device, t
                                        tensor_hook=tensor_hook, convrot_int8=options.convrot_int8,
                                        convrot_int8_bwd=options.convrot_int8_bwd, calc_device=device)
         plan = te_quant.prepare_text_encoder(model, options.quant, device, options.on_cpu, frozen)
-    model.to(plan.device if home is None else home)
+    resting = resting_device(plan, home)
+    model.to(resting)
+    if plan.quant != "none" and home is not None and torch.device(home) != resting:
+        logger.info("text encoder: bitsandbytes %s stays on %s from now on (about %.1f GiB of VRAM): it is quantised"
+                    " there and is not offloaded between caching and sampling", plan.quant, resting,
+                    _tensor_bytes(model) / 2**30)
     loaded = LoadedTextEncoder(model, plan.device, dtype, cache_variant(weights_variant(model), dtype))
     logger.info("text encoder: runs on %s, cache variant %s", loaded.device, loaded.variant)
     return loaded

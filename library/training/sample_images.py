@@ -20,6 +20,7 @@ from library.errors import UserError
 from library.sampling.generation import GenerationSettings, decode_to_pil, denoise, save_png
 from library.sampling.sampler import load_prompts, parse_uncond_skip_layers
 from library.text_encoder.encoding import encode_captions, model_device, text_encoder_batch_size
+from library.text_encoder.loading import place_text_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,11 @@ def _text_outputs(trainer: Any, run: Any, texts: list[str]) -> dict[str, Any]:
             " the text encoder is no longer loaded (--cache_text_encoder_outputs): restore the file, or restart the run."
         )
     te_was = model_device(te)
-    te.to(trainer.te_device or run.accelerator.device)  # where it runs: the CPU with --te_device cpu
+    place_text_encoder(te, trainer.te_device or run.accelerator.device)  # the CPU with --te_device cpu
     encoded = encode_captions(te, trainer.tokenizer, missing, run.args.moss_max_token_length,
                               text_encoder_batch_size(run.args.text_encoder_batch_size))
     if not trainer.is_train_text_encoder(run.args):
-        te.to(te_was)
+        place_text_encoder(te, te_was)  # a bitsandbytes encoder never moves
     return {**cached, **dict(zip(missing, encoded))}
 
 
