@@ -436,3 +436,34 @@ def test_schedules_agree_with_transformers():
         for step in (0, 3, 7, 20, 33, 49, 50):
             assert sched.lr_lambdas[0](step) == pytest.approx(ref.lr_lambdas[0](step), abs=1e-12), (argv, step)
     assert math.isclose(lrs("--lr_scheduler", "linear", at=(0,))[0], 1.0)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and _bnb_usable()), reason="needs CUDA and bitsandbytes")
+@pytest.mark.parametrize("optimizer_type", ["AdamW8bit", "PagedAdamW8bit"])
+def test_bitsandbytes_optimizers_on_cuda_follow_adamw(optimizer_type):
+    """As in the trainer: the optimizer is made while the LoRA is on the CPU, and the LoRA is moved to the GPU before
+    the first step (its parameters keep their identity); the 8-bit state then lives on the GPU (a paged optimizer's
+    in CUDA managed memory, which torch sees as CPU tensors marked `is_paged`)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(64, 96)  # > 4096 elements: the 8-bit state path
+    model = torch.nn.Linear(64, 96)
+    model.load_state_dict(ref.state_dict())
+    start = model.weight.detach().clone().cuda()
+    _, _, optimizer = opt.get_optimizer(ocfg("--optimizer_type", optimizer_type, "--learning_rate", "1e-3"),
+                                        model.parameters())
+    _, _, adamw = opt.get_optimizer(ocfg("--optimizer_type", "AdamW", "--learning_rate", "1e-3"), ref.parameters())
+    model.cuda()
+    ref.cuda()
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).cuda()
+    for _ in range(3):
+        for m, o in ((model, optimizer), (ref, adamw)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    state = {k: t for k, t in optimizer.state[model.weight].items() if isinstance(t, torch.Tensor) and t.numel() > 1}
+    assert state["state1"].dtype == torch.uint8
+    assert getattr(state["state1"], "is_paged", False) == optimizer_type.startswith("Paged")
+    assert all(t.device.type == "cuda" or getattr(t, "is_paged", False) for t in state.values())
+    ours, theirs = model.weight.detach() - start, ref.weight.detach() - start
+    assert torch.isfinite(ours).all() and ours.abs().max() > 0
+    assert torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0) > 0.95
