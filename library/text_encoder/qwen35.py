@@ -6,7 +6,9 @@
   A snapshot root (with a `text_encoder/` folder) is accepted too.
 - Config: `config.json` beside the checkpoint when present, else the bundled `configs/moss_image_qwen35_9b/`.
 - Tokenizer and prompt template: `load_tokenizer`, `format_prompt`, `tokenize` (the encoding itself is
-  `library.text_encoder.encoding`'s).
+  `library.text_encoder.encoding`'s). The tokenizer folder (`find_tokenizer_dir`): --tokenizer_cache_dir, the
+  snapshot's own `tokenizer/`, a Hugging Face cache, else a download from the Hub that is tried only when the Hub
+  answers within 3 s and never with HF_HUB_OFFLINE (`download_tokenizer`).
 - `load_qwen35_text_model` reads the weights in a given dtype; the rules of a run (dtype, placement, quantisation,
   cache variant) are `library.text_encoder.loading`'s.
 """
@@ -16,6 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_CONFIG_DIR = REPO_ROOT / "configs" / "moss_image_qwen35_9b"
 TOKENIZER_REPO = "OpenMOSS-Team/MOSS-Image-Base"
 TOKENIZER_SUBFOLDER = "tokenizer"
+HUB_CONNECT_TIMEOUT = 3.0  # seconds for the Hub to answer before a tokenizer download is given up
 DEFAULT_MAX_TOKEN_LENGTH = 4096
 MAX_TOKEN_LENGTH = 4096
 
@@ -235,37 +241,123 @@ def _local_tokenizer_dir(tokenizer_cache_dir: str | None, text_encoder_path: str
     return None
 
 
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set now or when huggingface_hub was imported."""
+    from huggingface_hub import constants  # lazy, as transformers: only a tokenizer lookup needs the hub client
+
+    now = any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+              for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return now or bool(constants.HF_HUB_OFFLINE)
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants  # lazy: see _hub_offline
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def reachable(url: str, timeout: float = HUB_CONNECT_TIMEOUT) -> bool:
+    """Whether `url` gives any HTTP answer (an error status too) within `timeout` seconds, the name lookup and the
+    connection included: the request runs in a thread that is given up after `timeout` (a name lookup has no timeout
+    of its own). The environment's proxies are used, as the hub client uses them."""
+    answered: list[bool] = []
+
+    def ask() -> None:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout):
+                answered.append(True)
+        except urllib.error.HTTPError:  # an answer all the same
+            answered.append(True)
+        except (OSError, ValueError):
+            pass
+
+    thread = threading.Thread(target=ask, name="hub-reachable", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered)
+
+
+def _cached_tokenizer_dir(cache_dir: str | None) -> Path | None:
+    """The tokenizer folder of MOSS-Image-Base in a Hugging Face cache (`cache_dir`, else the default one), found
+    without any network access."""
+    from huggingface_hub import try_to_load_from_cache  # lazy: see _hub_offline
+
+    for name in TOKENIZER_FILES:
+        found = try_to_load_from_cache(TOKENIZER_REPO, f"{TOKENIZER_SUBFOLDER}/{name}", cache_dir=cache_dir)
+        if isinstance(found, str) and _has_tokenizer_files(Path(found).parent):
+            return Path(found).parent
+    return None
+
+
+def _pass_tokenizer_dir() -> str:
+    return (f"pass --tokenizer_cache_dir DIR with a folder holding {', '.join(TOKENIZER_FILES)} (the"
+            f" '{TOKENIZER_SUBFOLDER}' folder of {TOKENIZER_REPO}) or a Hugging Face cache that has it")
+
+
+def download_tokenizer(cache_dir: str | None) -> Path:
+    """Download the tokenizer files (only them, about 20 MB) of MOSS-Image-Base into the Hugging Face cache
+    (`cache_dir` when given) and return their folder. The hub is tried only when it answers within
+    `HUB_CONNECT_TIMEOUT` seconds, so that a machine without a network gets its error at once, not after the client's
+    retries; HF_HUB_OFFLINE forbids the download."""
+    from huggingface_hub import snapshot_download  # heavy import: only a download needs it
+
+    endpoint = _hub_endpoint()
+    if _hub_offline():
+        raise UserError("The Qwen3.5 tokenizer is not on this machine and HF_HUB_OFFLINE is set, so it is not"
+                        f" downloaded: {_pass_tokenizer_dir()}.")
+    if not reachable(endpoint):
+        raise UserError(f"The Qwen3.5 tokenizer is not on this machine and the Hugging Face Hub ({endpoint}) does not"
+                        f" answer within {HUB_CONNECT_TIMEOUT:.0f} s: {_pass_tokenizer_dir()}.")
+    logger.info("tokenizer: downloading %s/%s from %s (cache: %s)", TOKENIZER_REPO, TOKENIZER_SUBFOLDER, endpoint,
+                cache_dir or "the default Hugging Face cache")
+    try:
+        root = snapshot_download(TOKENIZER_REPO, allow_patterns=[f"{TOKENIZER_SUBFOLDER}/*"], cache_dir=cache_dir,
+                                 endpoint=endpoint, etag_timeout=HUB_CONNECT_TIMEOUT)
+    except Exception as e:  # the hub client raises HTTP, connection and OS errors of many kinds
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise UserError(f"Could not download the Qwen3.5 tokenizer from {endpoint} ({type(e).__name__}: {first}):"
+                        f" {_pass_tokenizer_dir()}.") from e
+    folder = Path(root) / TOKENIZER_SUBFOLDER
+    if not _has_tokenizer_files(folder):
+        raise UserError(f"The download of {TOKENIZER_REPO} from {endpoint} has no {TOKENIZER_SUBFOLDER}/ folder with"
+                        f" {', '.join(TOKENIZER_FILES)}: {_pass_tokenizer_dir()}.")
+    return folder
+
+
+def find_tokenizer_dir(tokenizer_cache_dir: str | None = None, text_encoder_path: str | None = None,
+                       local_files_only: bool = False) -> Path:
+    """The folder the Qwen3.5 tokenizer is read from, in this order (the first that has the files):
+
+    1. `tokenizer_cache_dir` holding the tokenizer files (or a `tokenizer/` folder in it);
+    2. the `tokenizer/` folder of the snapshot the text encoder comes from (the official layout): a snapshot's own
+       tokenizer is always used before any cache or download;
+    3. a Hugging Face cache that holds MOSS-Image-Base's tokenizer: `tokenizer_cache_dir`, else the default cache;
+    4. a download from the Hub (`OpenMOSS-Team/MOSS-Image-Base`, subfolder `tokenizer`) into that cache
+       (`download_tokenizer`), unless `local_files_only` or HF_HUB_OFFLINE.
+    Raises one UserError that says to pass --tokenizer_cache_dir when none has it."""
+    local = _local_tokenizer_dir(tokenizer_cache_dir, text_encoder_path) or _cached_tokenizer_dir(tokenizer_cache_dir)
+    if local is not None:
+        return local
+    if local_files_only:
+        raise UserError("The Qwen3.5 tokenizer is not in local files (--tokenizer_cache_dir, the snapshot's"
+                        f" {TOKENIZER_SUBFOLDER}/ folder, the Hugging Face cache): {_pass_tokenizer_dir()}.")
+    return download_tokenizer(tokenizer_cache_dir)
+
+
 def load_tokenizer(
     tokenizer_cache_dir: str | None = None, text_encoder_path: str | None = None, local_files_only: bool = False
 ) -> Any:
-    """The Qwen3.5 tokenizer, looked up in this order:
-
-    1. `tokenizer_cache_dir` holding the tokenizer files (or a `tokenizer/` folder in it);
-    2. the `tokenizer/` folder of the snapshot the text encoder comes from (the official layout);
-    3. the Hugging Face hub (`OpenMOSS-Team/MOSS-Image-Base`, subfolder `tokenizer`), cached in `tokenizer_cache_dir`
-       when given: the one documented network access, which HF_HUB_OFFLINE=1 (or `local_files_only`: the
-       Hugging Face cache only) turns off.
-    """
+    """The Qwen3.5 tokenizer from the folder `find_tokenizer_dir` gives (a download is the one network access of
+    a run, and HF_HUB_OFFLINE=1 or `local_files_only` turns it off)."""
     from transformers import AutoTokenizer  # heavy import (seconds): only a load needs it
 
-    local = _local_tokenizer_dir(tokenizer_cache_dir, text_encoder_path)
+    folder = find_tokenizer_dir(tokenizer_cache_dir, text_encoder_path, local_files_only)
+    logger.info("tokenizer: %s", folder)
     try:
-        if local is not None:
-            logger.info("tokenizer: %s", local)
-            return AutoTokenizer.from_pretrained(str(local), local_files_only=True, trust_remote_code=False)
-        logger.info("tokenizer: %s/%s from the Hugging Face hub (cache: %s)", TOKENIZER_REPO, TOKENIZER_SUBFOLDER,
-                    tokenizer_cache_dir or "default")
-        return AutoTokenizer.from_pretrained(
-            TOKENIZER_REPO, subfolder=TOKENIZER_SUBFOLDER, cache_dir=tokenizer_cache_dir, trust_remote_code=False,
-            local_files_only=local_files_only,
-        )
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        where = str(local) if local else f"the hub ({TOKENIZER_REPO}, subfolder {TOKENIZER_SUBFOLDER})"
-        raise UserError(
-            f"Could not load the Qwen3.5 tokenizer from {where} ({type(e).__name__}): for offline use pass"
-            f" --tokenizer_cache_dir with a folder holding {', '.join(TOKENIZER_FILES)} (the 'tokenizer' folder of"
-            " MOSS-Image-Base) or a Hugging Face cache that has it."
-        ) from e
+        raise UserError(f"Could not load the Qwen3.5 tokenizer from {folder} ({type(e).__name__}):"
+                        f" {_pass_tokenizer_dir()}.") from e
 
 
 # -------------------------------------------------------------------------------------------------- tokens
