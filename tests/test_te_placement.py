@@ -134,4 +134,4 @@ def test_an_encoder_read_with_a_cpu_home_encodes_on_the_gpu(tiny_snapshot, quant
     place_text_encoder(te, "cpu")  # the trainer's offload after caching: a no-op for a bitsandbytes encoder
     again = encode_captions(place_text_encoder(te, loaded.device), tokenizer, ["a red square"])[0][0].float()
     assert first.device.type == "cuda" and torch.isfinite(first).all()
-    assert torch.equal(first, again)
+    assert ((again - first).norm() / first.norm()).item() < 1e-3  # the same weights, where they were
