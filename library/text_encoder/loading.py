@@ -143,8 +143,9 @@ def load_text_encoder(options: TextEncoderOptions, device: str | torch.device, t
     resting = resting_device(plan, home)
     model.to(resting)
     if plan.quant != "none" and home is not None and torch.device(home) != resting:
+        where = torch.device("cuda", torch.cuda.current_device()) if resting == torch.device("cuda") else resting
         logger.info("text encoder: bitsandbytes %s stays on %s from now on (about %.1f GiB of VRAM): it is quantised"
-                    " there and is not offloaded between caching and sampling", plan.quant, resting,
+                    " there and is not offloaded between caching and sampling", plan.quant, where,
                     _tensor_bytes(model) / 2**30)
     loaded = LoadedTextEncoder(model, plan.device, dtype, cache_variant(weights_variant(model), dtype))
     logger.info("text encoder: runs on %s, cache variant %s", loaded.device, loaded.variant)
