@@ -39,7 +39,8 @@ from tools.demo import write_dataset
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 # name -> (optimizer, --te_quant, tags): "uncached" encodes the captions every step (no TE output cache), "sample"
-# adds a sample prompt (encoded at startup, an image every few steps)
+# adds a sample prompt (encoded at startup, an image every few steps), "resume" saves the state half-way and trains a
+# second run from it (the optimizer's 8-bit state read back onto the GPU)
 CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "te_int8": ("AdamW", "int8", ()),
     "te_nf4": ("AdamW", "nf4", ()),
@@ -50,6 +51,8 @@ CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "lion8bit_te_none": ("Lion8bit", "none", ()),
     "te_int8_uncached": ("AdamW8bit", "int8", ("uncached",)),
     "te_nf4_sample": ("AdamW", "nf4", ("sample",)),
+    "adamw8bit_resume": ("AdamW8bit", "none", ("resume",)),
+    "paged_adamw8bit_resume": ("PagedAdamW8bit", "none", ("resume",)),
 }
 PYTEST_FILES = ("tests/test_te_quant.py", "tests/test_te_placement.py", "tests/test_optimizers.py")
 LOGGED = ("bitsandbytes", "text encoder:", "use ", "tokenizer:")
@@ -109,7 +112,28 @@ def case_argv(name: str, optimizer: str, te_quant: str, tags: tuple[str, ...], s
         prompts = work / f"prompts_{name}.txt"
         prompts.write_text("a red square --w 64 --h 64 --s 2\n")
         argv += ["--sample_prompts", str(prompts), "--sample_every_n_steps", str(STEPS // 2)]
+    if "resume" in tags:
+        argv += ["--save_every_n_steps", str(STEPS // 2), "--save_state"]
     return argv, config.parent / "images", out
+
+
+def resumed_run(name: str, argv: list[str], out: Path) -> dict[str, Any]:
+    """A second run from the state the first saved half-way: it must end at the same step, and its LoRA is compared
+    with the first run's."""
+    from accelerate.state import AcceleratorState
+
+    state = out / f"{name}-step{STEPS // 2:08d}-state"
+    again = out.parent / f"{out.name}_resumed"
+    argv = [str(again) if a == str(out) else a for a in argv] + ["--resume", str(state)]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        run = trainer.MossImageNetworkTrainer().train(trainer.setup_parser().parse_args(argv))
+    except Exception as exc:  # noqa: BLE001  (reported with the case)
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1000], "traceback": traceback.format_exc()[-4000:]}
+    first, second = load_file(str(out / f"{name}.safetensors")), load_file(str(again / f"{name}.safetensors"))
+    diff = max((first[k].float() - second[k].float()).abs().max().item() for k in first)
+    return {"ok": run.global_step == STEPS and first.keys() == second.keys(), "global_step": run.global_step,
+            "max_abs_diff_to_uninterrupted": diff}
 
 
 def run_case(name: str, snapshot: Path, work: Path) -> dict[str, Any]:
@@ -155,6 +179,9 @@ def run_case(name: str, snapshot: Path, work: Path) -> dict[str, Any]:
             res["te_variant"] = str(z["encoder"]) if "encoder" in z.files else None
     res["samples"] = len(list((out / "sample").glob("*.png"))) if (out / "sample").is_dir() else 0
     res["ok"] = res["losses_finite"] and res["lora_finite"] and bool(res["lora_up_max"])
+    if "resume" in tags:
+        res["resume"] = resumed_run(name, argv, out)
+        res["ok"] = res["ok"] and res["resume"]["ok"]
     return res
 
 
