@@ -12,9 +12,10 @@ call, with one dtype rule, and the prediction of what it will load (for checking
   is the same whether the encoder was read or not.
 - a bitsandbytes encoder (`--te_quant int8/nf4`, or `auto` choosing one) is quantised once, on the device it runs on,
   and never moved again: it goes there at load whatever `home` says, and `place_text_encoder` leaves it where it is.
-  bitsandbytes quantises on any move off the CPU, the CPU itself included, and a whole-model `.to()` moves only the
-  weight's data: the int8 codes and scales (`CB`/`SCB`, the layer's state) stay on the old device, so an encoder
-  quantised on the CPU and then moved to the GPU (or offloaded after use) runs its CUDA kernels on CPU weights.
+  bitsandbytes quantises a weight on its first move to any device, the CPU included, and a whole-model `.to()` then
+  moves only the weight's data: the int8 codes and scales (`CB`/`SCB`, the layer's state) stay on the old device, so
+  an encoder quantised on the CPU and then moved to the GPU (or offloaded after use) runs its CUDA kernels on CPU
+  weights.
 - `predict_text_encoder_variant` gives the cache variant `load_text_encoder` will return from the options and the
   checkpoint's header alone, or None when only the load can tell (`--te_quant auto` on a GPU for a float encoder,
   which depends on the free VRAM then); callers use it to read the encoder only when something is to be encoded
