@@ -1,4 +1,4 @@
-"""The bitsandbytes paths through the trainer on one CUDA GPU: `--te_quant int8/nf4` and the 8-bit optimizers.
+"""The bitsandbytes paths through the trainer on a CUDA GPU: `--te_quant int8/nf4` and the 8-bit optimizers.
 
     python -m bench.bnb_cuda --out bnb_cuda.json            # needs CUDA and bitsandbytes
     python -m bench.bnb_cuda --cases te_int8,adamw8bit --no_pytest
