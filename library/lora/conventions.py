@@ -196,3 +196,82 @@ def split_fused_qkv(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 piece = tensor.chunk(len(QKV_PARTS), dim=0)[i] if suffix in rows else tensor
                 out[f"{stem}{part}.{suffix}"] = piece.clone()
     return out
+
+
+# per algorithm: the tensors that become block-diagonal when q / k / v are fused (the others are stacked by rank)
+_QKV_BLOCK_TENSORS = {"lora": (LORA_UP,), "loha": ("hada_w1_a", "hada_w2_a")}
+_QKV_STACKED_TENSORS = {"lora": (LORA_DOWN,), "loha": ("hada_w1_b", "hada_w2_b")}
+_QKV_SCALED_TENSOR = {"lora": LORA_UP, "loha": "hada_w1_a"}  # where a ratio of scales is folded in
+
+
+def _rank_of(algorithm: str, parts: Mapping[str, torch.Tensor]) -> int:
+    return int(parts[_QKV_STACKED_TENSORS[algorithm][0]].shape[0])
+
+
+def fuse_qkv(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """sd-scripts keys with the `..._proj_q`, `_proj_k`, `_proj_v` DiT modules of each block fused into one
+    `..._proj_qkv` module (rows q | k | v, ComfyUI's fused Linear), merging to exactly the same weights.
+
+    With ranks r_q, r_k, r_v and scales s_i = alpha_i / r_i, the fused module has rank R = r_q + r_k + r_v: its
+    lora_down is the three downs stacked (R x in), its lora_up block-diagonal (3 out x R), so row block i of
+    up @ down is up_i @ down_i. Its alpha is s_q * R (scale s_q); a part whose scale differs gets s_i / s_q folded into
+    its up block (written in fp32 then). A missing part (excluded by a pattern) is a block of zero rows. LoHa modules
+    fuse the same way (w1_a, w2_a block-diagonal, w1_b, w2_b stacked); LoKr modules do not fuse and are refused.
+    The inverse is `split_fused_qkv` (it gives rank-R parts that merge to the same weights)."""
+    out = dict(sd)
+    stems: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+    for key in sd:
+        name, _, suffix = key.partition(".")
+        if not name.startswith(LORA_PREFIX_UNET + "_"):
+            continue
+        stem, _, part = name.rpartition("_proj_")
+        if stem and part in QKV_PARTS:
+            stems.setdefault(stem + "_proj_", {}).setdefault(part, {})[suffix] = out.pop(key)
+    for stem, modules in sorted(stems.items()):
+        fused = _fuse_parts(stem, modules)
+        out.update({f"{stem}{FUSED_QKV}.{suffix}": t for suffix, t in fused.items()})
+    return out
+
+
+def _fuse_parts(stem: str, modules: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    algorithms = {part: module_algorithm(parts, stem + part) for part, parts in modules.items()}
+    kinds = set(algorithms.values())
+    if len(kinds) != 1 or next(iter(kinds)) not in _QKV_BLOCK_TENSORS:
+        labels = " / ".join(sorted({ALGORITHM_LABELS[a] for a in kinds}))
+        raise UserError(
+            f"LoRA modules '{stem}q/k/v' are {labels}: only LoRA or LoHa q / k / v modules of one kind fuse into one"
+            " qkv module; keep the separate q / k / v modules (target comfyui or sd-scripts)."
+        )
+    algorithm = next(iter(kinds))
+    present = [p for p in QKV_PARTS if p in modules]
+    blocks, stacked = _QKV_BLOCK_TENSORS[algorithm], _QKV_STACKED_TENSORS[algorithm]
+    outs = {int(modules[p][blocks[0]].shape[0]) for p in present}
+    ins = {int(modules[p][stacked[0]].shape[1]) for p in present}
+    if len(outs) != 1 or len(ins) != 1:
+        raise UserError(
+            f"LoRA modules '{stem}q/k/v' have different shapes: they are not the q / k / v of one attention."
+        )
+    rows = outs.pop()
+    ranks = {p: _rank_of(algorithm, modules[p]) for p in present}
+    total = sum(ranks.values())
+    scales = {p: effective_alpha(modules[p].get(ALPHA), ranks[p]) / ranks[p] for p in present}
+    reference = scales[present[0]]
+    folded = any(scales[p] != reference for p in present)
+    dtypes = {t.dtype for p in present for k, t in modules[p].items() if k != ALPHA}
+    dtype = torch.float32 if folded or len(dtypes) != 1 else dtypes.pop()
+    fused: dict[str, torch.Tensor] = {}
+    for name in stacked:
+        fused[name] = torch.cat([modules[p][name].to(dtype) for p in present], dim=0)
+    for name in blocks:
+        block = torch.zeros(rows * len(QKV_PARTS), total, dtype=dtype)
+        column = 0
+        for p in present:
+            row = QKV_PARTS.index(p) * rows
+            piece = modules[p][name]
+            if folded and name == _QKV_SCALED_TENSOR[algorithm]:
+                piece = piece.to(torch.float32) * (scales[p] / reference)
+            block[row : row + rows, column : column + ranks[p]] = piece.to(dtype)
+            column += ranks[p]
+        fused[name] = block
+    fused[ALPHA] = torch.tensor(reference * total, dtype=torch.float32)
+    return fused
