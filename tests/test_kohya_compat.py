@@ -8,6 +8,7 @@ top of a kohya_ss-style --config_file; the other tests only parse and check."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import sys
@@ -309,3 +310,83 @@ def test_console_log_options(tmp_path):
             root.removeHandler(handler)
             handler.close()
         root.setLevel(level)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the metadata that sd-scripts' tools and the webui LoRA browsers read
+
+_NUMBER = r"-?\d+(\.\d+)?(e-?\d+)?"
+_HEX64 = r"[0-9a-f]{64}"
+# key -> the form its value must have, as the readers parse it. Where each expectation comes from:
+# - sd-scripts library/train_util.py SS_METADATA_MINIMUM_KEYS and build_minimum_network_metadata, read back by
+#   networks/merge_lora.py, svd_merge_lora.py, sdxl_merge_lora.py, flux_merge_lora.py (ss_v2 compared with "True",
+#   ss_base_model_version), networks/resize_lora.py (ss_training_comment, ss_network_dim / ss_network_alpha rewritten
+#   as numbers), train_network.py's own writer (ss_session_id, ss_training_started_at, ss_output_name, the dataset keys
+#   of a --train_data_dir run, ss_sd_model_name / hashes, ss_steps, ss_epoch);
+# - sd-webui-additional-networks scripts/metadata_editor.py (ss_session_id, sshs_model_hash, sshs_legacy_hash);
+# - stable-diffusion-webui extensions-builtin/Lora (network.py: ss_output_name, ss_base_model_version, ss_v2;
+#   ui_edit_user_metadata.py: ss_sd_model_name, ss_network_module, float(ss_training_started_at), the JSON objects
+#   ss_tag_frequency {dir: {tag: count}}, ss_dataset_dirs {dir: {n_repeats, img_count}}, ss_bucket_info {buckets}).
+SD_SCRIPTS_METADATA = {
+    "ss_v2": r"True|False",
+    "ss_base_model_version": r"moss_image_\w+",
+    "ss_network_module": r"networks\.lora_generic",
+    "ss_network_dim": _NUMBER,
+    "ss_network_alpha": _NUMBER,
+    "ss_session_id": r"\d+",
+    "ss_training_started_at": _NUMBER,
+    "ss_training_finished_at": _NUMBER,
+    "ss_output_name": r"toy",
+    "ss_learning_rate": _NUMBER,
+    "ss_num_train_images": r"\d+",
+    "ss_num_batches_per_epoch": r"\d+",
+    "ss_num_epochs": r"\d+",
+    "ss_steps": r"\d+",
+    "ss_epoch": r"\d+",
+    "ss_max_train_steps": r"\d+",
+    "ss_seed": r"\d+",
+    "ss_mixed_precision": r"no|fp16|bf16",
+    "ss_optimizer": r".+",
+    "ss_lr_scheduler": r"\w+",
+    "ss_training_comment": r"None|.*",
+    "ss_sd_model_name": r"[^/\\]+\.safetensors",
+    "ss_sd_model_hash": r"[0-9a-f]{8}",
+    "ss_new_sd_model_hash": _HEX64,
+    "ss_vae_name": r"[^/\\]+\.safetensors",
+    "ss_vae_hash": r"[0-9a-f]{8}",
+    "ss_new_vae_hash": _HEX64,
+    "ss_batch_size_per_device": r"\d+",
+    "ss_total_batch_size": r"\d+",
+    "ss_resolution": r"\(\d+, \d+\)",
+    "ss_enable_bucket": r"True|False",
+    "ss_min_bucket_reso": r"\d+",
+    "ss_max_bucket_reso": r"\d+",
+    "ss_keep_tokens": r"\d+",
+    "ss_shuffle_caption": r"True|False",
+    "ss_tag_frequency": r"\{.*\}",
+    "ss_dataset_dirs": r"\{.*\}",
+    "ss_reg_dataset_dirs": r"\{.*\}",
+    "ss_bucket_info": r"\{.*\}|null",
+    "sshs_model_hash": _HEX64,
+    "sshs_legacy_hash": r"[0-9a-f]{8}",
+}
+
+
+def test_saved_metadata_has_every_key_the_sd_scripts_readers_expect(kohya_run):
+    _, out, _ = kohya_run
+    meta = read_metadata(out / "toy.safetensors")
+    missing = sorted(k for k in SD_SCRIPTS_METADATA if k not in meta)
+    assert not missing, missing
+    wrong = {k: meta[k] for k, form in SD_SCRIPTS_METADATA.items() if not re.fullmatch(form, meta[k], re.DOTALL)}
+    assert not wrong, wrong
+    assert float(meta["ss_network_dim"]) == 4 and float(meta["ss_network_alpha"]) == 1.0
+    # the JSON values in the shapes the webui reads them
+    tags = json.loads(meta["ss_tag_frequency"])
+    assert tags == {"4_toy": {"toy": 1}}  # no .caption file (sd-scripts' default extension): the class token
+    dirs = json.loads(meta["ss_dataset_dirs"])
+    assert dirs == {"4_toy": {"n_repeats": 4, "img_count": 1}}
+    assert json.loads(meta["ss_reg_dataset_dirs"]) == {}
+    buckets = json.loads(meta["ss_bucket_info"])["buckets"]
+    assert all(len(b["resolution"]) == 2 and int(b["count"]) >= 1 for b in buckets.values())
+    assert meta["ss_resolution"] == "(64, 64)"
+    assert all(isinstance(v, str) for v in meta.values())  # safetensors metadata: str -> str only

@@ -104,3 +104,37 @@ def dataset_metadata(group: DatasetGroup) -> dict[str, Any]:
                 count = sum(1 for i in d.image_infos if i.subset is s)
                 dirs[_unique(name, dirs)] = {"n_repeats": s.num_repeats, "img_count": count}
     return {"datasets": datasets, "tag_frequency": frequency, "dataset_dirs": dirs}
+
+
+def train_data_dir_metadata(group: DatasetGroup, total_batch_size: int) -> dict[str, Any]:
+    """The flat dataset keys sd-scripts' train_network.py writes for a run without a dataset config (one dataset from
+    --train_data_dir / --reg_data_dir): ss_batch_size_per_device, ss_resolution "(w, h)", the augmentation flags, the
+    bucket settings, ss_dataset_dirs / ss_reg_dataset_dirs and ss_bucket_info (the webui's LoRA browser reads the last
+    one for its "Resolution" line). Keys without the `ss_` prefix, values as sd-scripts has them before str()."""
+    dataset = group.datasets[0]
+    p = dataset.params
+    subsets = [s for s in dataset.subsets if not s.is_reg] or list(dataset.subsets)
+    first = subsets[0]
+    dirs: dict[str, dict[str, int]] = {}
+    reg_dirs: dict[str, dict[str, int]] = {}
+    for s in dataset.subsets:
+        count = sum(1 for i in dataset.image_infos if i.subset is s)
+        target = reg_dirs if s.is_reg else dirs
+        target[_unique(subset_name(s), target)] = {"n_repeats": s.num_repeats, "img_count": count}
+    return {
+        "batch_size_per_device": p.batch_size,
+        "total_batch_size": total_batch_size,
+        "resolution": tuple(p.resolution),
+        "color_aug": first.color_aug,
+        "flip_aug": first.flip_aug,
+        "random_crop": first.random_crop,
+        "shuffle_caption": first.shuffle_caption,
+        "enable_bucket": p.enable_bucket,
+        "bucket_no_upscale": p.bucket_no_upscale,
+        "min_bucket_reso": p.min_bucket_reso,
+        "max_bucket_reso": p.max_bucket_reso,
+        "keep_tokens": first.keep_tokens,
+        "dataset_dirs": dirs,
+        "reg_dataset_dirs": reg_dirs,
+        "bucket_info": dataset.bucket_info(),
+    }

@@ -26,7 +26,8 @@ optional `.alpha`.
 q / k / v: the trainer's modules are separate `proj.q`, `proj.k`, `proj.v`; ComfyUI's single-file DiT fuses them into
 `proj.qkv` (rows q | k | v). A LoRA made for the fused module splits exactly into the three: they share lora_down and
 alpha, and lora_up is cut into three row blocks (a LoHa likewise: hada_w1_a and hada_w2_a are cut, the rest shared).
-A LoKr of a fused module does not split into three LoKr modules.
+A LoKr of a fused module does not split into three LoKr modules. The other way, `fuse_qkv` writes the three as one
+`..._proj_qkv` module (the key ComfyUI's generic LoRA loader gives its fused Linear) that merges to the same weights.
 """
 
 from __future__ import annotations

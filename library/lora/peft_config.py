@@ -5,9 +5,10 @@ every module, `rank_pattern` / `alpha_pattern` for the modules that differ (a pa
 path ends with it after a "."), `use_rslora` for the rank-stabilised scale lora_alpha / sqrt(r) instead of
 lora_alpha / r, and `target_modules`. The config is found in, by precedence:
 
-1. the file's own safetensors metadata `lora_adapter_metadata` (what diffusers writes: the config as JSON; a pipeline
+1. an `adapter_config.json` given explicitly (the converter's `--adapter_config`);
+2. the file's own safetensors metadata `lora_adapter_metadata` (what diffusers writes: the config as JSON; a pipeline
    file nests one config per model under its prefix, `transformer.r`, `text_encoder.lora_alpha`, ...);
-2. an `adapter_config.json` beside the file (what `PeftModel.save_pretrained` writes), or one given explicitly.
+3. an `adapter_config.json` beside the file (what `PeftModel.save_pretrained` writes).
 
 The sd-scripts naming has one alpha per module with the scale alpha / rank (`library.lora.conventions`), so the config
 becomes a kohya alpha per module: alpha = lora_alpha, or lora_alpha * sqrt(r) for rsLoRA (the same scale, up to the

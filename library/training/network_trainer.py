@@ -478,7 +478,7 @@ class NetworkTrainer(abc.ABC):
 
     # -------------------------------------------------------------------------------------------- metadata
     def _build_metadata(self, run: RunState) -> dict[str, str]:
-        from library.datasets.metadata import dataset_metadata
+        from library.datasets.metadata import dataset_metadata, train_data_dir_metadata
 
         ds = {k: model_spec.json_value(v) for k, v in dataset_metadata(run.train_group).items()}
         meta: dict[str, Any] = model_spec.training_metadata(
@@ -492,6 +492,10 @@ class NetworkTrainer(abc.ABC):
             optimizer=run.optimizer_name,
         )
         datasets = getattr(run.train_group, "datasets", [])
+        if run.args.dataset_config is None and len(datasets) == 1:  # sd-scripts' flat keys of a --train_data_dir run
+            total = run.args.train_batch_size * run.accelerator.num_processes * run.args.gradient_accumulation_steps
+            flat = train_data_dir_metadata(run.train_group, total)
+            meta.update({f"ss_{k}": model_spec.json_value(v) if isinstance(v, dict) else v for k, v in flat.items()})
         if datasets:  # the dataset config's values (the command line's are only fallbacks)
             meta["ss_validation_split"] = datasets[0].params.validation_split
             meta["ss_validation_seed"] = datasets[0].params.validation_seed
