@@ -70,6 +70,21 @@ def test_save_pretrained_folder_r8_alpha16_comes_in_at_full_strength(tmp_path, c
         torch.testing.assert_close(sd_delta(out, name), peft_delta(sd, f"base_model.model.{path}", 16 / 8))
 
 
+def test_merge_reads_the_adapter_config_too(tmp_path):
+    """--lora_weight / --base_weights: a save_pretrained folder merges at full strength."""
+    from library.lora.merge import LoraMergePlan, load_lora_files
+
+    folder = tmp_path / "peft_out"
+    folder.mkdir()
+    sd = peft_file({"layers.0.proj.q": 8})
+    save_file_atomic(sd, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    plan = LoraMergePlan(load_lora_files([folder]), "lora_unet")
+    weight = torch.zeros(H, H)
+    merged = plan.merge("layers.0.proj.q.weight", weight)
+    torch.testing.assert_close(merged, peft_delta(sd, "base_model.model.layers.0.proj.q", 2.0))
+
+
 def test_adapter_name_infix_and_text_encoder_paths_are_read():
     paths = {"layers.2.proj.k": 4, "model.layers.3.self_attn.q_proj": 4, "model.layers.0.linear_attn.in_proj_qkv": 4}
     sd = peft_file(paths, adapter="default")
@@ -267,3 +282,17 @@ def test_comfyui_fused_cli_and_loha(tmp_path, snapshot_lora):
     lokr = {"lora_unet_layers_0_proj_q.lokr_w1": torch.ones(2, 2), "lora_unet_layers_0_proj_q.lokr_w2": torch.ones(8, 8)}
     with pytest.raises(UserError, match="only LoRA or LoHa q / k / v modules of one kind fuse"):
         conv.fuse_qkv(lokr)
+
+
+def test_modules_outside_target_modules_are_named_in_one_warning(caplog):
+    sd = peft_file({"layers.0.proj.q": 4, "layers.0.proj.o": 4, "layers.1.proj.o": 4}, key_head="transformer.")
+    config = parse_config_json(json.dumps({"r": 4, "lora_alpha": 4, "target_modules": ["q", "k", "v"]}), "t")
+    with caplog.at_level(logging.WARNING):
+        conv.to_sd_scripts(sd, config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("2 LoRA modules are not in target_modules")
+    regex = parse_config_json(json.dumps({"r": 4, "lora_alpha": 4, "target_modules": r".*proj\.(q|o)"}), "t")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        conv.to_sd_scripts(sd, regex)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -42,7 +42,7 @@ import torch
 
 from library.errors import UserError
 from library.files.model_spec import add_hashes
-from library.files.safetensors_io import load_safetensors, read_metadata, save_file_atomic
+from library.files.safetensors_io import check_safetensors_path, load_safetensors, read_metadata, save_file_atomic
 from library.lora.conventions import (
     ALGORITHM_LABELS,
     ALGORITHM_TENSORS,
@@ -200,16 +200,20 @@ def normalize_peft_keys(
         raise UserError(
             f"The LoRA file holds several PEFT adapters ({', '.join(sorted(adapters))}): save one adapter per file."
         )
+    untargeted: list[str] = []
     for head, path in paths.items():
         if configs and f"{head}.{ALPHA}" not in out and f"{head}.lora_A.weight" in out:
             config = config_for(configs, not head.startswith(PEFT_TEXT_ENCODER_PREFIX))
             if config is None:
                 continue
             if not config.targets(path):
-                logger.warning("LoRA module '%s' is not in target_modules of the adapter config %s", path,
-                               config.source)
+                untargeted.append(path)
             alpha = config.kohya_alpha(path, int(out[f"{head}.lora_A.weight"].shape[0]))
             out[f"{head}.{ALPHA}"] = torch.tensor(alpha, dtype=torch.float32)
+    if untargeted:
+        logger.warning(
+            "%d LoRA modules are not in target_modules of their adapter config (e.g. %s): the config may belong to"
+            " another file; their alpha is taken from it all the same", len(untargeted), ", ".join(untargeted[:3]))
     return out
 
 
@@ -272,7 +276,7 @@ def read_lora(
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, AdapterConfig]]:
     """(tensors, metadata, adapter configs) of a LoRA file or PEFT save_pretrained folder (`peft_config`); one warning
     line when a PEFT file has modules without alpha and no config says what it is."""
-    weights = resolve_lora_input(src)
+    weights = check_safetensors_path(resolve_lora_input(src), "LoRA file")
     sd = load_safetensors(weights)
     metadata = dict(read_metadata(weights))
     configs = find_adapter_configs(weights, metadata, adapter_config)
@@ -283,8 +287,8 @@ def read_lora(
         logger.warning(
             "LoRA '%s' is a PEFT file without alpha and without an adapter config (no %s metadata, no %s beside it):"
             " it is read with alpha = rank (scale 1); if it was trained with another lora_alpha, put its %s beside"
-            " the file or pass it with --adapter_config.", weights, METADATA_KEY, ADAPTER_CONFIG_NAME,
-            ADAPTER_CONFIG_NAME,
+            " the file (or convert it with networks/convert_moss_image_lora.py --adapter_config FILE).", weights,
+            METADATA_KEY, ADAPTER_CONFIG_NAME, ADAPTER_CONFIG_NAME,
         )
     return sd, metadata, configs
 

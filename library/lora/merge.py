@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from library.errors import UserError
-from library.files.safetensors_io import check_safetensors_path, load_safetensors
 from library.lora.conventions import (
     ALGORITHM_LABELS,
     ALPHA,
@@ -50,7 +49,7 @@ from library.lora.conventions import (
     lora_name_for_weight,
     module_algorithm,
 )
-from library.lora.convert import to_sd_scripts
+from library.lora.convert import read_lora, to_sd_scripts
 from library.lora.weights import delta_shape, delta_weight, module_scale
 
 logger = logging.getLogger(__name__)
@@ -251,7 +250,13 @@ def load_lora_files(
             " (or none for 1.0 each)."
         )
     values = multipliers or [1.0] * len(paths)
-    return [(load_safetensors(check_safetensors_path(p, "LoRA file")), float(m)) for p, m in zip(paths, values)]
+    return [(_read_lora_file(p), float(m)) for p, m in zip(paths, values)]
+
+
+def _read_lora_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A LoRA file (or PEFT save_pretrained folder); a PEFT file's alphas from its adapter config (`read_lora`)."""
+    sd, _, configs = read_lora(path)
+    return to_sd_scripts(sd, configs) if configs else sd
 
 
 def merge_into_module(model: nn.Module, plan: LoraMergePlan) -> int:
