@@ -445,8 +445,10 @@ def test_bitsandbytes_optimizers_on_cuda_follow_adamw(optimizer_type):
     the first step (its parameters keep their identity); the 8-bit state then lives on the GPU (a paged optimizer's
     in CUDA managed memory, which torch sees as CPU tensors marked `is_paged`)."""
     torch.manual_seed(0)
-    ref = torch.nn.Linear(64, 96)  # > 4096 elements: the 8-bit state path
-    model = torch.nn.Linear(64, 96)
+    # 512 x 256 weights: above 4096 elements (the 8-bit state path) and above 1e5 (bitsandbytes pages only the
+    # states of tensors that large; smaller ones get plain device tensors even from a paged optimizer)
+    ref = torch.nn.Linear(512, 256)
+    model = torch.nn.Linear(512, 256)
     model.load_state_dict(ref.state_dict())
     start = model.weight.detach().clone().cuda()
     _, _, optimizer = opt.get_optimizer(ocfg("--optimizer_type", optimizer_type, "--learning_rate", "1e-3"),
@@ -454,7 +456,7 @@ def test_bitsandbytes_optimizers_on_cuda_follow_adamw(optimizer_type):
     _, _, adamw = opt.get_optimizer(ocfg("--optimizer_type", "AdamW", "--learning_rate", "1e-3"), ref.parameters())
     model.cuda()
     ref.cuda()
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).cuda()
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(1)).cuda()
     for _ in range(3):
         for m, o in ((model, optimizer), (ref, adamw)):
             o.zero_grad()

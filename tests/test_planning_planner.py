@@ -100,16 +100,27 @@ def test_with_bitsandbytes_the_8_gib_plan_caches_with_nf4(with_bitsandbytes):
 
 
 @pytest.mark.parametrize("budget, expected", [
-    (8, ("int8", "selective", 26, "none", False)),  # INT8's selective keeps only the attention output
-    (12, ("int8", "selective", 0, "convrot_int8", True)),
-    (16, ("bf16", "selective", 2, "convrot_int8", True)),  # within 2 % of INT8 selective: the bf16 weights win
+    (8, ("bf16", "selective", 37, "none", False)),  # compiled INT8 is slower than bf16 + a long swap
+    (12, ("bf16", "selective", 19, "convrot_int8", True)),
+    (16, ("bf16", "selective", 1, "convrot_int8", True)),
     (24, ("bf16", "selective", 0, "none", True)),
 ])
-def test_choices_with_selective_checkpointing(no_bitsandbytes, budget, expected):
-    plan, values, _ = training_plan(["--vram_budget", str(budget), *RUN], selective=True)
+def test_choices_with_selective_checkpointing_compiled(no_bitsandbytes, budget, expected):
+    plan, values, _ = training_plan(["--vram_budget", str(budget), *RUN, "--compile"], selective=True)
     check_invariants(plan)
     assert summary(plan) == expected
     assert values["checkpointing_policy"] == "selective"
+
+
+@pytest.mark.parametrize("budget", [8, 12, 16, 24])
+def test_eager_plans_never_choose_selective(no_bitsandbytes, budget):
+    # measured on the H200: without --compile the selective policy is slower than full checkpointing (bf16 746.8 vs
+    # 557.6 ms; INT8 about 2x), so the eager plans are those of a trainer without the policy
+    plan, values, _ = training_plan(["--vram_budget", str(budget), *RUN], selective=True)
+    check_invariants(plan)
+    without, _, _ = training_plan(["--vram_budget", str(budget), *RUN])
+    assert plan.chosen.setup.checkpointing == "full" and summary(plan) == summary(without)
+    assert values.get("checkpointing_policy", "full") == "full"
 
 
 def test_explicit_options_are_kept(no_bitsandbytes, tmp_path):

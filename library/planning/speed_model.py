@@ -5,8 +5,8 @@ Training: 1.00 is the bf16 DiT with `--gradient_checkpointing` and no block swap
 
     checkpointing factor x DiT precision factor x (1 + per-block swap cost x blocks swapped) + text encoder in the step
 
-The figures compare rows of one run (one machine, one session), as the benchmark notes ask. Two are estimates, marked
-as such: the selective policy (not yet measured in the trainer) and the offload modes under --compile.
+The figures compare rows of one run (one machine, one session), as the benchmark notes ask, except those marked as
+estimates: INT8 with the selective policy, and the offload modes under --compile.
 
 Inference: 1.00 is the bf16 DiT's denoising without block swap. Block swap streams S + 2 blocks per forward at the
 measured host-to-device rate, behind the compute of one forward; what does not hide adds up.
@@ -21,11 +21,15 @@ from library.planning.sizes import DitSizes
 EAGER_CHECKPOINTING = {"none": 0.686, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
 # e2e run A, --compile: no checkpointing 252 ms, gc 379 ms; the offload modes were not measured compiled (eager ratio)
 COMPILED_CHECKPOINTING = {"none": 0.665, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
-# estimate: a compiled reference stack of the same blocks measured none / selective (matmul + attention outputs
-# saved) / full at 254 / 338 / 383 ms on the H200; the trainer's selective policy is not measured yet
-SELECTIVE_FACTOR = 0.883
-# ConvRot INT8 DiT against bf16, e2e run A: eager gc 534 vs 539 ms; compiled gc 677 vs 379 ms
-INT8_FACTOR = {False: 0.991, True: 1.786}
+# --checkpointing_policy selective against full, (--compile, DiT precision) -> factor. bf16: bench.checkpointing in
+# one H200 run (docs/benchmarks.md, 2026-12-01): compiled 332.7 vs 352.3 ms, eager 746.8 vs 557.6 ms (eager selective
+# checkpointing is slower than full, and the trainer warns). INT8 eager: --vram_budget 12 on the H200 (1.05 s per
+# step against 534 ms for INT8 gc in e2e run A: different runs, so an estimate). INT8 compiled: not measured, taken
+# as bf16's.
+SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.339, (True, "int8"): 0.944, (False, "int8"): 1.99}
+# ConvRot INT8 DiT against bf16: eager, e2e run A gc 534 vs 539 ms; compiled, 4 full-width blocks with the int8
+# Linear as a registered op (one graph per block), training step 7.87 vs 6.14 ms per block (2026-12-01)
+INT8_FACTOR = {False: 0.991, True: 1.282}
 # --block_swap_h2d_only, per swapped block: e2e run A INT8 rows, gc 534 ms, swap 20 551 ms, swap 36 607 ms
 # (least squares through zero; the bf16 rows of the training-step table hide the copies entirely)
 SWAP_H2D_PER_BLOCK = 0.0033
@@ -46,7 +50,7 @@ RING_SLOTS = 2
 def training_step_factor(setup: Setup, w: Workload) -> float:
     table = COMPILED_CHECKPOINTING if w.compile else EAGER_CHECKPOINTING
     if setup.checkpointing == "selective":
-        factor = SELECTIVE_FACTOR
+        factor = SELECTIVE_FACTOR[(w.compile, setup.dit)]
     else:
         factor = table[setup.checkpointing]
     if setup.dit == "int8":
