@@ -189,18 +189,21 @@ def _settings(args: argparse.Namespace, entry: dict[str, Any], skip: tuple[int, 
 
 
 # ------------------------------------------------------------------------------------------------- models
-def _lora_plan(args: argparse.Namespace, prefix: str) -> Any:
+def _lora_plan(args: argparse.Namespace, prefix: str, device: Any) -> Any:
+    """--lora_weight: merged while the weights are read, the math on `device` when it is a GPU (also for weights
+    read to the CPU: --convrot_int8, --blocks_to_swap), in fp32, rounded once."""
     from library.lora.merge import LoraMergePlan, load_lora_files
 
     if not args.lora_weight:
         return None
-    plan = LoraMergePlan(load_lora_files(args.lora_weight, args.lora_multiplier), prefix, names=args.lora_weight)
+    plan = LoraMergePlan(load_lora_files(args.lora_weight, args.lora_multiplier), prefix, names=args.lora_weight,
+                         device=device)
     return None if plan.is_empty else plan
 
 
 def load_text_encoder_for(args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
     """The text encoder (LoRA merged, --te_quant / ConvRot applied, on its run device) and the tokenizer."""
-    plan = _lora_plan(args, "lora_te")
+    plan = _lora_plan(args, "lora_te", device)
     loaded = load_text_encoder(TextEncoderOptions.from_args(args), device, tensor_hook=plan.merge if plan else None)
     if plan:
         plan.finish()
@@ -217,7 +220,7 @@ def encode_texts(args: argparse.Namespace, te: Any, tokenizer: Any, texts: list[
 def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
     from library.moss_image.loaders import load_moss_image_model
 
-    plan = _lora_plan(args, "lora_unet")
+    plan = _lora_plan(args, "lora_unet", device)
     # LoRA merged while reading, then (with --convrot_int8) quantised layer by layer on the device
     dit = load_moss_image_model(device, args.dit, args.attn_mode, args.split_attn,
                                 loading_device="cpu" if args.convrot_int8 or args.blocks_to_swap else device,

@@ -155,7 +155,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
     def _load_text_encoder(self, args: argparse.Namespace, accelerator: Any) -> Any:
         """Read the text encoder (LoRA --base_weights merged, ConvRot INT8 / --te_quant applied) and note its device
         and variant; kept on the CPU (placed directly with --lowram) until it is used."""
-        plan = self._base_weights_plan(args, "lora_te")
+        plan = self._base_weights_plan(args, "lora_te", accelerator.device)
         loaded = load_text_encoder(TextEncoderOptions.from_args(args), accelerator.device,
                                    tensor_hook=plan.merge if plan else None,
                                    frozen=not self.is_train_text_encoder(args), home=None if args.lowram else "cpu")
@@ -167,14 +167,15 @@ class MossImageNetworkTrainer(NetworkTrainer):
         return loaded.model
 
     @staticmethod
-    def _base_weights_plan(args: argparse.Namespace, prefix: str) -> Any:
-        """--base_weights: LoRA files merged into the base weights while they are read (before any quantisation)."""
+    def _base_weights_plan(args: argparse.Namespace, prefix: str, device: Any = None) -> Any:
+        """--base_weights: LoRA files merged into the base weights while they are read (before any quantisation), the
+        math on `device` when it is a GPU."""
         from library.lora.merge import LoraMergePlan, load_lora_files
 
         if not args.base_weights:
             return None
         plan = LoraMergePlan(load_lora_files(args.base_weights, args.base_weights_multiplier), prefix,
-                             names=args.base_weights)
+                             names=args.base_weights, device=device)
         return None if plan.is_empty else plan
 
     def load_unet_lazily(self, args: argparse.Namespace, weight_dtype: torch.dtype, accelerator: Any,
@@ -184,7 +185,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
         # with --convrot_int8 the bf16 weights are read to the CPU and quantised on the GPU, one layer at a time
         loading_device = "cpu" if args.convrot_int8 or args.blocks_to_swap else accelerator.device
-        plan = self._base_weights_plan(args, "lora_unet")
+        plan = self._base_weights_plan(args, "lora_unet", accelerator.device)
         model = load_moss_image_model(
             accelerator.device, args.pretrained_model_name_or_path, args.attn_mode, args.split_attn,
             loading_device=loading_device, dtype=weight_dtype, disable_mmap=args.disable_mmap_load_safetensors,

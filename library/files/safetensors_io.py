@@ -8,6 +8,14 @@ In both modes a tensor is read only when asked for, so key filters cost nothing 
 mode reads anything, the header is checked against the file: every tensor's byte range must match its dtype and shape
 and lie inside the file, so a truncated or tampered file is one sentence, never a crash in the mmap reader.
 
+Reading straight to a GPU (`TensorSource.iter_tensors(keys, device)`, `stream_tensors`): the wanted byte ranges are
+read in file order, in chunks of `STAGING_BYTES`, by `READ_THREADS` threads (plain `preadv`, no mmap, whatever
+`disable_mmap` says) into a few pinned staging buffers, and copied from there into each tensor's own device memory
+with asynchronous copies; a staging buffer is refilled once its copies are done (a CUDA event). No tensor ever exists
+in pageable host memory, and the threads overlap the reads with the copies. For the CPU the per-tensor path above is
+kept (memory-mapped tensors need no copy at all). `DIRECT_DEVICE_READS = False` turns the staged path off (each
+tensor is then read to the CPU and moved with `.to(device)`, as before): for comparisons in `bench.loading`.
+
 Writing (`write_atomic` and the savers built on it): a temp file beside the target, `.<name>.<8 random chars><suffix>`
 (`TEMP_NAME_RE`; `leftover_temp_files` finds those of a killed writer), flushed and fsynced, renamed over the target,
 then the folder fsynced, so neither a crash nor a power cut leaves a half-written file. A full disk, a read-only
@@ -26,8 +34,9 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +46,13 @@ from library.errors import UserError
 logger = logging.getLogger(__name__)
 
 KeyFilter = Callable[[str], bool]
+TensorHook = Callable[[str, torch.Tensor], torch.Tensor]  # (model key, tensor) -> tensor, e.g. a LoRA merge
+
+STAGING_BYTES = 64 * 2**20  # one staging buffer (and one read): large reads, few copies
+STAGING_BUFFERS = 4  # buffers in flight: reads of the next chunks overlap the copies of this one
+READ_THREADS = 4  # preadv releases the GIL; a few threads read the page cache faster than one
+READ_GAP_BYTES = 2**20  # skipped bytes (unwanted tensors) up to this size are read through, not seeked over
+DIRECT_DEVICE_READS = True  # False: the per-tensor path (read to the CPU, then .to(device)); for bench.loading
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -212,6 +228,145 @@ class SafetensorsFile:
         self.close()
 
 
+# ----------------------------------------------------------------------------------- staged reads to a device
+@dataclass
+class _Chunk:
+    """One read: bytes [start, end) of the file, copied to pieces of tensors (tensor index, offset in the tensor's
+    bytes, offset in the chunk, length)."""
+
+    start: int
+    end: int
+    pieces: list[tuple[int, int, int, int]] = field(default_factory=list)
+    completes: list[int] = field(default_factory=list)  # tensors whose last bytes are in this chunk
+
+
+def plan_chunks(spans: Sequence[tuple[int, int]], chunk_bytes: int = STAGING_BYTES,
+                gap_bytes: int = READ_GAP_BYTES) -> list[_Chunk]:
+    """Reads of at most `chunk_bytes` that cover the byte ranges `spans` (sorted by start, not overlapping, none
+    empty): gaps up to `gap_bytes` are read through, a larger one starts a new read; a tensor larger than a chunk
+    spans several."""
+    chunks: list[_Chunk] = []
+    current: _Chunk | None = None
+    for index, (start, end) in enumerate(spans):
+        pos = start
+        while pos < end:
+            if current is None or pos > current.end + gap_bytes or pos >= current.start + chunk_bytes:
+                current = _Chunk(pos, pos)
+                chunks.append(current)
+            take = min(end, current.start + chunk_bytes) - pos
+            current.pieces.append((index, pos - start, pos - current.start, take))
+            pos += take
+            current.end = pos
+        current.completes.append(index)  # type: ignore[union-attr]
+    return chunks
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise UserError(f"'{path}' ended while reading its tensors (byte {offset + done}): the file was truncated"
+                            " or replaced during the load; re-download or re-create it.")
+        done += n
+
+
+class _Staging:
+    """The staging buffers (pinned for CUDA) and, per buffer, the event that marks its copies as done."""
+
+    def __init__(self, device: torch.device, chunk_bytes: int, count: int):
+        self.cuda = device.type == "cuda"
+        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(count)]
+        self.views = [memoryview(b.numpy()) for b in self.buffers]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(count)]
+        self.used = [False] * count
+
+    def wait(self, slot: int) -> None:
+        """Block until the copies out of buffer `slot` are done (they were queued before this is called)."""
+        event = self.events[slot]
+        if event is not None and self.used[slot]:
+            event.synchronize()  # releases the GIL
+
+    def record(self, slot: int) -> None:
+        event = self.events[slot]
+        if event is not None:
+            event.record()
+        self.used[slot] = True
+
+    def drain(self) -> None:
+        for slot in range(len(self.buffers)):
+            self.wait(slot)
+
+
+def stream_tensors(
+    file: SafetensorsFile, keys: Sequence[str], device: str | torch.device,
+    chunk_bytes: int | None = None, buffers: int | None = None, threads: int | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(key, tensor)` for `keys` of `file`, each tensor in its own memory on `device`, in file order (see
+    the module docstring; None takes `STAGING_BYTES` / `STAGING_BUFFERS` / `READ_THREADS`). On CUDA the copies are
+    queued on the current stream: work queued after the yield on that stream sees the data; the host needs a
+    synchronize before reading it."""
+    device = torch.device(device)
+    chunk_bytes = chunk_bytes or STAGING_BYTES
+    buffers = buffers or STAGING_BUFFERS
+    threads = threads or READ_THREADS
+    infos = [(k, file._infos[k]) for k in keys]
+    for key, info in infos:
+        if info.dtype not in _DTYPES:
+            raise UserError(f"Tensor '{key}' of '{file.path}' has the dtype {info.dtype}, which cannot be loaded here.")
+    ordered = sorted((info.start, key) for key, info in infos)
+    empty = [key for start, key in ordered if file._infos[key].end == file._infos[key].start]
+    wanted = [key for start, key in ordered if file._infos[key].end > file._infos[key].start]
+    for key in empty:
+        yield key, torch.empty(file._infos[key].shape, dtype=_DTYPES[file._infos[key].dtype], device=device)
+    if not wanted:
+        return
+    base = file._data_start
+    spans = [(base + file._infos[k].start, base + file._infos[k].end) for k in wanted]
+    chunks = plan_chunks(spans, chunk_bytes)
+    targets: list[torch.Tensor | None] = [None] * len(wanted)
+    staging = _Staging(device, min(chunk_bytes, max(c.end - c.start for c in chunks)), buffers)
+    fd = os.open(file.path, os.O_RDONLY)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(threads, buffers)), thread_name_prefix="safetensors-read")
+    file.reads += len(wanted)
+
+    def fill(index: int) -> None:
+        slot = index % buffers
+        staging.wait(slot)
+        chunk = chunks[index]
+        _read_exactly(fd, staging.views[slot][: chunk.end - chunk.start], chunk.start, file.path)
+
+    pending: dict[int, Future[None]] = {}
+    try:
+        for index in range(min(buffers, len(chunks))):
+            pending[index] = pool.submit(fill, index)
+        for index, chunk in enumerate(chunks):
+            pending.pop(index).result()
+            slot = index % buffers
+            source = staging.buffers[slot]
+            for tensor_index, at, offset, length in chunk.pieces:
+                target = targets[tensor_index]
+                if target is None:
+                    info = file._infos[wanted[tensor_index]]
+                    target = torch.empty(info.end - info.start, dtype=torch.uint8, device=device)
+                    targets[tensor_index] = target
+                target[at : at + length].copy_(source[offset : offset + length], non_blocking=staging.cuda)
+            staging.record(slot)
+            if index + buffers < len(chunks):
+                pending[index + buffers] = pool.submit(fill, index + buffers)
+            for tensor_index in chunk.completes:
+                info = file._infos[wanted[tensor_index]]
+                raw = targets[tensor_index]
+                targets[tensor_index] = None
+                yield wanted[tensor_index], raw.view(_DTYPES[info.dtype]).reshape(info.shape)  # type: ignore[union-attr]
+    finally:
+        for future in pending.values():
+            future.cancel()
+        pool.shutdown(wait=True)
+        staging.drain()
+        os.close(fd)
+
+
 class TensorSource:
     """A lazy view of the tensors of one or more safetensors files (the shards of one checkpoint).
 
@@ -270,6 +425,26 @@ class TensorSource:
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():
             yield key, self.get_tensor(key)
+
+    def iter_tensors(self, keys: Iterable[str], device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(key, tensor)` for `keys`, on `device`, file by file in file order: staged reads for CUDA
+        (`stream_tensors`), else (or with `DIRECT_DEVICE_READS` off) `get_tensor` and `.to(device)` per tensor."""
+        device = torch.device(device)
+        keys = list(keys)
+        if device.type != "cuda" or not DIRECT_DEVICE_READS:
+            for key in keys:
+                yield key, self.get_tensor(key).to(device)
+            return
+        by_file: dict[int, list[str]] = {}
+        names: dict[tuple[int, str], str] = {}
+        for key in keys:
+            f, k = self._where[key]
+            by_file.setdefault(id(f), []).append(k)
+            names[(id(f), k)] = key
+        for f in self.files:
+            if id(f) in by_file:
+                for k, tensor in stream_tensors(f, by_file[id(f)], device):
+                    yield names[(id(f), k)], tensor
 
     def close(self) -> None:
         for f in self.files:
@@ -337,16 +512,59 @@ class SplitTensorAdapter:
             return self._cache.pop(key)
         spec, index = self._piece_of[key]
         fused = self.source.get_tensor(spec.source_key)
+        pieces = self._split(spec, fused)
+        for i, (k, piece) in enumerate(zip(spec.new_keys, pieces)):
+            if i != index:
+                self._cache[k] = piece
+        return pieces[index]
+
+    def _split(self, spec: SplitSpec, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if fused.shape[spec.dim] != sum(spec.sizes):
             raise UserError(
                 f"Tensor '{spec.source_key}' has size {fused.shape[spec.dim]} along dim {spec.dim}, expected"
                 f" {sum(spec.sizes)} (= {' + '.join(map(str, spec.sizes))}): the checkpoint does not match the model config."
             )
-        pieces = torch.split(fused, list(spec.sizes), dim=spec.dim)
-        for i, (k, piece) in enumerate(zip(spec.new_keys, pieces)):
-            if i != index:
-                self._cache[k] = piece
-        return pieces[index]
+        return torch.split(fused, list(spec.sizes), dim=spec.dim)
+
+    def iter_tensors(self, keys: Iterable[str], device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(key, tensor)` for `keys` (new names) on `device`, as `TensorSource.iter_tensors` reads them; a
+        fused tensor is read once and its wanted pieces are yielded together."""
+        keys = list(keys)
+        wanted = set(keys)
+        plain = [k for k in keys if k not in self._piece_of]
+        fused = list(dict.fromkeys(self._piece_of[k][0].source_key for k in keys if k in self._piece_of))
+        specs = {self._piece_of[k][0].source_key: self._piece_of[k][0] for k in keys if k in self._piece_of}
+        for key, tensor in self.source.iter_tensors(plain + fused, device):
+            spec = specs.get(key) if key in self._split_sources else None
+            if spec is None:
+                yield key, tensor
+                continue
+            for new_key, piece in zip(spec.new_keys, self._split(spec, tensor)):
+                if new_key in wanted:  # on a GPU each piece gets its own memory (a merged q frees its old one)
+                    yield new_key, piece.clone() if piece.device.type == "cuda" else piece
+
+
+# ------------------------------------------------------------------------------------------ loader helpers
+def read_device(loading_device: torch.device) -> torch.device:
+    """Where the tensors are read to: the loading device (straight to the GPU), or the CPU with the staged reads
+    off (`DIRECT_DEVICE_READS`: the per-tensor path, read to the CPU and moved after the cast)."""
+    return loading_device if DIRECT_DEVICE_READS else torch.device("cpu")
+
+
+def load_dtype_for_hook(checkpoint_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor hook gets a float tensor in: one that holds both the checkpoint's values and the model's
+    (bf16 -> fp32 gives fp32; bf16 -> bf16 bf16; fp32 -> bf16 fp32; fp16 -> bf16 fp32), so the hook's result is
+    rounded once, by the final cast to `dtype`."""
+    return checkpoint_dtype if dtype is None else torch.promote_types(checkpoint_dtype, dtype)
+
+
+def hooked_tensor(key: str, t: torch.Tensor, dtype: torch.dtype | None, hook: TensorHook | None) -> torch.Tensor:
+    """A tensor as read, through `hook` (in `load_dtype_for_hook`'s dtype) and cast to `dtype` (floats only)."""
+    if not t.is_floating_point():
+        return hook(key, t) if hook is not None else t
+    if hook is not None:
+        t = hook(key, t.to(load_dtype_for_hook(t.dtype, dtype)))
+    return t.to(dtype) if dtype is not None else t
 
 
 def load_safetensors(

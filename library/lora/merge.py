@@ -4,7 +4,12 @@ dW is the module's weight change (`library.lora.weights`): (alpha / rank) * up @
 product of two low-rank pairs for a LoHa (`networks.loha`), a Kronecker product for a LoKr (`networks.lokr`); one file
 may mix them, as LyCORIS files can.
 
-The math runs in fp32 and the result is cast back to the weight's dtype once, whatever the number of LoRAs.
+The math runs in fp32 and the result is rounded once, to the dtype the model is loaded in, whatever the number of
+LoRAs and whatever the checkpoint's dtype: W' = round(W_fp32 + sum_i multiplier_i * dW_i) (`merged_modules`' `dtype`;
+the loaders hand the hook the weight in a dtype that holds both the checkpoint's and the model's values, so a bf16
+checkpoint loaded in fp32 keeps the merge's fp32 result). The math runs on the plan's `device` when one is given
+(the run's GPU: a weight read to the CPU goes there and back, the LoRA factors are moved once), else where the
+weight is; TF32 is off for it, so a GPU merge is an fp32 merge.
 
 Streaming use (the loader reads the checkpoint tensor by tensor, no second copy of the model):
 
@@ -28,10 +33,11 @@ is merged first, then quantized).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -78,28 +84,45 @@ def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactor], key: str 
 
 
 def merged_modules(
-    weight: torch.Tensor, modules: Sequence[tuple[ModuleParts, float]], key: str = "weight"
+    weight: torch.Tensor, modules: Sequence[tuple[ModuleParts, float]], key: str = "weight",
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """weight + sum(multiplier * dW) over LoRA / LoHa / LoKr modules (`library.lora.weights`), in fp32 on the weight's
-    device, cast back once; the same tensor when every multiplier is 0."""
+    device, rounded once to `dtype` (default: the weight's); the weight (cast to `dtype`) when every multiplier is 0."""
     active = [(parts, float(m)) for parts, m in modules if m != 0]
+    dtype = dtype or weight.dtype
     if not active:
-        return weight
+        return weight.to(dtype)
     if weight.dim() != 2:
         raise UserError(
             f"LoRA targets '{key}' of shape {tuple(weight.shape)}: only Linear (2-D) weights can be merged."
         )
     result = weight.to(dtype=torch.float32, copy=True)
-    for parts, multiplier in active:
-        algorithm = module_algorithm(parts, key)
-        _check_fits(algorithm, parts, weight, key)
-        if algorithm == "lora":  # one fused multiply-add, no full-size temporary
-            up32 = parts[LORA_UP].to(result.device, torch.float32)
-            down32 = parts[LORA_DOWN].to(result.device, torch.float32)
-            result.addmm_(up32, down32, alpha=multiplier * module_scale(algorithm, parts))
-        else:
-            result.add_(delta_weight(parts, algorithm, result.device), alpha=multiplier)
-    return result.to(weight.dtype)
+    with _exact_fp32_matmul(result.device):
+        for parts, multiplier in active:
+            algorithm = module_algorithm(parts, key)
+            _check_fits(algorithm, parts, weight, key)
+            if algorithm == "lora":  # one fused multiply-add, no full-size temporary
+                up32 = parts[LORA_UP].to(result.device, torch.float32)
+                down32 = parts[LORA_DOWN].to(result.device, torch.float32)
+                result.addmm_(up32, down32, alpha=multiplier * module_scale(algorithm, parts))
+            else:
+                result.add_(delta_weight(parts, algorithm, result.device), alpha=multiplier)
+    return result.to(dtype)
+
+
+@contextlib.contextmanager
+def _exact_fp32_matmul(device: torch.device) -> Iterator[None]:
+    """fp32 matmuls in full fp32 on CUDA (no TF32, which --allow_tf32 / cuDNN settings may have turned on)."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _check_fits(algorithm: str, parts: ModuleParts, weight: torch.Tensor, key: str) -> None:
@@ -142,11 +165,22 @@ def reject_quantized_weight(
     )
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Module:
     parts: ModuleParts
     multiplier: float
     source: int
+    on_device: dict[torch.device, ModuleParts] = field(default_factory=dict)
+
+    def parts_on(self, device: torch.device) -> ModuleParts:
+        """The tensors on `device` in fp32 (the scalar alpha stays where it is), moved once per device."""
+        if device.type == "cpu":
+            return self.parts
+        if device not in self.on_device:
+            self.on_device[device] = {
+                k: v if k == ALPHA else v.to(device, torch.float32, non_blocking=True) for k, v in self.parts.items()
+            }
+        return self.on_device[device]
 
 
 def _lora_modules(sd: Mapping[str, torch.Tensor], name: str) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
@@ -163,10 +197,12 @@ class LoraMergePlan:
         loras: Sequence[tuple[Mapping[str, torch.Tensor], float]],
         prefix: str,
         names: Sequence[str] | None = None,
+        device: str | torch.device | None = None,
     ):
         if prefix not in PREFIXES:
             raise ValueError(f"prefix must be one of {PREFIXES}, got {prefix!r}")
         self.prefix = prefix
+        self.device = _usable_device(device)
         self.names = list(names) if names is not None else [f"#{i + 1}" for i in range(len(loras))]
         self._modules: dict[str, list[_Module]] = {}
         for index, (sd, multiplier) in enumerate(loras):
@@ -208,16 +244,22 @@ class LoraMergePlan:
             if dtypes is not None and dtypes.get(key) in QUANTIZED_DTYPES and key.endswith(".weight"):
                 reject_quantized_weight(key, torch.empty(0, dtype=dtypes[key]), self.prefix, source)
 
-    def merge(self, model_key: str, tensor: torch.Tensor, source: str | os.PathLike | None = None) -> torch.Tensor:
-        """The tensor with every LoRA that targets `model_key` merged in (the same tensor when none does)."""
+    def merge(self, model_key: str, tensor: torch.Tensor, source: str | os.PathLike | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor with every LoRA that targets `model_key` merged in, rounded once to `dtype` (default: the
+        tensor's) and on the tensor's device; the same tensor when no LoRA targets it (and `dtype` is its own)."""
         if self.is_empty:
-            return tensor
+            return tensor if dtype is None else tensor.to(dtype)
         reject_quantized_weight(model_key, tensor, self.prefix, source)
         name = self.lora_name(model_key)
         if name is None or name not in self._modules:
-            return tensor
+            return tensor if dtype is None else tensor.to(dtype)
         self._matched.add(name)
-        return merged_modules(tensor, [(m.parts, m.multiplier) for m in self._modules[name]], model_key)
+        home = tensor.device
+        work = self.device or home
+        modules = [(m.parts_on(work), m.multiplier) for m in self._modules[name]]
+        merged = merged_modules(tensor.to(work, non_blocking=True), modules, model_key, dtype)
+        return merged.to(home)
 
     def unmatched(self) -> list[str]:
         """LoRA modules (of this prefix) that no merged key matched so far."""
@@ -237,6 +279,16 @@ class LoraMergePlan:
         else:
             logger.info("merged %d %s LoRA modules", len(self._modules), self.prefix)
         return missing
+
+
+def _usable_device(device: str | torch.device | None) -> torch.device | None:
+    """The device to merge on: None (where each weight is) for no device, the CPU or a CUDA device without CUDA."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cpu" or (device.type == "cuda" and not torch.cuda.is_available()):
+        return None
+    return device
 
 
 def load_lora_files(

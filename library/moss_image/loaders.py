@@ -8,7 +8,8 @@ DiT (`load_moss_image_model`):
   into q / k / v while reading (each fused tensor is read once).
 The architecture is inferred from tensor shapes, so the full model, the tiny test model and a differently sized
 checkpoint all load through the same code. The model is built on the meta device and filled tensor by tensor: one
-copy of the weights in memory, never two.
+copy of the weights in memory, never two. For a GPU the tensors are read straight into GPU memory through pinned
+staging buffers (`TensorSource.iter_tensors`), cast and merged there; for the CPU they stay memory-mapped.
 
 The text encoder is loaded by `library.text_encoder` (its own package). VAE: `library.moss_image.vae.load_flux2_vae`.
 """
@@ -27,7 +28,6 @@ from typing import Any
 import torch
 
 from library.errors import UserError
-from library.moss_image.dit import MossImage, MossImageConfig, default_rope_axes
 from library.files.safetensors_io import (
     SplitSpec,
     SplitTensorAdapter,
@@ -35,7 +35,10 @@ from library.files.safetensors_io import (
     check_safetensors_path,
     describe_key_mismatch,
     discover_shards,
+    hooked_tensor,
+    read_device,
 )
+from library.moss_image.dit import MossImage, MossImageConfig, default_rope_axes
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +201,9 @@ def load_moss_image_model(
 ) -> MossImage:
     """Load the DiT from any supported layout onto `loading_device` (default `device`) in `dtype`.
 
-    `tensor_hook(key, tensor)` sees each tensor under the model's key before the dtype cast (LoRA merge at load).
-    `dtype=None` keeps the checkpoint's dtypes. `convrot_int8` quantises the 252 block Linears after loading (and
+    `tensor_hook(key, tensor)` sees each tensor under the model's key, on the device it is read to, before the
+    final dtype cast (LoRA merge at load): a float tensor comes in the wider of the checkpoint's dtype and `dtype`
+    (`safetensors_io.load_dtype_for_hook`), so a merge is rounded once, to `dtype`. `dtype=None` keeps the checkpoint's dtypes. `convrot_int8` quantises the 252 block Linears after loading (and
     after the merge), layer by layer on `calc_device` when given. A ComfyUI pre-quantised file (`.comfy_quant`
     markers) is detected and loaded as it is, whatever `convrot_int8` says.
     """
@@ -224,17 +228,13 @@ def load_moss_image_model(
         )
     state = {}
     with source.source:
-        for key in expected:
-            t = source.get_tensor(key)
-            if tensor_hook is not None:
-                t = tensor_hook(key, t)
+        for key, t in source.iter_tensors(expected, read_device(loading_device)):
+            t = hooked_tensor(key, t, dtype, tensor_hook)
             if tuple(t.shape) != expected[key]:
                 raise UserError(
                     f"Tensor '{key}' of '{checkpoint}' has shape {tuple(t.shape)}, expected {expected[key]}:"
                     " the config.json beside the checkpoint does not match its weights."
                 )
-            if dtype is not None and t.is_floating_point():
-                t = t.to(dtype)
             state[key] = t.to(loading_device)
     model.load_state_dict(state, strict=True, assign=True)
     del state
@@ -302,7 +302,11 @@ def _load_prequantized_dit(
     raw = source.source
     what = f"the DiT checkpoint '{checkpoint}'"
     with raw:
-        sd = {k: raw.get_tensor(k) for k in raw.keys() if cr.comfy_key_filter(k)}
+        keys = [k for k in raw.keys() if cr.comfy_key_filter(k)]
+        markers = [k for k in keys if k.endswith(cr.COMFY_QUANT_SUFFIX)]  # small JSON tensors, parsed on the host
+        sd = {k: raw.get_tensor(k) for k in markers}
+        skip = set(markers)
+        sd.update(raw.iter_tensors([k for k in keys if k not in skip], read_device(loading_device)))
         metadata = raw.metadata
     cr.split_fused_int8_qkv_state_dict(sd)
     specs = cr.comfy_int8_layer_specs(sd, metadata, what)

@@ -28,7 +28,14 @@ from typing import Any
 import torch
 
 from library.errors import UserError
-from library.files.safetensors_io import TensorSource, check_safetensors_path, describe_key_mismatch, discover_shards
+from library.files.safetensors_io import (
+    TensorSource,
+    check_safetensors_path,
+    describe_key_mismatch,
+    discover_shards,
+    hooked_tensor,
+    read_device,
+)
 from library.quant import convrot as cr
 from library.text_encoder.kernels import route_linear_attention_kernels
 from library.text_encoder.quant import quantize_text_encoder_convrot
@@ -160,8 +167,9 @@ def load_qwen35_text_model(
     """Build `transformers.Qwen3_5TextModel` without allocating weights, then fill it tensor by tensor; `path` is a
     checkpoint file, a text_encoder/ folder or a snapshot root.
 
-    `tensor_hook(key, tensor)` may transform each tensor as it is read (LoRA merge at load); it sees the tensor in
-    the checkpoint's dtype, before the cast to `dtype`. `convrot_int8` quantises the ComfyUI scope (attention /
+    `tensor_hook(key, tensor)` may transform each tensor as it is read (LoRA merge at load); it sees a float tensor
+    on the device it is read to, in the wider of the checkpoint's dtype and `dtype`, before the cast to `dtype` (one
+    rounding: `library.files.safetensors_io.hooked_tensor`). `convrot_int8` quantises the ComfyUI scope (attention /
     GatedDeltaNet / MLP projections and embed_tokens) after loading; a ComfyUI ConvRot INT8 file (`.comfy_quant`
     markers) is loaded as it is.
     """
@@ -192,13 +200,10 @@ def load_qwen35_text_model(
             describe_key_mismatch("text encoder checkpoint", checkpoint, sorted(expected - found), sorted(found - expected))
         )
     state: dict[str, torch.Tensor] = {}
-    with source:
-        for key in sorted(found):
-            t = source.get_tensor(key)
-            if tensor_hook is not None:
-                t = tensor_hook(key, t)
-            if t.is_floating_point() and not key.endswith(".weight_scale"):
-                t = t.to(dtype)
+    with source:  # read straight to a GPU `device` (staged, see library.files.safetensors_io); mmap for the CPU
+        for key, t in source.iter_tensors(sorted(found), read_device(torch.device(device))):
+            if not key.endswith(".weight_scale"):
+                t = hooked_tensor(key, t, dtype, tensor_hook)
             if key.endswith(".weight_scale"):
                 t = t.float().reshape(-1, 1) if t.numel() == expected_shapes[key][0] else t.float()
             if tuple(t.shape) != expected_shapes[key] and not key.endswith(".weight_scale"):
