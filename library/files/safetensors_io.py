@@ -276,6 +276,7 @@ class _Staging:
 
     def __init__(self, device: torch.device, chunk_bytes: int, count: int):
         self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None  # where the copies to `device` go
         self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(count)]
         self.views = [memoryview(b.numpy()) for b in self.buffers]
         self.events = [torch.cuda.Event() if self.cuda else None for _ in range(count)]
@@ -290,7 +291,7 @@ class _Staging:
     def record(self, slot: int) -> None:
         event = self.events[slot]
         if event is not None:
-            event.record()
+            event.record(self.stream)
         self.used[slot] = True
 
     def drain(self) -> None:
@@ -426,12 +427,17 @@ class TensorSource:
         for key in self.keys():
             yield key, self.get_tensor(key)
 
-    def iter_tensors(self, keys: Iterable[str], device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(key, tensor)` for `keys`, on `device`, file by file in file order: staged reads for CUDA
-        (`stream_tensors`), else (or with `DIRECT_DEVICE_READS` off) `get_tensor` and `.to(device)` per tensor."""
+    def iter_tensors(
+        self, keys: Iterable[str], device: str | torch.device = "cpu", staged: bool | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(key, tensor)` for `keys`, on `device`: with `staged` (default: for CUDA, unless
+        `DIRECT_DEVICE_READS` is off) file by file in file order through `stream_tensors`, else in the given order,
+        `get_tensor(key).to(device)` per tensor."""
         device = torch.device(device)
         keys = list(keys)
-        if device.type != "cuda" or not DIRECT_DEVICE_READS:
+        if staged is None:
+            staged = device.type == "cuda" and DIRECT_DEVICE_READS
+        if not staged:
             for key in keys:
                 yield key, self.get_tensor(key).to(device)
             return
@@ -526,7 +532,9 @@ class SplitTensorAdapter:
             )
         return torch.split(fused, list(spec.sizes), dim=spec.dim)
 
-    def iter_tensors(self, keys: Iterable[str], device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(
+        self, keys: Iterable[str], device: str | torch.device = "cpu", staged: bool | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(key, tensor)` for `keys` (new names) on `device`, as `TensorSource.iter_tensors` reads them; a
         fused tensor is read once and its wanted pieces are yielded together."""
         keys = list(keys)
@@ -534,7 +542,7 @@ class SplitTensorAdapter:
         plain = [k for k in keys if k not in self._piece_of]
         fused = list(dict.fromkeys(self._piece_of[k][0].source_key for k in keys if k in self._piece_of))
         specs = {self._piece_of[k][0].source_key: self._piece_of[k][0] for k in keys if k in self._piece_of}
-        for key, tensor in self.source.iter_tensors(plain + fused, device):
+        for key, tensor in self.source.iter_tensors(plain + fused, device, staged):
             spec = specs.get(key) if key in self._split_sources else None
             if spec is None:
                 yield key, tensor
