@@ -5,6 +5,7 @@ events around the same code."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -59,7 +60,7 @@ def test_chunk_plan_covers_every_byte_once():
     for index, (start, end) in enumerate(spans):
         pieces = sorted(covered[index])
         assert pieces[0][0] == 0 and sum(n for _, n in pieces) == end - start
-        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(pieces))
     assert [i for c in chunks for i in c.completes] == list(range(len(spans)))
     assert any(c.start == 5000 for c in chunks)  # the 4700-byte gap starts a new read
     # a gap up to gap_bytes is read through, a larger one is skipped
