@@ -11,7 +11,8 @@ timing (`import_transformers_s`: what that import costs a fresh process, which t
   model): the staged reads (`TensorSource.iter_tensors`) against `get_tensor(key).to(device)` per tensor, and a
   sweep of the staged reader's thread count and chunk size over the DiT;
 - `te`: `library.text_encoder.loading.load_text_encoder` (what the scripts call: bf16, --te_quant none) onto the
-  device;
+  device; `te_fresh_process`: the same as the first load of a new process (imports and CUDA context included, split
+  out);
 - `dit`: `load_moss_image_model` in bf16 onto the device;
 - `dit_lora`: the same with a rank-16 LoRA on every block Linear (a random file written next to the output) merged at
   load (`LoraMergePlan`, reading the LoRA file included): the new path merges on the GPU, the old one on the CPU;
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -80,6 +82,46 @@ def import_seconds() -> float:
         return round(float(done.stdout.strip().splitlines()[-1]), 3)
     except (ValueError, IndexError):
         return -1.0
+
+
+_FRESH = """
+import json, sys, time
+start = time.perf_counter()
+import torch
+from library.files import safetensors_io
+from library.text_encoder.loading import TextEncoderOptions, load_text_encoder
+from library.text_encoder.kernels import route_linear_attention_kernels
+route_linear_attention_kernels()  # the loader's first call would import transformers' model code (and fla) here
+imported = time.perf_counter()
+safetensors_io.DIRECT_DEVICE_READS = sys.argv[2] == "new"
+device = torch.device(sys.argv[3])
+if device.type == "cuda":
+    torch.empty(1, device=device)
+ready = time.perf_counter()
+model = load_text_encoder(TextEncoderOptions(path=sys.argv[1]), device).model
+if device.type == "cuda":
+    torch.cuda.synchronize(device)
+done = time.perf_counter()
+print(json.dumps({"imports_s": round(imported - start, 3), "cuda_init_s": round(ready - imported, 3),
+                  "load_s": round(done - ready, 3), "total_s": round(done - start, 3)}))
+"""
+
+
+def fresh_process_te(te_path: Path, device: torch.device) -> dict[str, Any]:
+    """The first text encoder load of a new process (what the inference script's `text_encoder_load` phase pays,
+    its tokenizer aside): the project's and transformers' imports (the loader imports the model code on its first
+    call), the CUDA context, the load; new and old path, each in its own process."""
+    out: dict[str, Any] = {}
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    for which in ("new", "old"):
+        done = subprocess.run([sys.executable, "-c", _FRESH, str(te_path), which, str(device)], capture_output=True,
+                              text=True, timeout=300, check=False, cwd=root, env=env)
+        try:
+            out[which] = json.loads(done.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            out[which] = {"error": (done.stderr or done.stdout)[-2000:]}
+    return out
 
 
 def warm_page_cache(files: list[Path]) -> dict[str, float]:
@@ -215,7 +257,7 @@ def _pair(device: torch.device, load: Callable[[str], torch.nn.Module], compare:
 
 
 def run(snapshot: Path, device: torch.device, out_dir: Path, threads: list[int], chunks: list[int],
-        compare: bool) -> dict[str, Any]:
+        compare: bool, fresh: bool = True) -> dict[str, Any]:
     result: dict[str, Any] = {"device": str(device), "snapshot": str(snapshot),
                               "staging": {"threads": safetensors_io.READ_THREADS,
                                           "chunk_mib": safetensors_io.STAGING_BYTES // 2**20,
@@ -231,6 +273,8 @@ def run(snapshot: Path, device: torch.device, out_dir: Path, threads: list[int],
 
     te_path = snapshot / "text_encoder"
     result["te"] = _pair(device, lambda w: load_text_encoder(TextEncoderOptions(path=te_path), device).model, compare)
+    if fresh:
+        result["te_fresh_process"] = fresh_process_te(te_path, device)
 
     dit_path = snapshot / "transformer"
     result["dit"] = _pair(device, lambda w: load_moss_image_model(device, dit_path, dtype=torch.bfloat16), compare)
@@ -267,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep_threads", default="1,2,4,8", help="thread counts of the read sweep")
     p.add_argument("--sweep_chunk_mib", default="16,64", help="chunk sizes (MiB) of the read sweep")
     p.add_argument("--no_compare", action="store_true", help="do not keep both models to compare them (less memory)")
+    p.add_argument("--no_fresh", action="store_true", help="skip the text encoder loads in fresh processes")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
@@ -286,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             snapshot = args.snapshot
         start = time.perf_counter()
         result = run(snapshot, device, Path(tmp), _ints(args.sweep_threads), _ints(args.sweep_chunk_mib),
-                     not args.no_compare)
+                     not args.no_compare, not args.no_fresh)
         result["total_s"] = round(time.perf_counter() - start, 1)
     text = json.dumps(result, indent=2)
     args.out.write_text(text + "\n", encoding="utf-8")
