@@ -10,7 +10,7 @@ from library.moss_image.tiny_snapshot import TINY_DIT_CONFIG
 
 def test_tiny_run_writes_every_phase_and_the_paths_agree(tmp_path):
     out = tmp_path / "loading.json"
-    assert loading.main(["--tiny", "--device", "cpu", "--out", str(out)]) == 0
+    assert loading.main(["--tiny", "--device", "cpu", "--no_fresh", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["page_cache_warm"]["bytes"] > 0
     for what in ("dit", "te"):
