@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,15 @@ def _compare(a: torch.nn.Module, b: torch.nn.Module) -> dict[str, Any]:
             "max_abs_diff": worst}
 
 
+def _guarded(device: torch.device, phase: Callable[[], Any]) -> Any:
+    """A phase's result, or {"error": the traceback's tail} when it raised (the other phases still run)."""
+    try:
+        return phase()
+    except Exception:  # a bench records every failure and goes on
+        _free(device)
+        return {"error": traceback.format_exc()[-3000:]}
+
+
 def _pair(device: torch.device, load: Callable[[str], torch.nn.Module], compare: bool) -> dict[str, Any]:
     """Time `load("new")` and `load("old")`; compare their tensors when `compare`."""
     out: dict[str, Any] = {}
@@ -258,27 +268,31 @@ def _pair(device: torch.device, load: Callable[[str], torch.nn.Module], compare:
 
 
 def run(snapshot: Path, device: torch.device, out_dir: Path, threads: list[int], chunks: list[int],
-        compare: bool, fresh: bool = True) -> dict[str, Any]:
-    result: dict[str, Any] = {"device": str(device), "snapshot": str(snapshot),
-                              "staging": {"threads": safetensors_io.READ_THREADS,
-                                          "chunk_mib": safetensors_io.STAGING_BYTES // 2**20,
-                                          "buffers": safetensors_io.STAGING_BUFFERS}}
+        compare: bool, fresh: bool = True, save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every phase in order; `save(result)` after each (a run cut short keeps what it measured)."""
+    result = _Saved(save)
+    result["device"] = str(device)
+    result["snapshot"] = str(snapshot)
+    result["staging"] = {"threads": safetensors_io.READ_THREADS, "chunk_mib": safetensors_io.STAGING_BYTES // 2**20,
+                         "buffers": safetensors_io.STAGING_BUFFERS}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
         torch.empty(1, device=device)  # CUDA context before any timing
     result["import_transformers_s"] = import_seconds()
     files = dit_checkpoint_files(snapshot / "transformer") + sorted((snapshot / "text_encoder").glob("*.safetensors"))
     result["page_cache_warm"] = warm_page_cache(files)
-    result["read_floor"] = read_floor(snapshot, device)
-    result["sweep"] = sweep(snapshot, device, threads, chunks)
+    result["read_floor"] = _guarded(device, lambda: read_floor(snapshot, device))
+    result["sweep"] = _guarded(device, lambda: sweep(snapshot, device, threads, chunks))
 
     te_path = snapshot / "text_encoder"
-    result["te"] = _pair(device, lambda w: load_text_encoder(TextEncoderOptions(path=te_path), device).model, compare)
+    result["te"] = _guarded(device, lambda: _pair(
+        device, lambda w: load_text_encoder(TextEncoderOptions(path=te_path), device).model, compare))
     if fresh:
         result["te_fresh_process"] = fresh_process_te(te_path, device)
 
     dit_path = snapshot / "transformer"
-    result["dit"] = _pair(device, lambda w: load_moss_image_model(device, dit_path, dtype=torch.bfloat16), compare)
+    result["dit"] = _guarded(device, lambda: _pair(
+        device, lambda w: load_moss_image_model(device, dit_path, dtype=torch.bfloat16), compare))
 
     lora, modules = write_lora(snapshot, out_dir / "bench_loading_lora_r16.safetensors")
     result["lora"] = {"file": lora.name, "bytes": lora.stat().st_size, "modules": modules, "rank": LORA_RANK}
@@ -291,10 +305,24 @@ def run(snapshot: Path, device: torch.device, out_dir: Path, threads: list[int],
         plan.finish()
         return model
 
-    result["dit_lora"] = _pair(device, lambda w: merged(w, device), compare)
-    result["dit_lora_cpu_home"] = _pair(device, lambda w: merged(w, torch.device("cpu")), compare)
+    result["dit_lora"] = _guarded(device, lambda: _pair(device, lambda w: merged(w, device), compare))
+    result["dit_lora_cpu_home"] = _guarded(device, lambda: _pair(device, lambda w: merged(w, torch.device("cpu")),
+                                                                 compare))
     lora.unlink()
-    return result
+    return dict(result)
+
+
+class _Saved(dict):
+    """A dict that calls `save(self)` whenever a key is set."""
+
+    def __init__(self, save: Callable[[dict[str, Any]], None] | None):
+        super().__init__()
+        self._save = save
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if self._save is not None:
+            self._save(dict(self))
 
 
 def _ints(text: str) -> list[int]:
@@ -331,12 +359,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             snapshot = args.snapshot
         start = time.perf_counter()
+
+        def save(partial: dict[str, Any]) -> None:
+            args.out.write_text(json.dumps(partial, indent=2) + "\n", encoding="utf-8")
+
         result = run(snapshot, device, Path(tmp), _ints(args.sweep_threads), _ints(args.sweep_chunk_mib),
-                     not args.no_compare, not args.no_fresh)
+                     not args.no_compare, not args.no_fresh, save)
         result["total_s"] = round(time.perf_counter() - start, 1)
-    text = json.dumps(result, indent=2)
-    args.out.write_text(text + "\n", encoding="utf-8")
-    sys.stdout.write(text + "\n")
+    save(result)
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
     return 0
 
 
