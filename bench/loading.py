@@ -5,7 +5,8 @@
     python -m bench.loading --tiny --out tiny.json        # the tiny snapshot, on the CPU when there is no GPU
 
 Run from the repository root. The files are read once first (page cache warm); transformers is imported before any
-timing (`import_transformers_s`: what that import costs a fresh process, which the scripts' first load pays). Then, each timed with the device synchronised at both ends, in this process:
+timing (`import_transformers_s`: what that import costs a fresh process, which the scripts' first load pays). Then,
+each timed with the device synchronised at both ends, in this process:
 
 - `read_floor`: every tensor of the DiT and of the text-model part of the encoder read to the device and dropped (no
   model): the staged reads (`TensorSource.iter_tensors`) against `get_tensor(key).to(device)` per tensor, and a
@@ -20,8 +21,8 @@ timing (`import_transformers_s`: what that import costs a fresh process, which t
   the GPU (`LoraMergePlan(device=...)`) against the CPU.
 
 "new" is the product's path; "old" is the per-tensor path reached with `safetensors_io.DIRECT_DEVICE_READS = False`
-and a merge plan without a device (the code before the staged reads, except that its CPU merge is today's, by blocks
-of rows, about twice as fast as the whole-tensor passes behind the 11 s of issue 14). Each new/old pair is compared tensor by tensor:
+and a merge plan without a device: the code before the staged reads, except that its CPU merge is today's (by blocks
+of rows, about twice as fast as the whole-tensor passes it replaced). Each new/old pair is compared tensor by tensor:
 `equal` for the plain loads (bit for bit), and for the merges the count of elements that differ (a GPU fp32 GEMM
 sums in another order than the CPU's, so an element may round to the next bf16 value) and the largest difference.
 """
@@ -192,7 +193,8 @@ def sweep(snapshot: Path, device: torch.device, threads: list[int], chunks_mib: 
                 safetensors_io.STAGING_BYTES = c * 2**20
                 source = open_dit_source(dit_checkpoint_files(snapshot / "transformer")[0]).source
                 seconds, nbytes = _timed(device, lambda s=source: read_all(s, device))
-                rows.append({"threads": t, "chunk_mib": c, "seconds": round(seconds, 3), "GBps": _gbps(nbytes, seconds)})
+                rows.append({"threads": t, "chunk_mib": c, "seconds": round(seconds, 3),
+                             "GBps": _gbps(nbytes, seconds)})
                 _free(device)
     finally:
         safetensors_io.READ_THREADS, safetensors_io.STAGING_BYTES, safetensors_io.STAGING_BUFFERS = saved

@@ -1,4 +1,4 @@
-"""bench.loading on the tiny snapshot (the CPU here): every phase runs and the new and old paths give the same models."""
+"""bench.loading on the tiny snapshot (the CPU here): every phase runs, the new and old paths give the same models."""
 
 from __future__ import annotations
 

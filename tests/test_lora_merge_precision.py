@@ -110,7 +110,8 @@ def test_hook_dtype_holds_both_the_file_and_the_model_dtype():
     seen = []
     out = hooked_tensor("k", torch.ones(2, dtype=torch.float16), torch.bfloat16,
                         lambda k, t: seen.append(t.dtype) or t + 1)
-    assert seen == [torch.float32] and out.dtype == torch.bfloat16 and torch.equal(out, torch.full((2,), 2.0).bfloat16())
+    assert seen == [torch.float32] and out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.full((2,), 2.0).bfloat16())
     ints = torch.arange(3, dtype=torch.int8)
     assert hooked_tensor("k", ints, torch.bfloat16, None) is ints  # only floats are cast
 

@@ -359,7 +359,8 @@ def stream_tensors(
                 info = file._infos[wanted[tensor_index]]
                 raw = targets[tensor_index]
                 targets[tensor_index] = None
-                yield wanted[tensor_index], raw.view(_DTYPES[info.dtype]).reshape(info.shape)  # type: ignore[union-attr]
+                assert raw is not None  # every non-empty tensor has pieces in the chunks before its last one
+                yield wanted[tensor_index], raw.view(_DTYPES[info.dtype]).reshape(info.shape)
     finally:
         for future in pending.values():
             future.cancel()
@@ -528,7 +529,8 @@ class SplitTensorAdapter:
         if fused.shape[spec.dim] != sum(spec.sizes):
             raise UserError(
                 f"Tensor '{spec.source_key}' has size {fused.shape[spec.dim]} along dim {spec.dim}, expected"
-                f" {sum(spec.sizes)} (= {' + '.join(map(str, spec.sizes))}): the checkpoint does not match the model config."
+                f" {sum(spec.sizes)} (= {' + '.join(map(str, spec.sizes))}): the checkpoint does not match the model"
+                " config."
             )
         return torch.split(fused, list(spec.sizes), dim=spec.dim)
 

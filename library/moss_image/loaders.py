@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from library.errors import UserError
+from library.moss_image.dit import MossImage, MossImageConfig, default_rope_axes
 from library.files.safetensors_io import (
     SplitSpec,
     SplitTensorAdapter,
@@ -38,7 +39,6 @@ from library.files.safetensors_io import (
     hooked_tensor,
     read_device,
 )
-from library.moss_image.dit import MossImage, MossImageConfig, default_rope_axes
 
 logger = logging.getLogger(__name__)
 
@@ -203,9 +203,10 @@ def load_moss_image_model(
 
     `tensor_hook(key, tensor)` sees each tensor under the model's key, on the device it is read to, before the
     final dtype cast (LoRA merge at load): a float tensor comes in the wider of the checkpoint's dtype and `dtype`
-    (`safetensors_io.load_dtype_for_hook`), so a merge is rounded once, to `dtype`. `dtype=None` keeps the checkpoint's dtypes. `convrot_int8` quantises the 252 block Linears after loading (and
-    after the merge), layer by layer on `calc_device` when given. A ComfyUI pre-quantised file (`.comfy_quant`
-    markers) is detected and loaded as it is, whatever `convrot_int8` says.
+    (`safetensors_io.load_dtype_for_hook`), so a merge is rounded once, to `dtype`. `dtype=None` keeps the
+    checkpoint's dtypes. `convrot_int8` quantises the 252 block Linears after loading (and after the merge), layer
+    by layer on `calc_device` when given. A ComfyUI pre-quantised file (`.comfy_quant` markers) is detected and
+    loaded as it is, whatever `convrot_int8` says.
     """
     from library.quant import convrot as cr
 
