@@ -247,7 +247,7 @@ class FakeTE:
     def get_outputs_npz_path(self, absolute_path):
         return os.path.splitext(absolute_path)[0] + "_moss_te.npz"
 
-    def get_outputs(self, info, candidate_index, dropped):
+    def get_outputs(self, info, candidate_index, dropped, variant_index=0):
         return ("uncond",) if dropped else (info.caption_candidates[candidate_index],)
 
 

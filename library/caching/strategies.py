@@ -16,6 +16,11 @@ Files of earlier versions have no `encoder_dtype`: they were made in bf16 or (th
 the values tell which (bf16 outputs widened to fp32 have 16 zero low bits; fp32 outputs practically never all do), so
 their variant is known without a record and only those whose numbers match the current encoder's stay valid.
 Files of the older single-candidate format (`prompt_embeds`, `attn_mask`) stay valid for images with one candidate.
+Caption variants (`caption_cache_variants` N > 1, `library.datasets.caption_variants`): the file holds N texts per
+candidate k, variant v as `prompt_embeds_{k}_{v}`, `attn_mask_{k}_{v}`, `caption_{k}_{v}`, with `num_candidates`,
+`num_variants` (N) and `variant_recipe` (the JSON of the `VariantRecipe`: N, the transform settings, the seed and the
+drawing method); a recipe that differs from the current one makes the file stale ("variant recipe changed (...)"),
+and so does a recipe where none is expected or the reverse. Files without variants are exactly the format above.
 Every cache file is written to a temp file and renamed: never half-written. Checks and per-step reads open only the
 entries they need (an npz member is read lazily), and a damaged file is re-made by the caching drivers.
 
@@ -44,6 +49,7 @@ from tqdm.auto import tqdm
 
 from library.caching import cache_checks
 from library.datasets import prepare_image_for_cache
+from library.datasets.caption_variants import CacheCaptions, VariantRecipe
 from library.datasets.image_info import ImageInfo
 from library.errors import UserError
 from library.files.safetensors_io import remove_stale_temp_files, write_atomic
@@ -58,9 +64,11 @@ TE_SUFFIX = "_moss_te.npz"
 VAE_SCALE = 8
 _SIZE_RE = re.compile(r"_(\d{4,})x(\d{4,})" + re.escape(LATENTS_SUFFIX) + "$")
 _CANDIDATE_RE = re.compile(r"prompt_embeds_\d+")
+_VARIANT_RE = re.compile(r"prompt_embeds_(\d+)_(\d+)")
 CACHE_MISSING = "missing"  # the reasons `*_cache_problem` give for a file that is not there or cannot be read
 CACHE_UNREADABLE = "unreadable (a damaged file)"
 CACHE_DAMAGED = "damaged"  # the start of the reason for arrays of the wrong shape or with NaN / infinite values
+VARIANT_RECIPE_CHANGED = "variant recipe changed"  # the start of the reason for caption variants drawn otherwise
 _DTYPE_PROBE_VALUES = 4096  # values read to tell a bf16-made file of an earlier version from an fp32-made one
 
 
@@ -273,27 +281,40 @@ class MossImageTextEncoderOutputsCachingStrategy:
         return os.path.splitext(absolute_path)[0] + TE_SUFFIX
 
     # validity ---------------------------------------------------------------------------------------------
-    def is_disk_cached_outputs_expected(self, npz_path: str, captions: Sequence[str]) -> bool:
-        """True when the file exists and (unless the check is skipped) holds exactly these caption candidates.
-        Only the small entries (count, template, caption texts) are read, never the embeddings."""
+    def is_disk_cached_outputs_expected(self, npz_path: str, captions: Sequence[str],
+                                        recipe: VariantRecipe | None = None) -> bool:
+        """True when the file exists and (unless the check is skipped) holds exactly these caption texts (one per
+        candidate, or with `recipe` the variants of each). Only the small entries (counts, template, caption texts,
+        recipe) are read, never the embeddings."""
+        return self.disk_outputs_problem(npz_path, captions, recipe) is None
+
+    def disk_outputs_problem(self, npz_path: str, captions: Sequence[str],
+                             recipe: VariantRecipe | None = None) -> str | None:
+        """Why the caching driver must (re-)make a file (None when it is valid or, with --skip_cache_check, exists);
+        warns about damaged files."""
         if not os.path.exists(npz_path):
-            return False
+            return CACHE_MISSING
         if self.skip_disk_cache_validity_check:
-            return True
-        problem = self.outputs_cache_problem(npz_path, captions)
+            return None
+        problem = self.outputs_cache_problem(npz_path, captions, recipe)
         if problem == CACHE_UNREADABLE:
             logger.warning("unreadable text-encoder cache %s: it will be re-created", npz_path)
         elif problem is not None and problem.startswith(CACHE_DAMAGED):
             logger.warning("text-encoder cache %s is %s: it will be re-created", npz_path, problem)
-        return problem is None
+        return problem
 
-    def outputs_cache_problem(self, npz_path: str, captions: Sequence[str]) -> str | None:
-        """Why a text-encoder cache file does not hold these caption candidates as this strategy would make them
-        (None when it does); ignores --skip_cache_check and reads only the small entries and the array headers."""
+    def outputs_cache_problem(self, npz_path: str, captions: Sequence[str],
+                              recipe: VariantRecipe | None = None) -> str | None:
+        """Why a text-encoder cache file does not hold these caption texts as this strategy would make them (None
+        when it does): one text per candidate, or with `recipe` candidate k's variant v at k * recipe.count + v.
+        Ignores --skip_cache_check and reads only the small entries and the array headers."""
         if not os.path.exists(npz_path):
             return CACHE_MISSING
-        small = {"num_candidates", "template", "max_token_length", "encoder", "encoder_dtype", "te_base_weights"}
-        small |= {f"caption_{k}" for k in range(len(captions))}
+        count = 1 if recipe is None else recipe.count
+        suffixes = _entry_suffixes(len(captions), recipe)
+        small = {"num_candidates", "num_variants", "variant_recipe", "template", "max_token_length", "encoder",
+                 "encoder_dtype", "te_base_weights"}
+        small |= {f"caption_{x}" for x in suffixes}
         names: list[str] = []
 
         def select(found: list[str]) -> list[str]:
@@ -306,7 +327,10 @@ class MossImageTextEncoderOutputsCachingStrategy:
             return CACHE_UNREADABLE
         if str(data.get("te_base_weights", "")) != self.te_base_weights:
             return "made with other --base_weights text-encoder LoRAs"  # no key: made without any
-        if "num_candidates" not in data:  # older single-candidate format
+        recipe_problem = _recipe_problem(data, recipe)
+        if recipe_problem is not None:
+            return recipe_problem
+        if "num_candidates" not in data:  # older single-candidate format (never with variants: checked above)
             if len(captions) != 1:
                 return f"older single-caption format, but the image has {len(captions)} caption candidates"
             if "prompt_embeds" not in names or "attn_mask" not in names:
@@ -314,19 +338,19 @@ class MossImageTextEncoderOutputsCachingStrategy:
             return self._shapes_problem(npz_path, names) or self._variant_problem(npz_path, data, names)
         if str(data.get("template", "")) != PROMPT_TEMPLATE_ID:
             return f"prompt template '{data.get('template', '')}' (now '{PROMPT_TEMPLATE_ID}')"
-        if int(data["num_candidates"]) != len(captions):
-            return f"caption candidates: {int(data['num_candidates'])} in the file, {len(captions)} now"
+        if int(data["num_candidates"]) != len(captions) // count:
+            return f"caption candidates: {int(data['num_candidates'])} in the file, {len(captions) // count} now"
         if self.max_token_length is not None and "max_token_length" in data \
                 and int(data["max_token_length"]) != self.max_token_length:
             return f"--moss_max_token_length {int(data['max_token_length'])} (now {self.max_token_length})"
         arrays = ["uncond_embeds", "uncond_mask"]
-        arrays += [f"{kind}_{k}" for k in range(len(captions)) for kind in ("prompt_embeds", "attn_mask")]
+        arrays += [f"{kind}_{x}" for x in suffixes for kind in ("prompt_embeds", "attn_mask")]
         absent = [n for n in arrays if n not in names]
         if absent:
             return f"no {absent[0]} entry"
-        for k, caption in enumerate(captions):
-            if f"caption_{k}" not in data or str(data[f"caption_{k}"]) != caption:
-                return f"caption {k} changed (now '{caption[:60]}{'...' if len(caption) > 60 else ''}')"
+        for x, caption in zip(suffixes, captions):
+            if f"caption_{x}" not in data or str(data[f"caption_{x}"]) != caption:
+                return f"caption {x} changed (now '{caption[:60]}{'...' if len(caption) > 60 else ''}')"
         # the headers, then (last: a file of an earlier version reads a few values) the variant
         return self._shapes_problem(npz_path, names) or self._variant_problem(npz_path, data, names)
 
@@ -359,17 +383,19 @@ class MossImageTextEncoderOutputsCachingStrategy:
         return None if problem is None else f"{CACHE_DAMAGED} ({problem})"
 
     # reading ----------------------------------------------------------------------------------------------
-    def get_outputs(self, info: ImageInfo, candidate_index: int, dropped: bool) -> TextOutputs:
-        """Candidate `candidate_index` (modulo the number cached), or the unconditional outputs when `dropped`
-        (from the file, or the strategy's own empty-prompt outputs for files of the older format)."""
+    def get_outputs(self, info: ImageInfo, candidate_index: int, dropped: bool, variant_index: int = 0) -> TextOutputs:
+        """Candidate `candidate_index` (modulo the number cached; its variant `variant_index`, modulo the number
+        cached, when the cache holds variants), or the unconditional outputs when `dropped` (from the file, or the
+        strategy's own empty-prompt outputs for files of the older format)."""
         if info.text_encoder_outputs is not None:
-            candidates, uncond = info.text_encoder_outputs
+            outputs, uncond, count = info.text_encoder_outputs
             if dropped:
                 return self._uncond_or_error(uncond, info)
-            return candidates[candidate_index % len(candidates)]
+            k = candidate_index % (len(outputs) // count)
+            return outputs[k * count + variant_index % count]
         assert info.te_outputs_npz is not None
-        outputs = self._read_file(info.te_outputs_npz, None if dropped else candidate_index)
-        return self._uncond_or_error(outputs, info) if dropped else outputs
+        read = self._read_file(info.te_outputs_npz, None if dropped else candidate_index, variant_index)
+        return self._uncond_or_error(read, info) if dropped else read
 
     def _uncond_or_error(self, uncond: TextOutputs | None, info: ImageInfo) -> TextOutputs:
         uncond = uncond if uncond is not None else self.uncond
@@ -381,16 +407,22 @@ class MossImageTextEncoderOutputsCachingStrategy:
         return uncond
 
     @staticmethod
-    def _read_file(path: str, candidate_index: int | None) -> TextOutputs | None:
-        """One candidate's outputs (index modulo the count in the file), or with None the unconditional outputs
-        (None for a file of the older format, which has none). Reads only the two entries it returns."""
+    def _read_file(path: str, candidate_index: int | None, variant_index: int = 0) -> TextOutputs | None:
+        """One candidate's outputs (index modulo the count in the file; with variants, its variant modulo theirs),
+        or with None the unconditional outputs (None for a file of the older format, which has none). Reads only
+        the two entries it returns."""
         keys: list[str] = []
 
         def select(names: list[str]) -> list[str]:
+            variants = [m for m in map(_VARIANT_RE.fullmatch, names) if m]
             if candidate_index is None:
                 keys.extend(["uncond_embeds", "uncond_mask"])
             elif "num_candidates" not in names:  # older single-candidate format
                 keys.extend(["prompt_embeds", "attn_mask"])
+            elif variants:
+                k = candidate_index % (1 + max(int(m[1]) for m in variants))
+                v = variant_index % (1 + max(int(m[2]) for m in variants))
+                keys.extend([f"prompt_embeds_{k}_{v}", f"attn_mask_{k}_{v}"])
             else:
                 count = sum(1 for n in names if _CANDIDATE_RE.fullmatch(n))
                 k = candidate_index % max(1, count)
@@ -411,18 +443,22 @@ class MossImageTextEncoderOutputsCachingStrategy:
         return torch.from_numpy(data[keys[0]]), torch.from_numpy(data[keys[1]]).bool()
 
     # writing ----------------------------------------------------------------------------------------------
-    def store(self, info: ImageInfo, captions: Sequence[str], outputs: Sequence[TextOutputs]) -> None:
+    def store(self, info: ImageInfo, captions: Sequence[str], outputs: Sequence[TextOutputs],
+              recipe: VariantRecipe | None = None) -> None:
+        """Keep one image's outputs in memory or write its file: one text per candidate, or with `recipe`
+        candidate k's variant v at k * recipe.count + v (see the module docstring for the entries)."""
         assert self.uncond is not None, "encode the empty prompt (set_uncond) before caching"
+        count = 1 if recipe is None else recipe.count
         cands = [(e.float().cpu(), m.bool().cpu()) for e, m in outputs]
         for caption, (e, _) in zip(captions, cands):
             what = f"the caption '{caption[:60]}' of '{info.absolute_path}'"
             cache_checks.check_encoded_finite(e, what, "text encoder")
         if not self.cache_to_disk:
-            info.text_encoder_outputs = (cands, self.uncond)
+            info.text_encoder_outputs = (cands, self.uncond, count)
             return
         assert info.te_outputs_npz is not None
         arrays: dict[str, np.ndarray] = {
-            "num_candidates": np.array(len(cands), dtype=np.int64),
+            "num_candidates": np.array(len(cands) // count, dtype=np.int64),
             "template": np.array(PROMPT_TEMPLATE_ID),
             "max_token_length": np.array(self.max_token_length or -1, dtype=np.int64),
             "encoder": np.array(self.encoder_variant or "unknown"),
@@ -431,14 +467,38 @@ class MossImageTextEncoderOutputsCachingStrategy:
             "uncond_embeds": self.uncond[0].numpy(),
             "uncond_mask": self.uncond[1].numpy(),
         }
-        for k, (caption, (e, m)) in enumerate(zip(captions, cands)):
-            arrays[f"prompt_embeds_{k}"] = e.numpy()
-            arrays[f"attn_mask_{k}"] = m.numpy()
-            arrays[f"caption_{k}"] = np.array(caption)
+        if recipe is not None:
+            arrays["num_variants"] = np.array(count, dtype=np.int64)
+            arrays["variant_recipe"] = np.array(recipe.to_json())
+        for x, caption, (e, m) in zip(_entry_suffixes(len(cands), recipe), captions, cands):
+            arrays[f"prompt_embeds_{x}"] = e.numpy()
+            arrays[f"attn_mask_{x}"] = m.numpy()
+            arrays[f"caption_{x}"] = np.array(caption)
         save_npz_atomic(info.te_outputs_npz, arrays)
 
     def set_uncond(self, outputs: TextOutputs) -> None:
         self.uncond = (outputs[0].float().cpu(), outputs[1].bool().cpu())
+
+
+def _entry_suffixes(texts: int, recipe: VariantRecipe | None) -> list[str]:
+    """The entry name suffixes of a file's texts: "k" per candidate, or "k_v" per candidate and variant."""
+    if recipe is None:
+        return [str(k) for k in range(texts)]
+    return [f"{k}_{v}" for k in range(texts // recipe.count) for v in range(recipe.count)]
+
+
+def _recipe_problem(data: dict[str, np.ndarray], recipe: VariantRecipe | None) -> str | None:
+    """Why the file's caption variants were not drawn with `recipe` (None when they were, or neither has any)."""
+    recorded = str(data["variant_recipe"]) if "variant_recipe" in data else None
+    if recipe is None and recorded is None:
+        return None
+    if recipe is None:
+        held = int(data["num_variants"]) if "num_variants" in data else "several"
+        return f"{VARIANT_RECIPE_CHANGED} (the file holds {held} variants per caption, now one text per caption)"
+    if recorded is None:
+        return f"{VARIANT_RECIPE_CHANGED} (the file holds one text per caption, now {recipe.count} variants)"
+    change = recipe.change_from(recorded)
+    return None if change is None else f"{VARIANT_RECIPE_CHANGED} ({change})"
 
 
 def _first_values(path: str, name: str, count: int) -> np.ndarray:
@@ -550,13 +610,13 @@ def cache_latents(
     return done
 
 
-def _captions_per_file(groups: Sequence[Any]) -> dict[str, tuple[ImageInfo, list[str]]]:
-    """The caption candidates each disk cache file must hold; one image file with two different caption lists
-    (the same image in two subsets with different prefixes, say) cannot share one cache file."""
-    files: dict[str, tuple[ImageInfo, list[str]]] = {}
+def _captions_per_file(groups: Sequence[Any]) -> dict[str, tuple[ImageInfo, CacheCaptions]]:
+    """The caption texts (candidates or their variants) each disk cache file must hold; one image file with two
+    different caption lists (the same image in two subsets with different prefixes, say) cannot share one file."""
+    files: dict[str, tuple[ImageInfo, CacheCaptions]] = {}
     for group in groups:
         for info in group.image_infos():
-            captions = group.captions_for_text_encoder_cache(info)
+            captions = group.text_encoder_cache_captions(info)
             seen = files.setdefault(info.te_outputs_npz, (info, captions))
             if seen[1] != captions:
                 raise UserError(
@@ -577,8 +637,8 @@ def cache_text_encoder_outputs(
     stats: EncodingStats | None = None,
 ) -> int:
     """Attach `strategy` to the groups, find every caption candidate whose cache is missing or stale (all
-    candidates of an image in one file; with several processes each checks and caches its share of the files), then
-    encode the empty prompt and those candidates. `encode` is called only when something is to be encoded (a
+    candidates of an image, and their variants with caption_cache_variants, in one file; with several processes
+    each checks and caches its share of the files), then encode the empty prompt and those texts. `encode` is called only when something is to be encoded (a
     `LazyEncoder` then reads the text encoder only in that case), with the captions of `strategy.batch_size` images
     at a time, the images sorted by caption length so that each call holds captions of similar lengths. The progress
     bar counts captions (captions/s, ETA). Returns the number of images (files, or entries when caching in memory)
@@ -591,15 +651,17 @@ def cache_text_encoder_outputs(
         files = _captions_per_file(groups)
         mine = _files_of_this_process(files, process_index, num_processes)
         remove_stale_temp_files(mine)
-        todo = [files[p] for p in sorted(mine) if not strategy.is_disk_cached_outputs_expected(p, files[p][1])]
+        problems = {p: strategy.disk_outputs_problem(p, files[p][1].texts, files[p][1].recipe) for p in sorted(mine)}
+        _log_recipe_changes(problems)
+        todo = [files[p] for p, problem in problems.items() if problem is not None]
     else:
         files, mine = {}, set()
-        todo = [(i, g.captions_for_text_encoder_cache(i)) for g in groups for i in _unique(g.image_infos())]
+        todo = [(i, g.text_encoder_cache_captions(i)) for g in groups for i in _unique(g.image_infos())]
     if todo or _files_without_uncond(files):
         strategy.set_uncond(encode([""])[0])  # stored in every file; dropout reads it from there
     elif strategy.cache_to_disk:
         _log_all_valid(encode, len(mine), num_processes)
-    todo.sort(key=lambda item: max((len(c) for c in item[1]), default=0))
+    todo.sort(key=lambda item: max((len(c) for c in item[1].texts), default=0))
     done = _encode_and_store(todo, encode, strategy, show_progress)
     logger.info("text encoder outputs: %d images encoded by this process", len(todo))
     if done.captions:
@@ -610,24 +672,36 @@ def cache_text_encoder_outputs(
     return len(todo)
 
 
-def _encode_and_store(todo: list[tuple[ImageInfo, list[str]]], encode: EncodeFn,
+def _encode_and_store(todo: list[tuple[ImageInfo, CacheCaptions]], encode: EncodeFn,
                       strategy: MossImageTextEncoderOutputsCachingStrategy, show_progress: bool) -> EncodingStats:
+    """Encode the texts of `strategy.batch_size` images per call (every candidate and variant of each; the encode
+    function cuts them into its own --text_encoder_batch_size forwards) and store each image's outputs."""
     done = EncodingStats()
-    total = sum(len(caps) for _, caps in todo)
+    total = sum(len(caps.texts) for _, caps in todo)
     start = time.perf_counter()
     with tqdm(total=total, desc="caching text encoder outputs", unit=" captions", disable=not show_progress,
               smoothing=0) as bar:
         for chunk in batched(todo, strategy.batch_size):
-            flat = [c for _, caps in chunk for c in caps]
+            flat = [c for _, caps in chunk for c in caps.texts]
             outputs = encode(flat)
             pos = 0
             for info, caps in chunk:
-                strategy.store(info, caps, outputs[pos : pos + len(caps)])
-                pos += len(caps)
+                strategy.store(info, caps.texts, outputs[pos : pos + len(caps.texts)], caps.recipe)
+                pos += len(caps.texts)
             done.captions += len(flat)
             bar.update(len(flat))
     done.seconds = time.perf_counter() - start
     return done
+
+
+def _log_recipe_changes(problems: dict[str, str | None]) -> None:
+    """One line for the files re-made because their caption variants were drawn with another recipe (a new
+    --seed, say: the trainer picks a random one when none is given)."""
+    changed = [(p, r) for p, r in problems.items() if r is not None and r.startswith(VARIANT_RECIPE_CHANGED)]
+    if changed:
+        path, reason = changed[0]
+        logger.info("%d text-encoder cache files are re-made because their caption variants were drawn otherwise"
+                    " (%s: %s)", len(changed), os.path.basename(path), reason)
 
 
 def _files_without_uncond(files: Any) -> int:

@@ -68,6 +68,9 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--token_warmup_min", type=int, default=1, help="tags used at the first step of token warmup")
     c.add_argument("--token_warmup_step", type=float, default=0,
                    help="steps until all tags are used (below 1: a fraction of the training steps)")
+    c.add_argument("--caption_cache_variants", type=int, default=1,
+                   help="with --cache_text_encoder_outputs: variants of each caption cached (shuffle, tag dropout and"
+                   " {a|b} drawn per variant from the seed), one picked per step; 1 caches the caption only")
 
     a = parser.add_argument_group("augmentation and masks")
     a.add_argument("--color_aug", action="store_true", help="small random hue/gamma changes")

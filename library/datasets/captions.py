@@ -71,6 +71,7 @@ class CaptionResult:
     text: str  # "" when dropped
     candidate_index: int
     dropped: bool
+    variant_index: int = 0  # the cached caption variant used (library.datasets.caption_variants); 0 without
 
 
 def split_candidates(text: str, settings: CaptionSettings) -> list[str]:
@@ -198,6 +199,20 @@ def cacheable_caption(candidate: str, settings: CaptionSettings) -> str:
     """The text a candidate becomes when no random step applies: what a text-encoder cache encodes."""
     text = add_prefix_suffix(candidate, settings)
     return _finish(_remove_keep_separator(text, settings), settings)
+
+
+def caption_variant(candidate: str, settings: CaptionSettings, rng: random.Random) -> str:
+    """One draw of what `process_caption` makes of a candidate (prefix/suffix, `{a|b}` wildcards, shuffle with kept
+    tokens, tag dropout), without caption dropout, which stays a per-step choice: a cached caption variant. Token
+    warmup, whose tags change with the step, is not applied (the caches refuse it)."""
+    text = add_prefix_suffix(candidate, settings)
+    if settings.enable_wildcard:
+        text = expand_wildcards(text, rng)
+    if settings.uses_tag_processing:
+        text = _tag_processing(text, settings, rng, step=0, max_train_steps=None)
+    else:
+        text = _remove_keep_separator(text, settings)
+    return _finish(text, settings)
 
 
 def is_dropped(settings: CaptionSettings, rng: random.Random, epoch: int) -> bool:

@@ -39,6 +39,9 @@ FINE_TUNING = "fine_tuning"
 # 65,536 image tokens, 16 times the 1024x1024 sequence; larger values only make a run grow until it is killed.
 MAX_RESOLUTION_SIDE = 4096
 
+# Caption variants cached per caption candidate (caption_cache_variants): each is a whole text-encoder output.
+MAX_CAPTION_CACHE_VARIANTS = 64
+
 RESIZE_INTERPOLATIONS = ("lanczos", "nearest", "bilinear", "linear", "bicubic", "cubic", "area", "box")
 
 # Keys of sd-scripts' dataset config that cannot apply to this trainer: rejected with a reason, never ignored.
@@ -129,6 +132,14 @@ def _check_max_bucket_reso(v: Any) -> int:
     return value
 
 
+def _check_caption_cache_variants(v: Any) -> int:
+    value = _int_checker(1)(v)
+    if value > MAX_CAPTION_CACHE_VARIANTS:
+        raise _Invalid(f"is too large: at most {MAX_CAPTION_CACHE_VARIANTS} variants per caption are cached (each"
+                       " one is a full text-encoder output on disk); use e.g. 8")
+    return value
+
+
 def _check_network_multiplier(v: Any) -> float:
     value = _float_checker(0.0, None)(v)
     if value != 1.0:
@@ -194,6 +205,7 @@ _KEY_LIST: tuple[KeySpec, ...] = (
     KeySpec("caption_tag_dropout_rate", _float_checker(0.0, 1.0), ALL_LEVELS, 0.0, "caption_tag_dropout_rate"),
     KeySpec("token_warmup_min", _int_checker(0), ALL_LEVELS, 1, "token_warmup_min"),
     KeySpec("token_warmup_step", _float_checker(0.0, None), ALL_LEVELS, 0.0, "token_warmup_step"),
+    KeySpec("caption_cache_variants", _check_caption_cache_variants, ALL_LEVELS, 1, "caption_cache_variants"),
     KeySpec("color_aug", _check_bool, ALL_LEVELS, False, "color_aug"),
     KeySpec("flip_aug", _check_bool, ALL_LEVELS, False, "flip_aug"),
     KeySpec("random_crop", _check_bool, ALL_LEVELS, False, "random_crop"),
@@ -261,6 +273,7 @@ class SubsetParams:
     caption_tag_dropout_rate: float
     token_warmup_min: int
     token_warmup_step: float
+    caption_cache_variants: int
     color_aug: bool
     flip_aug: bool
     random_crop: bool

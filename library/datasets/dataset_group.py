@@ -21,6 +21,7 @@ Batch dict (one per item):
     alpha_masks           [B, H, W] float32 in [0, 1] when a subset of the batch has alpha_mask, else None
     captions              list[str], the caption of this step ("" when dropped)
     caption_candidate_indices  list[int], which candidate of each image was used
+    caption_variant_indices    list[int], which cached caption variant was used (0 without variants)
     captions_dropped      [B] bool; caption dropout is ALREADY applied (empty caption / unconditional outputs)
     caption_dropout_rates [B] float32, the subsets' caption_dropout_rate (for information; do not drop again)
     text_encoder_outputs  list (one per sample) from the TE-output cache, or None
@@ -47,7 +48,22 @@ from typing import Any
 import torch
 
 from library.datasets.buckets import BucketManager, verify_bucket_reso_steps
-from library.datasets.captions import CaptionSettings, cacheable_caption, has_wildcards, process_caption
+from library.datasets.caption_variants import (
+    CacheCaptions,
+    draw_variants,
+    occurrence_of,
+    pick_variant,
+    recipe_for,
+    variant_name,
+    variant_settings,
+)
+from library.datasets.captions import (
+    CaptionResult,
+    CaptionSettings,
+    cacheable_caption,
+    has_wildcards,
+    process_caption,
+)
 from library.datasets.config import DatasetParams, SubsetParams
 from library.datasets.image_info import ImageInfo, LatentsCacheHook, TextEncoderOutputsCacheHook
 from library.datasets.images import PreparedImage, prepare_image
@@ -57,6 +73,7 @@ from library.errors import UserError
 logger = logging.getLogger(__name__)
 
 _MAX_EXAMPLES = 5
+_VARIANTS_HINT = " (or set caption_cache_variants to e.g. 8 to cache that many variants per caption)"
 
 
 @dataclass(frozen=True)
@@ -232,7 +249,8 @@ class DatasetGroup(torch.utils.data.Dataset):
         self.max_train_steps: int | None = None
         self.latents_cache: LatentsCacheHook | None = None
         self.text_encoder_outputs_cache: TextEncoderOutputsCacheHook | None = None
-        self._plan_cache: tuple[int, list[tuple[int, list[ImageInfo]]]] | None = None
+        self._plan_cache: tuple[int, list[tuple[int, list[ImageInfo]]], list[list[int]]] | None = None
+        self._cache_captions: dict[tuple[int, str], CacheCaptions] = {}  # (dataset index, image key): texts
 
     # -- state set by the trainer
 
@@ -284,6 +302,31 @@ class DatasetGroup(torch.utils.data.Dataset):
         settings = self.dataset_of(info).caption_settings(info)
         return [cacheable_caption(c, settings) for c in info.caption_candidates]
 
+    def text_encoder_cache_captions(self, info: ImageInfo) -> CacheCaptions:
+        """The texts a text-encoder cache file holds for an image: `captions_for_text_encoder_cache`, or with
+        caption_cache_variants > 1 (and something random to draw) every candidate's variants with their recipe
+        (`library.datasets.caption_variants`). Drawn once per image and kept."""
+        key = (info.subset.dataset_index, info.image_key)
+        if key not in self._cache_captions:
+            settings = variant_settings(self.dataset_of(info).caption_settings(info), self.is_validation)
+            recipe = recipe_for(settings, info.subset.caption_cache_variants, self.seed, info.caption_candidates)
+            if recipe is None:
+                texts = tuple(self.captions_for_text_encoder_cache(info))
+            else:
+                texts = draw_variants(info.caption_candidates, settings, recipe, variant_name(info.absolute_path))
+            self._cache_captions[key] = CacheCaptions(texts, recipe)
+        return self._cache_captions[key]
+
+    def cached_caption(self, info: ImageInfo, caption: CaptionResult, epoch: int, ordinal: int) -> CaptionResult:
+        """The caption of a step with cached text-encoder outputs: the chosen candidate's variant for this use of
+        the image (`ordinal`: its earlier uses in the epoch's plan), unchanged without variants or when dropped."""
+        entry = self.text_encoder_cache_captions(info)
+        if entry.recipe is None or caption.dropped:
+            return caption
+        occurrence = occurrence_of(epoch, info.num_repeats, ordinal)
+        v = pick_variant(entry.recipe.seed, variant_name(info.absolute_path), occurrence, entry.count)
+        return CaptionResult(entry.text(caption.candidate_index, v), caption.candidate_index, False, v)
+
     def text_encoder_output_cache_blockers(
         self, cache_supports_dropout: bool = True, supports_multiple_caption_candidates: bool = True
     ) -> list[str]:
@@ -292,18 +335,21 @@ class DatasetGroup(torch.utils.data.Dataset):
         for d in self.datasets:
             for s in d.subsets:
                 settings = caption_settings_of(s)
+                variants = s.caption_cache_variants > 1  # shuffle, tag dropout and wildcards are drawn per variant
                 if not self.is_validation:
-                    if s.shuffle_caption:
-                        reasons.append(f"shuffle_caption in {s.where}")
-                    if s.caption_tag_dropout_rate > 0:
-                        reasons.append(f"caption_tag_dropout_rate in {s.where}")
+                    if s.shuffle_caption and not variants:
+                        reasons.append(f"shuffle_caption in {s.where}{_VARIANTS_HINT}")
+                    if s.caption_tag_dropout_rate > 0 and not variants:
+                        reasons.append(f"caption_tag_dropout_rate in {s.where}{_VARIANTS_HINT}")
                     if s.token_warmup_step > 0:
-                        reasons.append(f"token_warmup_step in {s.where}")
+                        reasons.append(f"token_warmup_step in {s.where}" + (
+                            " (its tags change with the step, which cached variants cannot follow)" if variants else ""))
                     if settings.uses_dropout and not cache_supports_dropout:
                         reasons.append(f"caption dropout in {s.where}")
                 infos = [i for i in d.image_infos if i.subset is s]
-                if s.enable_wildcard and any(has_wildcards(c) for i in infos for c in i.caption_candidates):
-                    reasons.append(f"{{a|b}} wildcards in the captions of {s.where}")
+                if s.enable_wildcard and not variants and any(
+                        has_wildcards(c) for i in infos for c in i.caption_candidates):
+                    reasons.append(f"{{a|b}} wildcards in the captions of {s.where}{_VARIANTS_HINT}")
                 if not supports_multiple_caption_candidates and any(len(i.caption_candidates) > 1 for i in infos):
                     reasons.append(f"several caption candidates per image in {s.where}")
         return reasons
@@ -358,12 +404,22 @@ class DatasetGroup(torch.utils.data.Dataset):
     def sampler(self) -> EpochBatchSampler:
         return EpochBatchSampler(self)
 
-    def _plan(self, epoch: int) -> list[tuple[int, list[ImageInfo]]]:
+    def _epoch_plan(self, epoch: int) -> tuple[int, list[tuple[int, list[ImageInfo]]], list[list[int]]]:
+        """(epoch, its batches in order, for each batch and sample the image's earlier uses in the epoch)."""
         if self._plan_cache is None or self._plan_cache[0] != epoch:
             plan = [(di, b) for di, d in enumerate(self.datasets) for b in d.batches_for_epoch(self.seed, epoch)]
             random.Random(f"{self.seed}/{epoch}").shuffle(plan)
-            self._plan_cache = (epoch, plan)
-        return self._plan_cache[1]
+            uses: dict[tuple[int, str], int] = defaultdict(int)
+            ordinals = []
+            for _, batch in plan:
+                row = []
+                for info in batch:
+                    key = (info.subset.dataset_index, info.image_key)
+                    row.append(uses[key])
+                    uses[key] += 1
+                ordinals.append(row)
+            self._plan_cache = (epoch, plan, ordinals)
+        return self._plan_cache
 
     def _request(self, key: int | BatchKey) -> tuple[int, int, int]:
         if isinstance(key, BatchKey):
@@ -376,9 +432,10 @@ class DatasetGroup(torch.utils.data.Dataset):
 
     def __getitem__(self, key: int | BatchKey) -> dict[str, Any]:
         index, epoch, step = self._request(key)
-        dataset_index, infos = self._plan(epoch)[index]
+        _, plan, ordinals = self._epoch_plan(epoch)
+        dataset_index, infos = plan[index]
         rng = random.Random(f"{self.seed}/{epoch}/{index}")
-        return _BatchBuilder(self, self.datasets[dataset_index], rng, epoch, step).build(infos)
+        return _BatchBuilder(self, self.datasets[dataset_index], rng, epoch, step).build(infos, ordinals[index])
 
 
 class _BatchBuilder:
@@ -388,8 +445,8 @@ class _BatchBuilder:
         self.group, self.dataset, self.rng, self.epoch, self.step = group, dataset, rng, epoch, step
         self.augment = not group.is_validation
 
-    def build(self, infos: Sequence[ImageInfo]) -> dict[str, Any]:
-        samples = [self._sample(info) for info in infos]
+    def build(self, infos: Sequence[ImageInfo], ordinals: Sequence[int]) -> dict[str, Any]:
+        samples = [self._sample(info, ordinal) for info, ordinal in zip(infos, ordinals)]
         bucket = infos[0].bucket_reso
         assert bucket is not None
         use_masks = any(i.subset.alpha_mask for i in infos)
@@ -399,6 +456,7 @@ class _BatchBuilder:
             "alpha_masks": torch.stack([self._mask(s, bucket) for s in samples]) if use_masks else None,
             "captions": [s["caption"].text for s in samples],
             "caption_candidate_indices": [s["caption"].candidate_index for s in samples],
+            "caption_variant_indices": [s["caption"].variant_index for s in samples],
             "captions_dropped": torch.tensor([s["caption"].dropped for s in samples], dtype=torch.bool),
             "caption_dropout_rates": torch.tensor(
                 [i.subset.caption_dropout_rate if self.augment else 0.0 for i in infos], dtype=torch.float32
@@ -423,7 +481,7 @@ class _BatchBuilder:
         mask = sample["alpha_mask"]
         return torch.ones(bucket[1], bucket[0]) if mask is None else mask
 
-    def _sample(self, info: ImageInfo) -> dict[str, Any]:
+    def _sample(self, info: ImageInfo, ordinal: int) -> dict[str, Any]:
         subset = info.subset
         caption = process_caption(
             info.caption_candidates,
@@ -434,6 +492,9 @@ class _BatchBuilder:
             max_train_steps=self.group.max_train_steps,
             augment=self.augment,
         )
+        te_cache = self.group.text_encoder_outputs_cache
+        if te_cache is not None:  # the caption that was encoded: with variants, this use's variant
+            caption = self.group.cached_caption(info, caption, self.epoch, ordinal)
         flip = self.augment and subset.flip_aug and self.rng.random() < 0.5
         sample: dict[str, Any] = {"caption": caption, "flipped": flip}
         if self.group.latents_cache is not None:
@@ -454,10 +515,9 @@ class _BatchBuilder:
                 color_rng=self.rng,
             )
             sample.update(image=prepared.image, alpha_mask=prepared.alpha_mask, crop_top_left=prepared.crop_top_left)
-        if self.group.text_encoder_outputs_cache is not None:
-            sample["te"] = self.group.text_encoder_outputs_cache.get_outputs(
-                info, caption.candidate_index, caption.dropped
-            )
+        if te_cache is not None:
+            sample["te"] = te_cache.get_outputs(info, caption.candidate_index, caption.dropped,
+                                                variant_index=caption.variant_index)
         return sample
 
 

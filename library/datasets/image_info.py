@@ -62,7 +62,8 @@ class TextEncoderOutputsCacheHook(Protocol):
         """Cache file of an image's caption candidates."""
         ...
 
-    def get_outputs(self, info: ImageInfo, candidate_index: int, dropped: bool) -> Any:
-        """The cached outputs of candidate `candidate_index`, or the unconditional (empty-prompt) outputs when
-        `dropped`, from memory or from `info.te_outputs_npz`."""
+    def get_outputs(self, info: ImageInfo, candidate_index: int, dropped: bool, variant_index: int = 0) -> Any:
+        """The cached outputs of candidate `candidate_index` (its caption variant `variant_index` when the cache
+        holds variants), or the unconditional (empty-prompt) outputs when `dropped`, from memory or from
+        `info.te_outputs_npz`."""
         ...

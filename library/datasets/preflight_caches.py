@@ -1,6 +1,8 @@
 """The cache part of the dataset preflight: per cache kind the files that are valid, stale (with the reason the caching
-strategy gives: its own checks, `latents_cache_problem` / `outputs_cache_problem`) or missing, the disk space and
-the encoding time the caching will take, and the caption token counts that the text-encoder files depend on.
+strategy gives: its own checks, `latents_cache_problem` / `outputs_cache_problem`, among them "variant recipe
+changed (...)" for caption variants drawn with other settings, N or seed) or missing, the disk space and the encoding
+time the caching will take (every caption variant counted), and the caption token counts that the text-encoder files
+depend on.
 
 Estimates, stated in each report's `assumptions`:
 - sizes: the arrays the strategies write (float32 latents with 32 channels at 1/8 of the bucket size, twice with
@@ -31,6 +33,7 @@ from library.caching.strategies import (
     MossImageLatentsCachingStrategy,
     MossImageTextEncoderOutputsCachingStrategy,
 )
+from library.datasets.caption_variants import CacheCaptions
 from library.datasets.dataset_group import DatasetGroup
 from library.datasets.image_info import ImageInfo
 from library.datasets.preflight import ERROR, WARNING, FileReason, Problem, plural
@@ -232,13 +235,14 @@ def _te_file_bytes(texts: Sequence[str], options: CacheOptions, tokens: TokenCou
     return size + sum(count(t) * per_token + 4 * len(t) + 3 * _NPZ_ENTRY_BYTES for t in texts)
 
 
-def _te_files(groups: Sequence[DatasetGroup], strategy: Any) -> tuple[dict[str, list[str]], list[str]]:
-    """({cache file: the caption texts it must hold}, images whose one file would need two different lists)."""
-    files: dict[str, list[str]] = {}
+def _te_files(groups: Sequence[DatasetGroup], strategy: Any) -> tuple[dict[str, CacheCaptions], list[str]]:
+    """({cache file: the caption texts it must hold, variants included}, images whose one file would need two
+    different lists)."""
+    files: dict[str, CacheCaptions] = {}
     conflicts: set[str] = set()
     for group in groups:
         for info in group.image_infos():
-            texts = group.captions_for_text_encoder_cache(info)
+            texts = group.text_encoder_cache_captions(info)
             if files.setdefault(strategy.get_outputs_npz_path(info.absolute_path), texts) != texts:
                 conflicts.add(info.absolute_path)
     return files, sorted(conflicts)
@@ -259,15 +263,16 @@ def text_encoder_cache_report(groups: Sequence[DatasetGroup], options: CacheOpti
                                 f" and {plural(len(conflicts), 'image')} of two subsets with different captions need"
                                 " them: give both subsets the same caption settings, or cache in memory"
                                 " (--cache_text_encoder_outputs only)", conflicts))
-    for path, texts in sorted(files.items()):
-        problem = strategy.outputs_cache_problem(path, texts)
-        _count(report, path, [] if problem is None else [problem], _te_file_bytes(texts, options, tokens),
-               TE_SECONDS_PER_CAPTION * len(texts))
+    for path, captions in sorted(files.items()):
+        problem = strategy.outputs_cache_problem(path, captions.texts, captions.recipe)
+        _count(report, path, [] if problem is None else [problem], _te_file_bytes(captions.texts, options, tokens),
+               TE_SECONDS_PER_CAPTION * len(captions.texts))
     _finish(report, once_per_run=TE_SECONDS_PER_CAPTION)
     counted = ("token counts from the tokenizer" if tokens is not None else
                f"about {CHARS_PER_TOKEN} characters per token plus {TEMPLATE_TOKENS} template tokens (no tokenizer)")
     report.assumptions = [
-        (f"{options.te_hidden_size} float32 values per token of every caption candidate and of the empty prompt;"
+        (f"{options.te_hidden_size} float32 values per token of every caption candidate (each of its variants with"
+        f" caption_cache_variants) and of the empty prompt;"
         f" {counted}; uncompressed npz"),
         (f"{TE_SECONDS_PER_CAPTION:.2f} s per caption (Qwen3.5-9B in bf16 on one H200, captions of about 40 tokens,"
         " docs/benchmarks.md); longer captions, ConvRot INT8 or the CPU take longer"),

@@ -229,7 +229,8 @@ def _duplicate_problems(duplicates: list[list[str]]) -> list[Problem]:
 _CAPTION_SETTINGS = ("caption_extension", "class_tokens", "caption_prefix", "caption_suffix", "caption_dropout_rate",
                      "caption_dropout_every_n_epochs", "caption_tag_dropout_rate", "shuffle_caption", "keep_tokens",
                      "keep_tokens_separator", "caption_separator", "secondary_separator", "enable_wildcard",
-                     "enable_multiline_caption", "token_warmup_min", "token_warmup_step")
+                     "enable_multiline_caption", "token_warmup_min", "token_warmup_step",
+                     "caption_cache_variants")
 
 
 def _caption_settings(subset: SubsetParams) -> dict[str, Any]:
