@@ -8,11 +8,13 @@
 The datasets are built by the trainer's own code (`library.datasets.build_dataset_groups`, the same dataset
 options) and the files are written by the trainer's caching driver, so `moss_image_train_network.py
 --cache_text_encoder_outputs_to_disk` finds them valid and encodes nothing. Files: `<stem>_moss_te.npz` beside each
-image with every caption candidate (after caption_prefix / caption_suffix) and the unconditional (empty-prompt)
-embedding. A file is re-made when its candidate count or texts differ from the current captions, unless
---skip_cache_check. When every file is valid the text encoder is not read at all (except with --te_quant auto on a
-GPU, where its variant depends on the free VRAM). The text encoder is read and run by `library.text_encoder`, as in
-the trainer: in bf16 (or ConvRot INT8) on the GPU or the CPU, so the files made here are valid for training.
+image with every caption candidate (after caption_prefix / caption_suffix; with caption_cache_variants N > 1, N
+variants of each, drawn from --seed as the trainer draws them: give both the same --seed) and the unconditional
+(empty-prompt) embedding. A file is re-made when its candidate count, texts or variant recipe differ from the current
+ones, unless --skip_cache_check. When every file is valid the text encoder is not read at all (except with
+--te_quant auto on a GPU, where its variant depends on the free VRAM). The text encoder is read and run by
+`library.text_encoder`, as in the trainer: in bf16 (or ConvRot INT8) on the GPU or the CPU, so the files made here are
+valid for training.
 """
 
 from __future__ import annotations
