@@ -231,17 +231,26 @@ def test_validation_images_cache_their_plain_caption(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- training
 def test_a_short_training_run_with_shuffled_variants_resumes_exactly(tiny_snapshot, tmp_path, caplog):
+    from accelerate.state import AcceleratorState
+
     from library.files.safetensors_io import load_safetensors
     from tests.test_trainer import base_args, make_toy_dataset, train
+    from tools import cache_text_encoder_outputs as te_tool
 
     data = make_toy_dataset(tmp_path / "data", n=2)
     for caption in (data / "4_toy").glob("*.txt"):
         caption.with_suffix(".caption").write_text("toy, red square, grey background, centred, flat")
-    common = ("--cache_text_encoder_outputs_to_disk", "--shuffle_caption", "--keep_tokens", "1",
-              "--caption_cache_variants", "3", "--max_train_steps", "4", "--learning_rate", "1e-3")
+    variants = ("--shuffle_caption", "--keep_tokens", "1", "--caption_cache_variants", "3")
+    made = te_tool.run(["--moss_image", "--snapshot", str(tiny_snapshot), "--train_data_dir", str(data), "--resolution",
+                        "64", "--device", "cpu", "--cache_text_encoder_outputs_to_disk", "--seed", "7",
+                        "--text_encoder_batch_size", "2", *variants])
+    assert made.encoded == 2 and made.captions == 6  # three variants of each caption, through the batched encoder
+    AcceleratorState._reset_state(reset_partial_state=True)
+    common = ("--cache_text_encoder_outputs_to_disk", *variants, "--max_train_steps", "4", "--learning_rate", "1e-3")
     out = tmp_path / "out"
-    run = train(base_args(tiny_snapshot, data, out, *common, "--save_every_n_steps", "2", "--save_state"))
-    assert run.global_step == 4
+    with caplog.at_level(logging.INFO):  # the tool's files, drawn with the same seed, are the trainer's
+        run = train(base_args(tiny_snapshot, data, out, *common, "--save_every_n_steps", "2", "--save_state"))
+    assert run.global_step == 4 and "all 2 text-encoder cache files are valid" in caplog.text
     files = sorted((data / "4_toy").glob("*_moss_te.npz"))
     assert len(files) == 2
     for path in files:
@@ -254,6 +263,7 @@ def test_a_short_training_run_with_shuffled_variants_resumes_exactly(tiny_snapsh
         assert np.isfinite(cached["prompt_embeds_0_2"]).all()
     assert all(c.startswith("toy, ") for c in run.train_group[0]["captions"])
 
+    caplog.clear()
     with caplog.at_level(logging.INFO):  # resumed at step 2: the files are valid, the picks those of the first run
         resumed = train(base_args(tiny_snapshot, data, tmp_path / "resumed", *common,
                                   "--resume", str(out / "toy-step00000002-state")))
