@@ -233,7 +233,7 @@ def test_validation_images_cache_their_plain_caption(tmp_path):
 def test_a_short_training_run_with_shuffled_variants_resumes_exactly(tiny_snapshot, tmp_path, caplog):
     from accelerate.state import AcceleratorState
 
-    from library.files.safetensors_io import load_safetensors
+    from library.files.safetensors_io import load_safetensors, read_metadata
     from tests.test_trainer import base_args, make_toy_dataset, train
     from tools import cache_text_encoder_outputs as te_tool
 
@@ -262,6 +262,8 @@ def test_a_short_training_run_with_shuffled_variants_resumes_exactly(tiny_snapsh
         assert len(set(texts)) == 3 and all(t.startswith("toy, ") for t in texts)
         assert np.isfinite(cached["prompt_embeds_0_2"]).all()
     assert all(c.startswith("toy, ") for c in run.train_group[0]["captions"])
+    datasets = json.loads(read_metadata(out / "toy.safetensors")["ss_datasets"])
+    assert datasets[0]["subsets"][0]["caption_cache_variants"] == 3  # the LoRA records how its captions varied
 
     caplog.clear()
     with caplog.at_level(logging.INFO):  # resumed at step 2: the files are valid, the picks those of the first run

@@ -48,6 +48,7 @@ def _subset_metadata(dataset: ImageDataset, subset: SubsetParams) -> dict[str, A
         "enable_multiline_caption": subset.enable_multiline_caption,
         "caption_prefix": subset.caption_prefix,
         "caption_suffix": subset.caption_suffix,
+        "caption_cache_variants": subset.caption_cache_variants,
         "resize_interpolation": subset.resize_interpolation,
     }
     if subset.metadata_file is not None:
