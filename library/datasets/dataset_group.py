@@ -5,7 +5,9 @@ datasets of a run and is the torch `Dataset`: item i is the i-th *whole batch* o
 never mixes buckets or datasets). The batch plan of an epoch is a pure function of (seed, epoch): the images of each
 bucket, repeated `num_repeats` times, are shuffled and cut into batches, and the list of all batches is shuffled.
 All per-sample randomness (caption candidate, dropout, shuffle, flip, crop, color) comes from a generator seeded
-by (seed, epoch, batch index), so a batch is the same whatever the number of DataLoader workers.
+by (seed, epoch, batch index), so a batch is the same whatever the number of DataLoader workers. With cached
+text-encoder outputs and `caption_cache_variants`, the caption variant of a sample is picked from the image's uses
+in the epoch plan (`library.datasets.caption_variants`), which are as independent of the workers.
 
 Epoch and step reach the workers inside the index: `DatasetGroup.sampler()` yields `BatchKey(index, epoch, step)`
 read from the group when each key is drawn in the main process, so persistent workers need no shared state. A
