@@ -201,7 +201,7 @@ def test_blockers_and_the_option(tmp_path):
     with pytest.raises(UserError, match=r"shuffle_caption in datasets\[0\].subsets\[0\] \(or set"
                                         r" caption_cache_variants to e.g. 8"):
         cache_te(group_with(tmp_path, [TAGS], shuffle_caption=True), FakeTextEncoder())
-    with pytest.raises(UserError, match="token_warmup_step in .* which cached variants cannot follow"):
+    with pytest.raises(UserError, match="token_warmup_step in .* cached variants cannot follow"):
         cache_te(group_with(tmp_path, [TAGS], caption_cache_variants=3, token_warmup_step=4), FakeTextEncoder())
     wild = group_with(tmp_path, ["a {red|blue} cube"], enable_wildcard=True, caption_cache_variants=2)
     assert wild.is_text_encoder_output_cacheable()

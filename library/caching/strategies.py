@@ -638,9 +638,10 @@ def cache_text_encoder_outputs(
 ) -> int:
     """Attach `strategy` to the groups, find every caption candidate whose cache is missing or stale (all
     candidates of an image, and their variants with caption_cache_variants, in one file; with several processes
-    each checks and caches its share of the files), then encode the empty prompt and those texts. `encode` is called only when something is to be encoded (a
-    `LazyEncoder` then reads the text encoder only in that case), with the captions of `strategy.batch_size` images
-    at a time, the images sorted by caption length so that each call holds captions of similar lengths. The progress
+    each checks and caches its share of the files), then encode the empty prompt and those texts. `encode` is called
+    only when something is to be encoded (a `LazyEncoder` then reads the text encoder only in that case), with the
+    texts of `strategy.batch_size` images at a time (every candidate and variant of each), the images sorted by
+    caption length so that each call holds captions of similar lengths. The progress
     bar counts captions (captions/s, ETA). Returns the number of images (files, or entries when caching in memory)
     this process encoded; `stats`, when given, receives the captions and the seconds of their encoding."""
     groups = [g for g in groups if g is not None]

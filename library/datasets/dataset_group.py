@@ -344,8 +344,8 @@ class DatasetGroup(torch.utils.data.Dataset):
                     if s.caption_tag_dropout_rate > 0 and not variants:
                         reasons.append(f"caption_tag_dropout_rate in {s.where}{_VARIANTS_HINT}")
                     if s.token_warmup_step > 0:
-                        reasons.append(f"token_warmup_step in {s.where}" + (
-                            " (its tags change with the step, which cached variants cannot follow)" if variants else ""))
+                        why = " (its tags change with the step: cached variants cannot follow)" if variants else ""
+                        reasons.append(f"token_warmup_step in {s.where}{why}")
                     if settings.uses_dropout and not cache_supports_dropout:
                         reasons.append(f"caption dropout in {s.where}")
                 infos = [i for i in d.image_infos if i.subset is s]
