@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from library.files.safetensors_io import hooked_tensor, load_dtype_for_hook, save_file_atomic
-from library.lora.merge import LoraMergePlan, load_lora_files, merged_modules
+from library.lora.merge import DeviceRoundTrip, LoraMergePlan, load_lora_files, merged_modules
 from library.lora.weights import delta_weight
 from library.moss_image.dit import MossImage
 from library.moss_image.loaders import load_moss_image_model
@@ -136,3 +136,30 @@ def test_gpu_merge_of_a_cpu_weight_comes_back_to_the_cpu(files):
     merged = plan.merge(key, weight, dtype=torch.float32)
     assert merged.device.type == "cpu" and merged.dtype == torch.float32
     torch.testing.assert_close(merged, _fp32_reference(plan, key, weight), atol=1e-6, rtol=1e-6)
+    assert plan.times.round_trips == 1 and plan.times.merges == 1  # through the pinned buffers, by blocks of rows
+
+
+@pytest.mark.parametrize("buffer_bytes", [64, 4096, 1 << 20])  # smaller than a row (the buffers grow), a few, one
+def test_round_trip_by_blocks_of_rows_is_the_whole_tensor_merge(files, buffer_bytes):
+    """The blocks-of-rows merge of a CPU weight (here with the CPU as its device: plain buffers, no events) equals
+    the whole-tensor fp32 merge for LoRA, LoHa and LoKr, in any block size, and leaves the weight as it was."""
+    _, adapters = files
+    plan = _plan(adapters, 3)
+    hidden, ffn = TINY_DIT_CONFIG.hidden_size, TINY_DIT_CONFIG.ffn_hidden
+    round_trip = DeviceRoundTrip(torch.device("cpu"), buffer_bytes=buffer_bytes)
+    g = torch.Generator().manual_seed(3)
+    cases = [("layers.0.proj.q.weight", (hidden, hidden)), ("layers.1.proj.ffn_down.weight", (hidden, ffn))]
+    for key, shape in cases:  # q: LoRA + LoHa + LoKr; ffn_down: LoRA + LoKr
+        modules = [(m.parts, m.multiplier) for m in plan._modules[plan.lora_name(key)]]
+        weight = torch.randn(shape, generator=g).to(torch.bfloat16)
+        before = weight.clone()
+        exact = _fp32_reference(plan, key, weight)
+        merged = merged_modules(weight, modules, key, torch.float32, round_trip)
+        assert merged.dtype == torch.float32 and merged.shape == weight.shape
+        torch.testing.assert_close(merged, exact, atol=1e-6, rtol=1e-6)
+        rounded = merged_modules(weight, modules, key, torch.bfloat16, round_trip)
+        assert rounded.dtype == torch.bfloat16
+        torch.testing.assert_close(rounded, exact.bfloat16(), atol=0, rtol=2**-7)  # one rounding: at most 1 ulp
+        assert torch.equal(weight, before)
+    assert round_trip.times.round_trips == 2 * len(cases)
+    assert round_trip.times.copy_in_s > 0 and round_trip.times.copy_out_s > 0

@@ -84,6 +84,22 @@ def test_stream_gives_the_exact_tensors(file, chunk, buffers, threads):
     assert len(storages) == sum(1 for _, t in out if t.numel())
 
 
+def test_stream_times_count_the_calls_and_the_bytes(file):
+    path, tensors = file
+    st.STREAM_TIMES.reset()
+    with SafetensorsFile(path) as f:
+        for _ in stream_tensors(f, list(tensors), "cpu", chunk_bytes=100, buffers=2, threads=2):
+            pass
+        for _ in stream_tensors(f, ["t00"], "cpu"):
+            pass
+    times = st.STREAM_TIMES.as_dict()
+    assert times["calls"] == 2
+    assert times["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values()) + tensors["t00"].nbytes
+    assert all(times[k] >= 0 for k in ("setup_s", "read_wait_s", "copy_s", "consumer_s", "drain_s"))
+    st.STREAM_TIMES.reset()
+    assert st.STREAM_TIMES.calls == 0 and st.STREAM_TIMES.bytes == 0 and st.STREAM_TIMES.read_wait_s == 0
+
+
 def test_tensor_source_and_split_adapter_staged_equals_per_tensor(tmp_path):
     g = torch.Generator().manual_seed(1)
     a = {"x.proj.qkv.weight": torch.randn(12, 4, generator=g).bfloat16(), "x.norm.weight": torch.randn(4, generator=g)}

@@ -14,7 +14,9 @@ read in file order, in chunks of `STAGING_BYTES`, by `READ_THREADS` threads (pla
 with asynchronous copies; a staging buffer is refilled once its copies are done (a CUDA event). No tensor ever exists
 in pageable host memory, and the threads overlap the reads with the copies. For the CPU the per-tensor path above is
 kept (memory-mapped tensors need no copy at all). `DIRECT_DEVICE_READS = False` turns the staged path off (each
-tensor is then read to the CPU and moved with `.to(device)`, as before): for comparisons in `bench.loading`.
+tensor is then read to the CPU and moved with `.to(device)`, as before): for comparisons in `bench.loading`, which
+also reads `STREAM_TIMES` (where the staged reads spent the host's time). The pinned buffers come from torch's cache
+of pinned memory, so a later load of the same process does not pin memory again.
 
 Writing (`write_atomic` and the savers built on it): a temp file beside the target, `.<name>.<8 random chars><suffix>`
 (`TEMP_NAME_RE`; `leftover_temp_files` finds those of a killed writer), flushed and fsynced, renamed over the target,
@@ -261,6 +263,32 @@ def plan_chunks(spans: Sequence[tuple[int, int]], chunk_bytes: int = STAGING_BYT
     return chunks
 
 
+@dataclass
+class StreamTimes:
+    """Where `stream_tensors` spent the host's time, summed over its calls (seconds; for `bench.loading`): making
+    the staging buffers and the threads (`setup_s`), waiting for the reader threads (`read_wait_s`), queueing the
+    copies to the device (`copy_s`), in the caller between two tensors (`consumer_s`: the loader's cast, tensor hook
+    and bookkeeping) and waiting for the last copies at the end (`drain_s`)."""
+
+    calls: int = 0
+    bytes: int = 0
+    setup_s: float = 0.0
+    read_wait_s: float = 0.0
+    copy_s: float = 0.0
+    consumer_s: float = 0.0
+    drain_s: float = 0.0
+
+    def reset(self) -> None:
+        for name, value in StreamTimes().__dict__.items():
+            setattr(self, name, value)
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+STREAM_TIMES = StreamTimes()
+
+
 def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
     done = 0
     while done < len(view):
@@ -326,10 +354,15 @@ def stream_tensors(
     spans = [(base + file._infos[k].start, base + file._infos[k].end) for k in wanted]
     chunks = plan_chunks(spans, chunk_bytes)
     targets: list[torch.Tensor | None] = [None] * len(wanted)
+    times = STREAM_TIMES
+    began = time.perf_counter()
     staging = _Staging(device, min(chunk_bytes, max(c.end - c.start for c in chunks)), buffers)
     fd = os.open(file.path, os.O_RDONLY)
     pool = ThreadPoolExecutor(max_workers=max(1, min(threads, buffers)), thread_name_prefix="safetensors-read")
     file.reads += len(wanted)
+    times.calls += 1
+    times.bytes += sum(end - start for start, end in spans)
+    times.setup_s += time.perf_counter() - began
 
     def fill(index: int) -> None:
         slot = index % buffers
@@ -342,7 +375,10 @@ def stream_tensors(
         for index in range(min(buffers, len(chunks))):
             pending[index] = pool.submit(fill, index)
         for index, chunk in enumerate(chunks):
+            began = time.perf_counter()
             pending.pop(index).result()
+            queued = time.perf_counter()
+            times.read_wait_s += queued - began
             slot = index % buffers
             source = staging.buffers[slot]
             for tensor_index, at, offset, length in chunk.pieces:
@@ -355,18 +391,23 @@ def stream_tensors(
             staging.record(slot)
             if index + buffers < len(chunks):
                 pending[index + buffers] = pool.submit(fill, index + buffers)
+            times.copy_s += time.perf_counter() - queued
             for tensor_index in chunk.completes:
                 info = file._infos[wanted[tensor_index]]
                 raw = targets[tensor_index]
                 targets[tensor_index] = None
                 assert raw is not None  # every non-empty tensor has pieces in the chunks before its last one
+                away = time.perf_counter()
                 yield wanted[tensor_index], raw.view(_DTYPES[info.dtype]).reshape(info.shape)
+                times.consumer_s += time.perf_counter() - away
     finally:
+        began = time.perf_counter()
         for future in pending.values():
             future.cancel()
         pool.shutdown(wait=True)
         staging.drain()
         os.close(fd)
+        times.drain_s += time.perf_counter() - began
 
 
 class TensorSource:

@@ -8,8 +8,11 @@ The math runs in fp32 and the result is rounded once, to the dtype the model is 
 LoRAs and whatever the checkpoint's dtype: W' = round(W_fp32 + sum_i multiplier_i * dW_i) (`merged_modules`' `dtype`;
 the loaders hand the hook the weight in a dtype that holds both the checkpoint's and the model's values, so a bf16
 checkpoint loaded in fp32 keeps the merge's fp32 result). The math runs on the plan's `device` when one is given
-(the run's GPU: a weight read to the CPU goes there and back, the LoRA factors are moved once), else where the
-weight is; TF32 is off for it, so a GPU merge is an fp32 merge.
+(the run's GPU; the LoRA factors are moved there once), else where the weight is; TF32 is off for it, so a GPU
+merge is an fp32 merge. A weight read to the CPU (--convrot_int8, --blocks_to_swap) and merged on the GPU goes there
+and back by blocks of rows through a few pinned buffers (`DeviceRoundTrip`): the copies into and out of them overlap
+the transfers and the math of the block before, and the weights no LoRA targets are not touched (they stay
+memory-mapped). `LoraMergePlan.times` keeps where a plan's merges spent their time (for `bench.loading`).
 
 Streaming use (the loader reads the checkpoint tensor by tensor, no second copy of the model):
 
@@ -36,7 +39,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +75,9 @@ _QUANT_OPTION = {
 LoraFactor = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | float | None", float]  # (down, up, alpha, multiplier)
 ModuleParts = Mapping[str, torch.Tensor]  # one module's tensors by suffix (lora_down.weight / hada_w1_a / ...)
 CPU_MERGE_BLOCK = 1 << 18  # fp32 elements per block of rows in a CPU merge (1 MiB: stays in the cache)
+ROUND_TRIP_BYTES = 8 * 2**20  # bytes of one pinned buffer of a CPU weight merged on a GPU (a few blocks per weight)
+ROUND_TRIP_SLOTS = 2  # blocks in flight: the next block is copied in while the device merges this one
+RowUpdate = Callable[[torch.Tensor, int, int], None]  # (fp32 block of rows, first row, end row): adds one module
 
 
 def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactor], key: str = "weight") -> torch.Tensor:
@@ -86,10 +93,11 @@ def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactor], key: str 
 
 def merged_modules(
     weight: torch.Tensor, modules: Sequence[tuple[ModuleParts, float]], key: str = "weight",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, round_trip: DeviceRoundTrip | None = None,
 ) -> torch.Tensor:
     """weight + sum(multiplier * dW) over LoRA / LoHa / LoKr modules (`library.lora.weights`), in fp32 on the weight's
-    device, rounded once to `dtype` (default: the weight's); the weight (cast to `dtype`) when every multiplier is 0."""
+    device, rounded once to `dtype` (default: the weight's); the weight (cast to `dtype`) when every multiplier is 0.
+    With `round_trip`, a CPU weight is merged on its device by blocks of rows and comes back to the CPU."""
     active = [(parts, float(m)) for parts, m in modules if m != 0]
     dtype = dtype or weight.dtype
     if not active:
@@ -101,6 +109,9 @@ def merged_modules(
     algorithms = [module_algorithm(parts, key) for parts, _ in active]
     for algorithm, (parts, _) in zip(algorithms, active):
         _check_fits(algorithm, parts, weight, key)
+    if round_trip is not None and weight.device.type == "cpu":
+        with _exact_fp32_matmul(round_trip.device):
+            return round_trip.merge(weight, _row_updates(active, algorithms, round_trip.device), dtype)
     if weight.device.type == "cpu" and set(algorithms) == {"lora"}:
         return _merge_lora_rows(weight, active, dtype)
     result = weight.to(dtype=torch.float32, copy=True)
@@ -113,6 +124,24 @@ def merged_modules(
             else:
                 result.add_(delta_weight(parts, algorithm, result.device), alpha=multiplier)
     return result.to(dtype)
+
+
+def _row_updates(active: Sequence[tuple[ModuleParts, float]], algorithms: Sequence[str], device: torch.device
+                 ) -> list[RowUpdate]:
+    """Per module, the fp32 multiply-add of its change into a block of rows, on `device`: a LoRA's up rows times
+    down; a LoHa's or LoKr's change is made once, whole, and added row block by row block (the same math per element
+    as the whole-tensor merge)."""
+    updates: list[RowUpdate] = []
+    for algorithm, (parts, multiplier) in zip(algorithms, active):
+        if algorithm == "lora":
+            up32 = parts[LORA_UP].to(device, torch.float32)
+            down32 = parts[LORA_DOWN].to(device, torch.float32)
+            scale = multiplier * module_scale(algorithm, parts)
+            updates.append(lambda block, s, e, up=up32, down=down32, a=scale: block.addmm_(up[s:e], down, alpha=a))
+        else:
+            delta = delta_weight(parts, algorithm, device)
+            updates.append(lambda block, s, e, d=delta, m=multiplier: block.add_(d[s:e], alpha=m))
+    return updates
 
 
 def _merge_lora_rows(weight: torch.Tensor, active: Sequence[tuple[ModuleParts, float]], dtype: torch.dtype
@@ -130,6 +159,111 @@ def _merge_lora_rows(weight: torch.Tensor, active: Sequence[tuple[ModuleParts, f
             block.addmm_(up32[start : start + rows], down32, alpha=scale)
         out[start : start + rows] = block
     return out
+
+
+@dataclass
+class MergeTimes:
+    """Where a plan's merges spent the host's time (seconds; for `bench.loading`): `merge_s` all of it (a merge on
+    the weight's own GPU only queues work), and of the CPU weights merged on a GPU (`round_trips` of them) the copies
+    into the pinned buffers, the waits for the device and the copies out of them."""
+
+    merges: int = 0
+    round_trips: int = 0
+    merge_s: float = 0.0
+    copy_in_s: float = 0.0
+    device_wait_s: float = 0.0
+    copy_out_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+class DeviceRoundTrip:
+    """A CPU weight merged on `device` and brought back, by blocks of rows through `ROUND_TRIP_SLOTS` pinned buffers
+    each way (allocated once, kept while the plan lives; plain buffers when `device` is the CPU, as in the tests).
+
+    Per block: its rows are copied into an in-buffer (the host's one copy of the weight, from its memory map), sent
+    with an asynchronous copy, widened to fp32, given every module's multiply-add, rounded to the result dtype and
+    sent back into an out-buffer with another asynchronous copy; while the device does that, the host copies the
+    block before out of its out-buffer into the result. A buffer is refilled once the copy that used it is done (a
+    CUDA event), so the host never waits for a transfer that it could overlap."""
+
+    def __init__(self, device: torch.device, buffer_bytes: int = ROUND_TRIP_BYTES, slots: int = ROUND_TRIP_SLOTS,
+                 times: MergeTimes | None = None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.slots = slots
+        self.times = times if times is not None else MergeTimes()
+        self._bytes = 0
+        self._in: list[torch.Tensor] = []
+        self._out: list[torch.Tensor] = []
+        self._sent = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]  # in-buffer copied to device
+        self._back = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]  # out-buffer filled
+        self._grow(buffer_bytes)
+
+    def _grow(self, nbytes: int) -> None:
+        """Buffers of at least `nbytes` (a weight whose single row is larger than the default needs bigger ones)."""
+        if nbytes <= self._bytes:
+            return
+        for event in (*self._sent, *self._back):
+            if event is not None:
+                event.synchronize()
+        self._bytes = nbytes
+        self._in = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(self.slots)]
+        self._out = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(self.slots)]
+
+    @staticmethod
+    def _rows(buffer: torch.Tensor, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        return buffer[: rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+
+    def _wait(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            start = time.perf_counter()
+            event.synchronize()  # releases the GIL; an event never recorded is done
+            self.times.device_wait_s += time.perf_counter() - start
+
+    def _record(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            event.record(torch.cuda.current_stream(self.device))
+
+    def merge(self, weight: torch.Tensor, updates: Sequence[RowUpdate], dtype: torch.dtype) -> torch.Tensor:
+        """`weight` (2-D, on the CPU) with `updates` applied in fp32 on the device, rounded once to `dtype`, as a new
+        CPU tensor."""
+        rows_total, cols = weight.shape
+        row_bytes = cols * max(weight.element_size(), dtype.itemsize)
+        self._grow(row_bytes)
+        step = max(1, self._bytes // max(1, row_bytes))
+        out = torch.empty(weight.shape, dtype=dtype)
+        self.times.round_trips += 1
+        back: tuple[int, int, int] | None = None  # (slot, first row, end row) of the block on its way back
+        for index, start in enumerate(range(0, rows_total, step)):
+            end = min(start + step, rows_total)
+            slot = index % self.slots
+            self._wait(self._sent[slot])
+            began = time.perf_counter()
+            host_in = self._rows(self._in[slot], weight.dtype, end - start, cols)
+            host_in.copy_(weight[start:end])
+            self.times.copy_in_s += time.perf_counter() - began
+            block = host_in.to(self.device, non_blocking=True)
+            self._record(self._sent[slot])
+            block = block.to(torch.float32, copy=not self.cuda)  # the CPU's (tests) must not write the in-buffer
+            for update in updates:
+                update(block, start, end)
+            self._rows(self._out[slot], dtype, end - start, cols).copy_(block.to(dtype), non_blocking=True)
+            self._record(self._back[slot])
+            if back is not None:
+                self._bring_back(back, out)
+            back = (slot, start, end)
+        if back is not None:
+            self._bring_back(back, out)
+        return out
+
+    def _bring_back(self, block: tuple[int, int, int], out: torch.Tensor) -> None:
+        slot, start, end = block
+        self._wait(self._back[slot])
+        began = time.perf_counter()
+        out[start:end].copy_(self._rows(self._out[slot], out.dtype, end - start, out.shape[1]))
+        self.times.copy_out_s += time.perf_counter() - began
 
 
 @contextlib.contextmanager
@@ -234,6 +368,8 @@ class LoraMergePlan:
                 entry = _Module(parts, float(multiplier), index)
                 self._modules.setdefault(f"{prefix}_{module}", []).append(entry)
         self._matched: set[str] = set()
+        self.times = MergeTimes()
+        self._round_trip: DeviceRoundTrip | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -276,11 +412,22 @@ class LoraMergePlan:
         if name is None or name not in self._modules:
             return tensor if dtype is None else tensor.to(dtype)
         self._matched.add(name)
+        start = time.perf_counter()
         home = tensor.device
         work = self.device or home
         modules = [(m.parts_on(work), m.multiplier) for m in self._modules[name]]
-        merged = merged_modules(tensor.to(work, non_blocking=True), modules, model_key, dtype)
-        return merged.to(home)
+        if home.type == "cpu" and work.type != "cpu":  # there and back by blocks; the result is a new CPU tensor
+            merged = merged_modules(tensor, modules, model_key, dtype, self._round_trip_to(work))
+        else:
+            merged = merged_modules(tensor.to(work, non_blocking=True), modules, model_key, dtype).to(home)
+        self.times.merges += 1
+        self.times.merge_s += time.perf_counter() - start
+        return merged
+
+    def _round_trip_to(self, device: torch.device) -> DeviceRoundTrip:
+        if self._round_trip is None or self._round_trip.device != device:
+            self._round_trip = DeviceRoundTrip(device, times=self.times)
+        return self._round_trip
 
     def unmatched(self) -> list[str]:
         """LoRA modules (of this prefix) that no merged key matched so far."""
@@ -299,6 +446,7 @@ class LoraMergePlan:
             )
         else:
             logger.info("merged %d %s LoRA modules", len(self._modules), self.prefix)
+        self._round_trip = None  # its pinned buffers go back to torch's cache of pinned memory
         return missing
 
 
