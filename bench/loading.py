@@ -4,9 +4,11 @@
     python3 -m bench.loading --snapshot /tmp/full --out loading.json
     python -m bench.loading --tiny --out tiny.json        # the tiny snapshot, on the CPU when there is no GPU
 
-Run from the repository root. The files are read once first (page cache warm); transformers is imported before any
-timing (`import_transformers_s`: what that import costs a fresh process, which the scripts' first load pays). Then,
-each timed with the device synchronised at both ends, in this process:
+Run from the repository root. The files are read once first (page cache warm). The text encoder's model code
+(transformers' Qwen3.5 modules, accelerate, the linear-attention kernels) is imported in this process before any
+timing (`te_model_code_import_s`), so that no timed load pays it (the first load of a process does:
+`te_fresh_process`; `import_transformers_s` is what torch + that import cost a fresh interpreter). Then, each timed
+with the device synchronised at both ends, in this process:
 
 - `read_floor`: every tensor of the DiT and of the text-model part of the encoder read to the device and dropped (no
   model): the staged reads (`TensorSource.iter_tensors`) against `get_tensor(key).to(device)` per tensor, and a
@@ -17,8 +19,16 @@ each timed with the device synchronised at both ends, in this process:
 - `dit`: `load_moss_image_model` in bf16 onto the device;
 - `dit_lora`: the same with a rank-16 LoRA on every block Linear (a random file written next to the output) merged at
   load (`LoraMergePlan`, reading the LoRA file included): the new path merges on the GPU, the old one on the CPU;
-- `dit_lora_cpu_home`: the DiT read to the CPU (what --convrot_int8 and --blocks_to_swap do) with the same merge, on
-  the GPU (`LoraMergePlan(device=...)`) against the CPU.
+- `dit_cpu_home`: the DiT read to the CPU (what --convrot_int8 and --blocks_to_swap do), no LoRA: memory-mapped,
+  nothing copied;
+- `dit_lora_cpu_home`: the same with the merge, on the GPU (`LoraMergePlan(device=...)`: the targeted weights go
+  there and back by blocks of rows through pinned buffers, the others stay memory-mapped) against the CPU.
+
+Each pair runs `--repeats` times (default 2), the order alternating (new, old, then old, new, ...); `new_s` /
+`old_s` are the best runs, `*_runs_s` all of them, and `*_split` the best run's parts: `sync_s` (the final
+synchronize), the staged reads' host time (`library.files.safetensors_io.STREAM_TIMES`: setup, read_wait, copy,
+consumer = the loader's work between two tensors, drain) and, for the merges, the plan's (`LoraMergePlan.times`:
+merge_s in all, and for a CPU weight merged on the GPU copy_in, device_wait, copy_out).
 
 "new" is the product's path; "old" is the per-tensor path reached with `safetensors_io.DIRECT_DEVICE_READS = False`
 and a merge plan without a device: the code before the staged reads, except that its CPU merge is today's (by blocks
@@ -49,6 +59,7 @@ from library.files.safetensors_io import save_file_atomic
 from library.lora.conventions import lora_name_for_weight
 from library.lora.merge import LoraMergePlan, load_lora_files
 from library.moss_image.loaders import dit_checkpoint_files, load_moss_image_model, open_dit_source
+from library.text_encoder.kernels import route_linear_attention_kernels
 from library.text_encoder.loading import TextEncoderOptions, load_text_encoder
 from library.text_encoder.qwen35 import open_text_encoder_source
 
@@ -67,6 +78,37 @@ def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     value = fn()
     _sync(device)
     return time.perf_counter() - start, value
+
+
+Load = Callable[[str], tuple[torch.nn.Module, dict[str, Any]]]  # "new"/"old" -> (model, the load's own split)
+
+
+def _run_once(device: torch.device, load: Load, which: str) -> tuple[dict[str, Any], torch.nn.Module]:
+    """One timed load on the `which` path: its seconds and their split (see the module docstring), and the model."""
+    safetensors_io.STREAM_TIMES.reset()
+    with ReadPath(which):
+        _sync(device)
+        start = time.perf_counter()
+        model, extra = load(which)
+        returned = time.perf_counter()
+        _sync(device)
+        end = time.perf_counter()
+    split: dict[str, Any] = {"s": round(end - start, 3), "sync_s": round(end - returned, 4)}
+    if safetensors_io.STREAM_TIMES.calls:
+        split["stream"] = safetensors_io.STREAM_TIMES.as_dict()
+    split.update(extra)
+    return split, model
+
+
+def import_model_code() -> float:
+    """Import the text encoder's model code here (what the first `load_text_encoder` of a process imports), so that
+    no timed load pays it; returns the seconds it took."""
+    start = time.perf_counter()
+    route_linear_attention_kernels()  # transformers' Qwen3.5 modules (and fla, when installed)
+    from accelerate import init_empty_weights  # noqa: F401  the loader's, imported for its import time only
+    from transformers import Qwen3_5TextModel  # noqa: F401  (the same)
+
+    return round(time.perf_counter() - start, 3)
 
 
 def _free(device: torch.device) -> None:
@@ -249,28 +291,35 @@ def _guarded(device: torch.device, phase: Callable[[], Any]) -> Any:
         return {"error": traceback.format_exc()[-3000:]}
 
 
-def _pair(device: torch.device, load: Callable[[str], torch.nn.Module], compare: bool) -> dict[str, Any]:
-    """Time `load("new")` and `load("old")`; compare their tensors when `compare`."""
-    out: dict[str, Any] = {}
-    models = {}
-    for which in ("new", "old"):
-        with ReadPath(which):
-            seconds, model = _timed(device, lambda w=which: load(w))
-        out[f"{which}_s"] = round(seconds, 3)
-        if compare:
-            models[which] = model
-        else:
+def _pair(device: torch.device, load: Load, compare: bool, repeats: int = 2) -> dict[str, Any]:
+    """Time `load("new")` and `load("old")` `repeats` times each, the order alternating; the best of each, every
+    run's seconds and the best run's split; the last round's two models compared when `compare`."""
+    runs: dict[str, list[dict[str, Any]]] = {"new": [], "old": []}
+    kept: dict[str, torch.nn.Module] = {}
+    for round_ in range(repeats):
+        for which in ("new", "old") if round_ % 2 == 0 else ("old", "new"):
+            split, model = _run_once(device, load, which)
+            runs[which].append(split)
+            if compare and round_ == repeats - 1:
+                kept[which] = model
             del model
             _free(device)
+    out: dict[str, Any] = {}
+    for which in ("new", "old"):
+        best = min(runs[which], key=lambda r: r["s"])
+        out[f"{which}_s"] = best["s"]
+        out[f"{which}_runs_s"] = [r["s"] for r in runs[which]]
+        out[f"{which}_split"] = best
     if compare:
-        out.update(_compare(models["new"], models["old"]))
-    models.clear()
+        out.update(_compare(kept["new"], kept["old"]))
+    kept.clear()
     _free(device)
     return out
 
 
 def run(snapshot: Path, device: torch.device, out_dir: Path, threads: list[int], chunks: list[int],
-        compare: bool, fresh: bool = True, save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        compare: bool, fresh: bool = True, save: Callable[[dict[str, Any]], None] | None = None,
+        repeats: int = 2) -> dict[str, Any]:
     """Every phase in order; `save(result)` after each (a run cut short keeps what it measured)."""
     result = _Saved(save)
     result["device"] = str(device)
@@ -280,7 +329,9 @@ def run(snapshot: Path, device: torch.device, out_dir: Path, threads: list[int],
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
         torch.empty(1, device=device)  # CUDA context before any timing
-    result["import_transformers_s"] = import_seconds()
+    if fresh:
+        result["import_transformers_s"] = import_seconds()
+    result["te_model_code_import_s"] = import_model_code()
     files = dit_checkpoint_files(snapshot / "transformer") + sorted((snapshot / "text_encoder").glob("*.safetensors"))
     result["page_cache_warm"] = warm_page_cache(files)
     result["read_floor"] = _guarded(device, lambda: read_floor(snapshot, device))
@@ -288,28 +339,30 @@ def run(snapshot: Path, device: torch.device, out_dir: Path, threads: list[int],
 
     te_path = snapshot / "text_encoder"
     result["te"] = _guarded(device, lambda: _pair(
-        device, lambda w: load_text_encoder(TextEncoderOptions(path=te_path), device).model, compare))
+        device, lambda w: (load_text_encoder(TextEncoderOptions(path=te_path), device).model, {}), compare, repeats))
     if fresh:
         result["te_fresh_process"] = fresh_process_te(te_path, device)
 
     dit_path = snapshot / "transformer"
+    cpu = torch.device("cpu")
     result["dit"] = _guarded(device, lambda: _pair(
-        device, lambda w: load_moss_image_model(device, dit_path, dtype=torch.bfloat16), compare))
+        device, lambda w: (load_moss_image_model(device, dit_path, dtype=torch.bfloat16), {}), compare, repeats))
+    result["dit_cpu_home"] = _guarded(device, lambda: _pair(device, lambda w: (load_moss_image_model(
+        device, dit_path, loading_device=cpu, dtype=torch.bfloat16), {}), compare, repeats))
 
     lora, modules = write_lora(snapshot, out_dir / "bench_loading_lora_r16.safetensors")
     result["lora"] = {"file": lora.name, "bytes": lora.stat().st_size, "modules": modules, "rank": LORA_RANK}
 
-    def merged(which: str, home: torch.device) -> torch.nn.Module:
+    def merged(which: str, home: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
         plan = LoraMergePlan(load_lora_files([lora]), "lora_unet", names=[str(lora)],
                              device=device if which == "new" else None)
         model = load_moss_image_model(device, dit_path, loading_device=home, dtype=torch.bfloat16,
                                       tensor_hook=plan.merge, calc_device=device)
         plan.finish()
-        return model
+        return model, {"merge": plan.times.as_dict()}
 
-    result["dit_lora"] = _guarded(device, lambda: _pair(device, lambda w: merged(w, device), compare))
-    result["dit_lora_cpu_home"] = _guarded(device, lambda: _pair(device, lambda w: merged(w, torch.device("cpu")),
-                                                                 compare))
+    result["dit_lora"] = _guarded(device, lambda: _pair(device, lambda w: merged(w, device), compare, repeats))
+    result["dit_lora_cpu_home"] = _guarded(device, lambda: _pair(device, lambda w: merged(w, cpu), compare, repeats))
     lora.unlink()
     return dict(result)
 
@@ -342,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep_threads", default="1,2,4,8", help="thread counts of the read sweep")
     p.add_argument("--sweep_chunk_mib", default="16,64", help="chunk sizes (MiB) of the read sweep")
     p.add_argument("--no_compare", action="store_true", help="do not keep both models to compare them (less memory)")
-    p.add_argument("--no_fresh", action="store_true", help="skip the text encoder loads in fresh processes")
+    p.add_argument("--no_fresh", action="store_true",
+                   help="skip the text encoder loads in fresh processes (and the fresh interpreter's import time)")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each path per pair, the order alternating")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
@@ -366,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(partial, indent=2) + "\n", encoding="utf-8")
 
         result = run(snapshot, device, Path(tmp), _ints(args.sweep_threads), _ints(args.sweep_chunk_mib),
-                     not args.no_compare, not args.no_fresh, save)
+                     not args.no_compare, not args.no_fresh, save, max(1, args.repeats))
         result["total_s"] = round(time.perf_counter() - start, 1)
     save(result)
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
