@@ -152,13 +152,14 @@ class MossImageNetworkTrainer(NetworkTrainer):
             return None
         return predict_text_encoder_variant(TextEncoderOptions.from_args(args), accelerator.device)
 
-    def _load_text_encoder(self, args: argparse.Namespace, accelerator: Any) -> Any:
+    def _load_text_encoder(self, args: argparse.Namespace, accelerator: Any, used_now: bool = False) -> Any:
         """Read the text encoder (LoRA --base_weights merged, ConvRot INT8 / --te_quant applied) and note its device
-        and variant; kept on the CPU (placed directly with --lowram) until it is used."""
+        and variant; kept on the CPU until it is used, unless it is used now (`used_now`) or --lowram: then read
+        straight to where it runs."""
         plan = self._base_weights_plan(args, "lora_te", accelerator.device)
         loaded = load_text_encoder(TextEncoderOptions.from_args(args), accelerator.device,
-                                   tensor_hook=plan.merge if plan else None,
-                                   frozen=not self.is_train_text_encoder(args), home=None if args.lowram else "cpu")
+                                   tensor_hook=plan.merge if plan else None, frozen=not self.is_train_text_encoder(args),
+                                   home=None if args.lowram or used_now else "cpu")
         if plan:
             plan.finish()
         self.te_device = loaded.device
@@ -288,8 +289,10 @@ class MossImageNetworkTrainer(NetworkTrainer):
             place_text_encoder(run.text_encoders[0], "cpu")
 
     def _load_deferred_text_encoder(self, args: argparse.Namespace, accelerator: Any) -> Any:
-        """The text encoder whose loading was deferred, checked against the variant the caches were checked with."""
-        text_encoder = self._load_text_encoder(args, accelerator)
+        """The text encoder whose loading was deferred, checked against the variant the caches were checked with;
+        read straight to where it runs: it encodes at once and is freed after the caching (a deferred encoder is not
+        needed for training), so it is on that device only in the phase that uses it."""
+        text_encoder = self._load_text_encoder(args, accelerator, used_now=True)
         if self.deferred_te_variant is not None:
             check_predicted_variant(self.deferred_te_variant, self.text_encoder_variant)
         return text_encoder

@@ -15,6 +15,7 @@ import torch
 
 import library.caching.strategies as sm
 import library.text_encoder.loading as te_loading
+import moss_image_train_network as trainer_module
 from library.errors import UserError
 from library.files.safetensors_io import SafetensorsFile, load_safetensors
 from library.text_encoder.encoding import LazyEncoder
@@ -38,6 +39,20 @@ class LoadSpy:
             return real(*args, **kwargs)
 
         monkeypatch.setattr(te_loading, "load_qwen35_text_model", spy)
+
+
+class HomeSpy:
+    """Records the `home` each text encoder load of the trainer asks for (None: straight to where it runs)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.homes: list[object] = []
+        real = trainer_module.load_text_encoder
+
+        def spy(*args, **kwargs):
+            self.homes.append(kwargs.get("home"))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(trainer_module, "load_text_encoder", spy)
 
 
 def lazy(encoder: FakeTextEncoder) -> LazyEncoder:
@@ -193,8 +208,10 @@ def test_trainer_reads_the_text_encoder_only_for_missing_or_stale_files(tiny_sna
                                                                          caplog):
     data = make_toy_dataset(tmp_path / "data", n=4)
     spy = LoadSpy(monkeypatch)
+    homes = HomeSpy(monkeypatch)
     train(te_disk_args(tiny_snapshot, data, tmp_path / "made"))  # no files yet: read (deferred) to make them
     assert spy.calls == 1 and len(list(data.glob("4_toy/*_moss_te.npz"))) == 4
+    assert homes.homes == [None]  # read in the caching phase that uses it: straight to its run device
 
     caplog.clear()
     with caplog.at_level(logging.INFO):
@@ -225,10 +242,12 @@ def test_sample_prompts_read_the_text_encoder_at_startup(tiny_snapshot, tmp_path
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square --n blurry\n")
     spy = LoadSpy(monkeypatch)
+    homes = HomeSpy(monkeypatch)
     run_trainer = _trainer_of(monkeypatch)
     train(te_disk_args(tiny_snapshot, data, tmp_path / "b", "--max_train_steps", "1", "--sample_prompts",
                        str(prompts)))
     assert spy.calls == 1
+    assert homes.homes == ["cpu"]  # read at startup, before the latents are cached: it waits on the CPU
     assert set(run_trainer[0].sample_prompts_te_outputs) == {"a red square", "blurry"}
     a, b = lora(tmp_path / "a"), lora(tmp_path / "b")  # read or not, the encoder leaves the run's RNG alone
     assert all(torch.equal(a[k], b[k]) for k in a)
