@@ -105,8 +105,8 @@ def import_model_code() -> float:
     no timed load pays it; returns the seconds it took."""
     start = time.perf_counter()
     route_linear_attention_kernels()  # transformers' Qwen3.5 modules (and fla, when installed)
-    from accelerate import init_empty_weights  # noqa: F401  the loader's, imported for its import time only
-    from transformers import Qwen3_5TextModel  # noqa: F401  (the same)
+    from accelerate import init_empty_weights  # noqa: F401  heavy: imported here for its import time only
+    from transformers import Qwen3_5TextModel  # noqa: F401  heavy: imported here for its import time only
 
     return round(time.perf_counter() - start, 3)
 
