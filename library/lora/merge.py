@@ -192,13 +192,13 @@ class DeviceRoundTrip:
                  times: MergeTimes | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.slots = slots
+        self.slots = max(2, slots)  # a block comes back out of its buffer before the block after next goes in
         self.times = times if times is not None else MergeTimes()
         self._bytes = 0
         self._in: list[torch.Tensor] = []
         self._out: list[torch.Tensor] = []
-        self._sent = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]  # in-buffer copied to device
-        self._back = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]  # out-buffer filled
+        self._sent = [torch.cuda.Event() if self.cuda else None for _ in range(self.slots)]  # in-buffer sent
+        self._back = [torch.cuda.Event() if self.cuda else None for _ in range(self.slots)]  # out-buffer filled
         self._grow(buffer_bytes)
 
     def _grow(self, nbytes: int) -> None:
