@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from library.quant.triton_launch import DirectLauncher
+
 logger = logging.getLogger(__name__)
 
 WEIGHT_RECIPES: tuple[str, ...] = ("fp32", "eager")
@@ -651,6 +653,43 @@ if _TRITON_IMPORTED:
             tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], v.to(tl.int8), mask=mask)
 
     @triton.jit
+    def _rot_quant_rows_kernel(
+        x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
+        T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH: tl.constexpr,
+        CH: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr,
+    ):
+        """Rotate and quantise BM whole rows in one pass (eager numerics): each row is held in registers as NCH
+        chunks of CH columns (CH a multiple of the group, so a chunk is whole groups and K needs no padding to a
+        power of two beyond NCH chunks), loaded once, rotated once, reduced to its absmax and written as int8 codes
+        + an fp32 scale. EVEN: K == NCH * CH and M % BM == 0 (no masks)."""
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, NCH)[:, None] * CH + tl.arange(0, CH)[None, :]
+        offs_x = rows64[:, None, None] * stride_xm + cols[None, :, :]
+        if EVEN:
+            x = tl.load(x_ptr + offs_x).to(tl.float32)
+        else:
+            mask = (rows[:, None, None] < M) & (cols[None, :, :] < K)
+            x = tl.load(x_ptr + offs_x, mask=mask, other=0.0).to(tl.float32)
+        if LOG4G > 0:
+            x = tl.reshape(_fwht_rows(tl.reshape(x, (BM * NCH, CH)), BM * NCH, CH, LOG4G, GATHER), (BM, NCH, CH))
+        x = _round_to_dtype(x, T_CODE)
+        amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+        s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
+        s_t = _round_to_dtype(s, T_CODE)
+        s_t = tl.broadcast_to(tl.where(s_t == 0.0, TINY, s_t)[:, None, None], (BM, NCH, CH))
+        v = _round_to_dtype(tl.math.div_rn(x, s_t), T_CODE)
+        v = (v + 12582912.0) - 12582912.0  # round half to even (|v| <= 2^22)
+        v = tl.minimum(tl.maximum(v, -128.0), 127.0).to(tl.int8)
+        offs_q = rows64[:, None, None] * stride_qm + cols[None, :, :]
+        if EVEN:
+            tl.store(s_ptr + rows, s)
+            tl.store(q_ptr + offs_q, v)
+        else:
+            tl.store(s_ptr + rows, s, mask=rows < M)
+            tl.store(q_ptr + offs_q, v, mask=mask)
+
+    @triton.jit
     def _scale_rotate_kernel(
         x_ptr, y_ptr, rs_ptr, M, K, stride_xm, stride_ym,
         HAS_RS: tl.constexpr, LOG4G: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, GATHER: tl.constexpr,
@@ -867,10 +906,14 @@ def _next_pow2(v: int) -> int:
 
 
 # Launch parameters (the benchmark can override them): elements per program and per thread of the row kernels (a
-# tile is BM rows x BK columns), the column tile of the streaming kernels, and the forward GEMM kernel ("ptr":
-# pointer loads, pipelined with cp.async; "tma": tensor-descriptor loads).
-_TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "gemm": "ptr", "backward": "dequant"}
-# (K, group size, dtype code, has column scale) -> launch constants of the rotate + quantise kernel
+# tile is BM rows x BK columns), the column tile of the streaming kernels, the activation quantiser ("rows": one pass
+# over whole rows held in registers, up to "rows_max" elements a row, "rows_elems" elements and "rows_ept" elements a
+# thread per program; "stream": two passes over column tiles), and the forward GEMM kernel ("ptr": pointer loads,
+# pipelined with cp.async; "tma": tensor-descriptor loads).
+_TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "quantiser": "rows", "rows_max": 16384,
+                 "rows_elems": 2048, "rows_ept": 16, "gemm": "ptr", "backward": "dequant"}
+QUANTISERS: tuple[str, ...] = ("rows", "stream")
+# (kernel, K, group size, dtype, has column scale, device) -> launch plan of the rotate + quantise kernel
 _QUANT_PLANS: dict[tuple, tuple] = {}
 
 
@@ -881,6 +924,14 @@ def set_gemm_kernel(name: str) -> None:
     if name not in ("ptr", "tma"):
         raise ValueError(f"unknown ConvRot GEMM kernel {name!r}; choose 'ptr' or 'tma'")
     _TUNING["gemm"] = name
+
+
+def set_quantiser(name: str) -> None:
+    """Choose the activation quantiser kernel: "rows" (default; one pass, whole rows in registers, rows wider than
+    ``_TUNING["rows_max"]`` fall back to "stream") or "stream" (two passes over column tiles)."""
+    if name not in QUANTISERS:
+        raise ValueError(f"unknown ConvRot quantiser {name!r}; choose one of {QUANTISERS}")
+    _TUNING["quantiser"] = name
 
 
 def set_backward_kernel(name: str) -> None:
@@ -903,13 +954,19 @@ def backward_kernel(name: str) -> Iterator[None]:
         _TUNING["backward"] = saved
 
 
-def set_row_tuning(row_elems: int | None = None, elems_per_thread: int | None = None, tile_k: int | None = None
-                   ) -> None:
-    """Override the tile shape of the rotate + quantise and scale + rotate kernels (benchmark sweeps)."""
-    for name, value in (("row_elems", row_elems), ("elems_per_thread", elems_per_thread), ("tile_k", tile_k)):
+def set_row_tuning(row_elems: int | None = None, elems_per_thread: int | None = None, tile_k: int | None = None,
+                   rows_elems: int | None = None, rows_ept: int | None = None, rows_max: int | None = None) -> None:
+    """Override the tile shapes of the row kernels (benchmark sweeps): the streaming rotate + quantise and scale +
+    rotate kernels (`row_elems`, `elems_per_thread`, `tile_k`) and the one-pass quantiser (`rows_*`)."""
+    for name, value in (("row_elems", row_elems), ("elems_per_thread", elems_per_thread), ("tile_k", tile_k),
+                        ("rows_elems", rows_elems), ("rows_ept", rows_ept), ("rows_max", rows_max)):
         if value is not None:
             _TUNING[name] = int(value)
     _QUANT_PLANS.clear()
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, int(v)).bit_length() - 1)
 
 
 def _tile_launch(k: int, group_size: int) -> tuple[int, int, int]:
@@ -918,14 +975,52 @@ def _tile_launch(k: int, group_size: int) -> tuple[int, int, int]:
     bk = max(16, group_size, min(_TUNING["tile_k"], _next_pow2(k)))
     bm = _next_pow2(max(1, min(64, _TUNING["row_elems"] // bk)))
     warps = max(1, min(16, bm * bk // (32 * _TUNING["elems_per_thread"])))
-    return bm, bk, 1 << (warps.bit_length() - 1)
+    return bm, bk, _pow2_floor(warps)
+
+
+def _rows_launch(k: int, group_size: int) -> tuple[int, int, int, int] | None:
+    """(BM rows, NCH chunks, CH columns a chunk, warps) of the one-pass quantiser, or None for rows too wide for it.
+    A chunk is a power of two of whole groups; only the chunk count is rounded up to a power of two (K = 3072 is 12
+    chunks of 256 held as 16, the last 4 masked)."""
+    ch = max(group_size, min(256, _next_pow2(k)))
+    nch = _next_pow2(-(-k // ch))
+    width = nch * ch
+    if width > _TUNING["rows_max"]:
+        return None
+    bm = _next_pow2(max(1, min(64, _TUNING["rows_elems"] // width)))
+    warps = max(1, min(16, bm * width // (32 * _TUNING["rows_ept"])))
+    return bm, nch, ch, _pow2_floor(warps)
+
+
+def _quant_plan(k: int, group_size: int, dtype: torch.dtype, has_cs: bool, device: int, kernel: str) -> tuple:
+    """("rows" | "stream", rows a program, the kernel's DirectLauncher, whether K fills the row tile) for a shape."""
+    key = (kernel, k, group_size, dtype, has_cs, device)
+    plan = _QUANT_PLANS.get(key)
+    if plan is not None:
+        return plan
+    log4g = _log4(group_size) if group_size else 0
+    rows = _rows_launch(k, group_size) if kernel == "rows" and not has_cs else None
+    if rows is not None:
+        bm, nch, ch, warps = rows
+        const = {"T_CODE": _T_CODE[dtype], "TINY": _TINY[dtype], "LOG4G": log4g, "BM": bm, "NCH": nch, "CH": ch,
+                 "GATHER": _INTERPRET}
+        launchers = tuple(DirectLauncher(_rot_quant_rows_kernel, {**const, "EVEN": even}, {"num_warps": warps})
+                          for even in (False, True))
+        plan = ("rows", bm, launchers, k == nch * ch)
+    else:
+        bm, bk, warps = _tile_launch(k, group_size)
+        const = {"T_CODE": _T_CODE[dtype], "TINY": _TINY[dtype], "HAS_CS": has_cs, "LOG4G": log4g, "BK": bk,
+                 "BM": bm, "GATHER": _INTERPRET}
+        plan = ("stream", bm, (DirectLauncher(_rot_quant_kernel, const, {"num_warps": warps}),), False)
+    _QUANT_PLANS[key] = plan
+    return plan
 
 
 def _quantize_rows_triton(
-    x2: torch.Tensor, group_size: int, col_scale: torch.Tensor | None = None
+    x2: torch.Tensor, group_size: int, col_scale: torch.Tensor | None = None, kernel: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused rotate (group_size > 0) + per-row int8 quantisation of x2 [M, K]; with col_scale the rows are scaled
-    per column first and quantised in fp32."""
+    per column first and quantised in fp32. `kernel` overrides `set_quantiser`'s choice (the benchmark compares)."""
     m, k = x2.shape
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -934,17 +1029,14 @@ def _quantize_rows_triton(
     s = torch.empty((m,), dtype=torch.float32, device=x2.device)
     if m == 0:
         return q, s
-    key = (k, group_size, dtype, col_scale is not None)
-    plan = _QUANT_PLANS.get(key)
-    if plan is None:
-        bm, bk, warps = _tile_launch(k, group_size)
-        plan = (bm, {"T_CODE": _T_CODE[dtype], "TINY": _TINY[dtype], "HAS_CS": col_scale is not None,
-                     "LOG4G": _log4(group_size) if group_size else 0, "BK": bk, "BM": bm, "GATHER": _INTERPRET,
-                     "num_warps": warps})
-        _QUANT_PLANS[key] = plan
-    bm, meta = plan
-    cs = col_scale.to(torch.float32).contiguous() if col_scale is not None else s
-    _rot_quant_kernel[(triton.cdiv(m, bm),)](x2, q, s, cs, m, k, x2.stride(0), q.stride(0), **meta)
+    name, bm, launchers, even_k = _quant_plan(k, group_size, dtype, col_scale is not None, x2.get_device(),
+                                              kernel or _TUNING["quantiser"])
+    grid = ((m + bm - 1) // bm, 1, 1)
+    if name == "rows":
+        launchers[even_k and m % bm == 0](grid, (x2, q, s, m, k, x2.stride(0), q.stride(0)))
+    else:
+        cs = col_scale.to(torch.float32).contiguous() if col_scale is not None else s
+        launchers[0](grid, (x2, q, s, cs, m, k, x2.stride(0), q.stride(0)))
     return q, s
 
 
@@ -1061,11 +1153,15 @@ def _launch_tuned(
         tuned[grid](*args, **flags)
         cfg = tuned.best_config
         meta = dict(cfg.kwargs)
-        _GEMM_PLANS[key] = (raw[grid(meta)], meta, {**flags, **meta, "num_warps": cfg.num_warps,
-                                                     "num_stages": cfg.num_stages})
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        # the pointer kernels launch directly from now on; the TMA kernel's descriptors change per call
+        direct = DirectLauncher(raw, {**flags, **meta}, options) if descs is None else None
+        _GEMM_PLANS[key] = (raw[grid(meta)], meta, {**flags, **meta, **options}, direct, (*grid(meta), 1, 1))
         return
-    launch, meta, keywords = plan
-    if descs is not None:
-        descs[0].block_shape = [meta["BLOCK_M"], meta["BLOCK_K"]]
-        descs[1].block_shape = [meta["BLOCK_N"], meta["BLOCK_K"]]
+    launch, meta, keywords, direct, grid3 = plan
+    if direct is not None:
+        direct(grid3, args)
+        return
+    descs[0].block_shape = [meta["BLOCK_M"], meta["BLOCK_K"]]
+    descs[1].block_shape = [meta["BLOCK_N"], meta["BLOCK_K"]]
     launch(*args, **keywords)
