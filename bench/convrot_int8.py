@@ -11,6 +11,14 @@ Parts (`--parts`, comma-separated; default: all the device supports):
   8192x3072, forward and forward + backward (grad of the input, the base is frozen), quantisation included; plus
   the components (quantiser with its GB/s, GEMM, each backward kernel, dequantisation). Medians over `--iters`
   (>= 20) timed iterations after warm-up, each measured with CUDA events after an L2 flush.
+- ``quantiser`` (GPU): the activation quantiser at M = 4352 and K = 3072 / 8192 / 16384 in TB/s, the one-pass
+  "rows" kernel (default) against the two-pass "stream" kernel and the copy rate, their codes against each other
+  and the eager reference, and a sweep of the rows kernel's launch shape.
+- ``overhead`` (GPU): microseconds per int8 Linear call against F.linear at M = 64 and 4352 (3072 x 3072, 1000
+  calls, one sync at the end), with and without the direct Triton launches, the quantiser and GEMM alone, and a
+  cProfile of the module call at M = 64.
+- ``te`` (GPU): the Linears of the Qwen3.5-9B text model (32 layers) at M = 20 / 77 / 300 tokens, bf16 against
+  ConvRot INT8, ms per caption (the whole encoder per caption is ``bench.te_throughput``'s).
 - ``blocks`` (GPU): 4 full-width MossImageBlocks (the product's modules, rank-16 LoRA from networks.lora_generic,
   fp32 LoRA weights under bf16 autocast as in the trainer), each block ``torch.compile(fullgraph=True)`` by
   ``library.runtime.compile.compile_blocks``: bf16 against INT8 (quantised by ``library.moss_image.loaders.quantize_dit``),
@@ -21,6 +29,7 @@ Parts (`--parts`, comma-separated; default: all the device supports):
     python -m bench.convrot_int8 --out convrot_int8.json          # on a CUDA GPU (H200 in docs/benchmarks.md)
     python -m bench.convrot_int8 --parts host --out host.json     # the CPU part
     python -m bench.convrot_int8 --smoke                          # tiny shapes, CPU or GPU: the script runs
+    python -m bench.convrot_int8 --parts quantiser,overhead,te,checks,linear --out convrot.json   # issue 13 figures
 """
 
 from __future__ import annotations
@@ -323,6 +332,160 @@ def sweep_quant(m: int, k: int, device: str, iters: int) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# issue 13: quantiser bandwidth, host overhead per call, a text-encoder Linear stack
+# ----------------------------------------------------------------------------------------------------------------
+QUANT_KS = (3072, 8192, 16384)
+# one 4-layer unit of the Qwen3.5-9B text model's Linears: (in, out, input group); Linears of one group read one
+# tensor (q/k/v of the full-attention layer, gate/up of each MLP), as in the model
+TE_UNIT = ([(4096, 8192, "a"), (4096, 1024, "a"), (4096, 1024, "a"), (4096, 4096, "o")]
+           + [(4096, 12288, "qkvz"), (4096, 4096, "out")] * 3
+           + [(4096, 12288, "mlp"), (4096, 12288, "mlp"), (12288, 4096, "down")] * 4)
+
+
+def _quant_bytes(m: int, k: int) -> int:
+    return m * k * 3 + m * 4  # bf16 in, int8 codes + fp32 scales out
+
+
+def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep: bool = True) -> list[dict]:
+    """The activation quantiser at M x K (bf16 -> int8 + scale, rotation included): the one-pass "rows" kernel
+    (default) against the two-pass "stream" kernel (the previous default) and the copy rate of x; codes and scales
+    of both against each other and against the eager reference; a small sweep of the rows kernel's launch shape."""
+    out = []
+    for k in ks:
+        torch.manual_seed(0)
+        xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(3)]
+        xs[0][:, 5] *= 30
+        nx = cycler(xs)
+        nbytes = _quant_bytes(m, k)
+        r: dict = {"M": m, "K": k, "bytes": nbytes}
+        q_r, s_r = K._quantize_rows_triton(xs[0], G, kernel="rows")
+        q_s, s_s = K._quantize_rows_triton(xs[0], G, kernel="stream")
+        q_e, s_e = K.quantize_rowwise(K.rotate_activation(xs[0], G))
+        r["rows_vs_stream_q_mismatch"] = int((q_r != q_s).sum())
+        r["rows_vs_stream_s_mismatch"] = int((s_r != s_s).sum())
+        r["rows_vs_eager_q_mismatch"] = int((q_r != q_e).sum())
+        r["rows_vs_eager_s_mismatch"] = int((s_r != s_e.view(-1)).sum())
+        r["rows_plan"] = str(K._rows_launch(k, G))
+        for kernel in K.QUANTISERS:
+            t = time_ms(lambda kernel=kernel: K._quantize_rows_triton(nx(), G, kernel=kernel), device, iters)
+            r[kernel] = {**t, "TBps": nbytes / (t["median_ms"] * 1e-3) / 1e12}
+        t = time_ms(lambda: nx().clone(), device, iters)
+        r["copy"] = {**t, "TBps": 2 * m * k * 2 / (t["median_ms"] * 1e-3) / 1e12}
+        r["rows_over_stream"] = r["stream"]["median_ms"] / r["rows"]["median_ms"]
+        if sweep:
+            saved = dict(K._TUNING)
+            r["rows_sweep"] = []
+            for rows_elems in (1024, 8192):
+                for ept in (8, 16, 32):
+                    K.set_row_tuning(rows_elems=rows_elems, rows_ept=ept)
+                    entry = {"rows_elems": rows_elems, "rows_ept": ept, "plan": str(K._rows_launch(k, G))}
+                    try:
+                        t = time_ms(lambda: K._quantize_rows_triton(nx(), G, kernel="rows"), device, iters)
+                        entry.update(ms=t["median_ms"], TBps=nbytes / (t["median_ms"] * 1e-3) / 1e12)
+                    except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
+                        entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    r["rows_sweep"].append(entry)
+            K.set_row_tuning(rows_elems=saved["rows_elems"], rows_ept=saved["rows_ept"])
+        out.append(r)
+    return out
+
+
+def _per_call_us(fn: Callable[[], Any], device: str, calls: int) -> float:
+    """Microseconds per call over `calls` back-to-back calls, CUDA synchronised once at the end (best of 3)."""
+    for _ in range(min(calls, 20)):
+        fn()
+    best = math.inf
+    for _ in range(3):
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best / calls * 1e6
+
+
+def _host_profile(fn: Callable[[], Any], calls: int = 300, top: int = 18) -> list[str]:
+    """The functions with the most own time over `calls` calls (cProfile), one line each."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [f"{tt / calls * 1e6:7.2f} us own {ct / calls * 1e6:7.2f} us cum {nc / calls:4.1f}x "
+            f"{Path(f).name}:{line} {name}" for (f, line, name), (_, nc, tt, ct, _) in rows]
+
+
+def bench_overhead(m: int, k: int, n: int, device: str, calls: int) -> dict:
+    """Time per call of the int8 Linear module against F.linear at M x K -> N (1000 calls, one CUDA sync at the
+    end): with the direct Triton launches (default) and without, the quantiser and the GEMM alone, and where the
+    host time goes (cProfile of the module call)."""
+    from library.quant import triton_launch
+
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n, bias=True).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
+    qlin = U.ConvRotInt8Linear.from_linear(lin, G)
+    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    nx = cycler(xs)  # alternating inputs: every int8 call misses the activation cache
+    q_x, s_x = K._quantize_rows_triton(xs[0], G)
+    r: dict = {"M": m, "K": k, "N": n, "calls": calls}
+    with torch.no_grad():
+        r["F_linear_us"] = _per_call_us(lambda: F.linear(nx(), lin.weight, lin.bias), device, calls)
+        for direct in (True, False):
+            triton_launch.set_direct_launch(direct)
+            tag = "direct" if direct else "jit_run"
+            r[f"int8_module_us_{tag}"] = _per_call_us(lambda: qlin(nx()), device, calls)
+            r[f"quantise_us_{tag}"] = _per_call_us(lambda: K._quantize_rows_triton(nx(), G), device, calls)
+            r[f"gemm_us_{tag}"] = _per_call_us(
+                lambda: K.int8_gemm(q_x, s_x, qlin.weight, qlin.weight_scale, qlin.bias, torch.bfloat16), device,
+                calls)
+        triton_launch.set_direct_launch(True)
+        y_direct = qlin(xs[0])
+        triton_launch.set_direct_launch(False)
+        y_jit = qlin(xs[0])
+        triton_launch.set_direct_launch(True)
+        r["direct_vs_jit_run_mismatch"] = int((y_direct != y_jit).sum())
+        r["direct_launch_usable"] = triton_launch.direct_launch_enabled()
+        r["int8_over_F_linear"] = r["int8_module_us_direct"] / r["F_linear_us"]
+        if m <= 256:
+            r["host_profile_int8_module"] = _host_profile(lambda: qlin(nx()), calls=min(calls, 300))
+    return r
+
+
+def bench_te_linears(ms: tuple, device: str, iters: int, layers: int = 32, shrink: int = 1) -> dict:
+    """The Linear layers of the Qwen3.5-9B text model (`TE_UNIT` repeated to `layers` layers, random weights) at
+    M tokens, eager: bf16 nn.Linear against the ConvRot INT8 module, ms per caption. Only the Linears: the whole
+    encoder (attention, DeltaNet, norms) per caption is bench.te_throughput's (it needs a full snapshot)."""
+    torch.manual_seed(0)
+    unit = [(i // shrink, o // shrink, g) for i, o, g in TE_UNIT]  # `shrink`: smaller widths for a smoke run
+    bf16 = [nn.Linear(i, o, bias=False).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
+            for i, o, _ in unit]
+    int8 = [U.ConvRotInt8Linear.from_linear(lin, G) for lin in bf16]
+    units = layers // 4
+    r: dict = {"layers": layers, "linears_per_caption": len(unit) * units, "shrink": shrink, "rows": []}
+    for m in ms:
+        groups = {g: torch.randn(m, i, device=device, dtype=torch.bfloat16) for i, _, g in unit}
+
+        def run(mods: list) -> None:
+            fresh = {g: x.clone() for g, x in groups.items()}  # new tensors per unit: no activation-cache carry-over
+            for _ in range(units):
+                for mod, (_, _, g) in zip(mods, unit):
+                    mod(fresh[g])
+
+        with torch.no_grad():
+            tb = time_ms(lambda: run(bf16), device, iters, warmup=3)
+            tq = time_ms(lambda: run(int8), device, iters, warmup=3)
+        r["rows"].append({"M": m, "bf16_ms_per_caption": tb["median_ms"], "int8_ms_per_caption": tq["median_ms"],
+                          "int8_over_bf16": tq["median_ms"] / tb["median_ms"]})
+    return r
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # 4 compiled full-width blocks through the product's modules
 # ----------------------------------------------------------------------------------------------------------------
 STATE = {"graphs": 0}
@@ -507,9 +670,9 @@ def main(argv: list[str] | None = None) -> dict:
                     " GPU, aot_eager for a CPU smoke run)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    parts = set(args.parts.split(",")) if args.parts else ({"host", "checks", "linear", "blocks"} if device == "cuda"
-                                                           else {"host"})
-    unknown = parts - {"host", "checks", "linear", "blocks"}
+    every = {"host", "checks", "linear", "blocks", "quantiser", "overhead", "te"}
+    parts = set(args.parts.split(",")) if args.parts else (every if device == "cuda" else {"host"})
+    unknown = parts - every
     if unknown:
         ap.error(f"unknown --parts {sorted(unknown)}")
     if device != "cuda" and parts - {"host"} and not args.smoke:
@@ -533,6 +696,18 @@ def main(argv: list[str] | None = None) -> dict:
         res["host"] = [bench_host(hm, hk, hn, device, 100 if args.smoke else args.host_calls)
                        for hm, hk, hn in host_shapes]
         print("host done %.0fs" % (time.time() - t0), flush=True)
+    if "quantiser" in parts and (device == "cuda" or args.smoke):
+        res["quantiser"] = bench_quantiser(m, device, iters, ks=(256, 512) if args.smoke else QUANT_KS,
+                                           sweep=device == "cuda")
+        print("quantiser done %.0fs" % (time.time() - t0), flush=True)
+    if "overhead" in parts and (device == "cuda" or args.smoke):
+        res["overhead"] = [bench_overhead(om, shapes[0][0], shapes[0][0], device, 5 if args.smoke else 1000)
+                           for om in ((8, m) if args.smoke else (64, FULL_M))]
+        print("overhead done %.0fs" % (time.time() - t0), flush=True)
+    if "te" in parts and (device == "cuda" or args.smoke):
+        res["te_linears"] = bench_te_linears((20,) if args.smoke else (20, 77, 300), device, 3 if args.smoke else 20,
+                                             layers=4 if args.smoke else 32, shrink=16 if args.smoke else 1)
+        print("te done %.0fs" % (time.time() - t0), flush=True)
     if "checks" in parts and device == "cuda":
         res["checks"] = [check_linear(m, k, n, device, torch.bfloat16) for (k, n) in shapes[:1]]
         print("checks done %.0fs" % (time.time() - t0), flush=True)
