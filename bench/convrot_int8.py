@@ -367,9 +367,9 @@ def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep
         r["rows_vs_eager_s_mismatch"] = int((s_r != s_e.view(-1)).sum())
         r["rows_plan"] = str(K._rows_launch(k, G))
         for kernel in K.QUANTISERS:
-            t = time_ms(lambda kernel=kernel: K._quantize_rows_triton(nx(), G, kernel=kernel), device, iters)
+            t = time_ms(lambda kernel=kernel, nx=nx: K._quantize_rows_triton(nx(), G, kernel=kernel), device, iters)
             r[kernel] = {**t, "TBps": nbytes / (t["median_ms"] * 1e-3) / 1e12}
-        t = time_ms(lambda: nx().clone(), device, iters)
+        t = time_ms(lambda nx=nx: nx().clone(), device, iters)
         r["copy"] = {**t, "TBps": 2 * m * k * 2 / (t["median_ms"] * 1e-3) / 1e12}
         r["rows_over_stream"] = r["stream"]["median_ms"] / r["rows"]["median_ms"]
         if sweep:
@@ -380,7 +380,7 @@ def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep
                     K.set_row_tuning(rows_elems=rows_elems, rows_ept=ept)
                     entry = {"rows_elems": rows_elems, "rows_ept": ept, "plan": str(K._rows_launch(k, G))}
                     try:
-                        t = time_ms(lambda: K._quantize_rows_triton(nx(), G, kernel="rows"), device, iters)
+                        t = time_ms(lambda nx=nx: K._quantize_rows_triton(nx(), G, kernel="rows"), device, iters)
                         entry.update(ms=t["median_ms"], TBps=nbytes / (t["median_ms"] * 1e-3) / 1e12)
                     except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
                         entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -471,7 +471,7 @@ def bench_te_linears(ms: tuple, device: str, iters: int, layers: int = 32, shrin
     for m in ms:
         groups = {g: torch.randn(m, i, device=device, dtype=torch.bfloat16) for i, _, g in unit}
 
-        def run(mods: list) -> None:
+        def run(mods: list, groups: dict = groups) -> None:
             fresh = {g: x.clone() for g, x in groups.items()}  # new tensors per unit: no activation-cache carry-over
             for _ in range(units):
                 for mod, (_, _, g) in zip(mods, unit):
@@ -692,37 +692,46 @@ def main(argv: list[str] | None = None) -> dict:
                                                                               else sys.argv[1:])]),
                  "env": _env(device), "tuning": dict(K._TUNING), "backward_kernel": K._TUNING["backward"]}
     t0 = time.time()
-    if "host" in parts:
-        res["host"] = [bench_host(hm, hk, hn, device, 100 if args.smoke else args.host_calls)
-                       for hm, hk, hn in host_shapes]
-        print("host done %.0fs" % (time.time() - t0), flush=True)
-    if "quantiser" in parts and (device == "cuda" or args.smoke):
-        res["quantiser"] = bench_quantiser(m, device, iters, ks=(256, 512) if args.smoke else QUANT_KS,
-                                           sweep=device == "cuda")
-        print("quantiser done %.0fs" % (time.time() - t0), flush=True)
-    if "overhead" in parts and (device == "cuda" or args.smoke):
-        res["overhead"] = [bench_overhead(om, shapes[0][0], shapes[0][0], device, 5 if args.smoke else 1000)
-                           for om in ((8, m) if args.smoke else (64, FULL_M))]
-        print("overhead done %.0fs" % (time.time() - t0), flush=True)
-    if "te" in parts and (device == "cuda" or args.smoke):
-        res["te_linears"] = bench_te_linears((20,) if args.smoke else (20, 77, 300), device, 3 if args.smoke else 20,
-                                             layers=4 if args.smoke else 32, shrink=16 if args.smoke else 1)
-        print("te done %.0fs" % (time.time() - t0), flush=True)
-    if "checks" in parts and device == "cuda":
-        res["checks"] = [check_linear(m, k, n, device, torch.bfloat16) for (k, n) in shapes[:1]]
-        print("checks done %.0fs" % (time.time() - t0), flush=True)
-    if "linear" in parts and (device == "cuda" or args.smoke):
-        res["linear"] = [bench_linear(m, k, n, device, iters, not args.no_components and device == "cuda")
-                         for k, n in shapes]
+    def linear_part() -> list:
+        out = [bench_linear(m, k, n, device, iters, not args.no_components and device == "cuda") for k, n in shapes]
         if args.sweep and device == "cuda":
             res["quant_sweep"] = sweep_quant(m, shapes[0][0], device, iters) + sweep_quant(m, shapes[2][0], device,
                                                                                            iters)
-        print("linear done %.0fs" % (time.time() - t0), flush=True)
-    if "blocks" in parts and (device == "cuda" or args.smoke):
-        backend = args.blocks_backend or ("inductor" if device == "cuda" else "aot_eager")
-        res["blocks"] = bench_blocks(2 if args.smoke else args.layers, seq, device, iters,
-                                     args.profile and device == "cuda", block_cfg, backend)
-        print("blocks done %.0fs" % (time.time() - t0), flush=True)
+        return out
+
+    backend = args.blocks_backend or ("inductor" if device == "cuda" else "aot_eager")
+    on_device = device == "cuda" or args.smoke
+    jobs: list[tuple[str, str, bool, Callable[[], Any]]] = [  # (part, result key, runs here, what)
+        ("host", "host", True, lambda: [bench_host(hm, hk, hn, device, 100 if args.smoke else args.host_calls)
+                                        for hm, hk, hn in host_shapes]),
+        ("quantiser", "quantiser", on_device,
+         lambda: bench_quantiser(m, device, iters, ks=(256, 512) if args.smoke else QUANT_KS, sweep=device == "cuda")),
+        ("overhead", "overhead", on_device,
+         lambda: [bench_overhead(om, shapes[0][0], shapes[0][0], device, 5 if args.smoke else 1000)
+                  for om in ((8, m) if args.smoke else (64, FULL_M))]),
+        ("te", "te_linears", on_device,
+         lambda: bench_te_linears((20,) if args.smoke else (20, 77, 300), device, 3 if args.smoke else 20,
+                                  layers=4 if args.smoke else 32, shrink=16 if args.smoke else 1)),
+        ("checks", "checks", device == "cuda",
+         lambda: [check_linear(m, k, n, device, torch.bfloat16) for (k, n) in shapes[:1]]),
+        ("linear", "linear", on_device, linear_part),
+        ("blocks", "blocks", on_device,
+         lambda: bench_blocks(2 if args.smoke else args.layers, seq, device, iters, args.profile and device == "cuda",
+                              block_cfg, backend)),
+    ]
+    for part, key, runs, what in jobs:
+        if part not in parts or not runs:
+            continue
+        try:  # a part that fails is recorded and the others still run
+            res[key] = what()
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            res.setdefault("errors", {})[part] = traceback.format_exc()[-4000:]
+            print(f"{part} FAILED: {type(e).__name__}: {e}", flush=True)
+        print(f"{part} done {time.time() - t0:.0f}s", flush=True)
+        if args.out:  # partial results survive a time limit
+            Path(args.out).write_text(json.dumps(res, indent=1))
     res["gemm_autotune"] = {
         name: {str(key): str(cfg) for key, cfg in getattr(getattr(K, name, None), "cache", {}).items()}
         for name in ("_int8_gemm_tuned", "_int8_gemm_tma_tuned", "_grad_input_upcast_tuned")
