@@ -22,9 +22,9 @@ The linear is split in two steps, `quantize_activation` (rotate + quantise the r
 `_ActivationCache` in eager mode; common-subexpression elimination of the registered op in a compiled graph, see
 `library.quant.convrot_ops`).
 
-On CUDA with a usable Triton (``HAS_TRITON``) each step is one kernel: a streaming kernel that rotates activation
-tiles (a radix-4 fast Hadamard transform in fp32, rounded once to the activation dtype), takes the row absmax in a
-first pass and writes int8 codes + fp32 scales in a second, and an autotuned int8 GEMM (int32 accumulation) that
+On CUDA with a usable Triton (``HAS_TRITON``) each step is one kernel: a quantiser that rotates the activation rows
+(a radix-4 fast Hadamard transform in fp32, rounded once to the activation dtype), takes each row's absmax and writes
+int8 codes + fp32 scales (`library.quant.convrot_quant_kernels`), and an autotuned int8 GEMM (int32 accumulation) that
 reads the weight ``[N, K]`` in place through its strides and applies the dequantisation/bias epilogue. Everywhere
 else an eager path with the same numerics runs (``torch._int_mm`` on CUDA, an exact fp32/fp64 product on the CPU).
 """
@@ -41,6 +41,19 @@ from typing import Any
 
 import torch
 
+from library.quant import convrot_quant_kernels as _qk
+from library.quant.convrot_quant_kernels import (  # noqa: F401 - QUANTISERS, set_*, _rows_launch: re-exported
+    _QUANT_PLANS,
+    _TUNING,
+    QUANTISERS,
+    _next_pow2,
+    _quantize_rows_triton,
+    _rows_launch,
+    _scale_rotate_triton,
+    set_quantiser,
+    set_row_tuning,
+)
+from library.quant.convrot_quant_kernels import log4 as _log4
 from library.quant.triton_launch import DirectLauncher
 
 logger = logging.getLogger(__name__)
@@ -103,10 +116,6 @@ def check_group_size(group_size: int, in_features: int | None = None) -> None:
         )
     if in_features is not None and in_features % group_size != 0:
         raise ValueError(f"ConvRot group size {group_size} does not divide the input features {in_features}")
-
-
-def _log4(group_size: int) -> int:
-    return (int(group_size).bit_length() - 1) // 2
 
 
 def _hadamard_cached(
@@ -564,148 +573,8 @@ def linear_forward(
 # Triton path
 # --------------------------------------------------------------------------------------------------------------------
 if _TRITON_IMPORTED:
-
-    @triton.jit
-    def _fwht_rows(x, BM: tl.constexpr, KP: tl.constexpr, LOG4G: tl.constexpr, GATHER: tl.constexpr):
-        """Blockwise regular-Hadamard transform of each row of x [BM, KP] (fp32): LOG4G radix-4 stages, one per
-        base-4 digit of the index inside a block of 4**LOG4G elements (H_g is the Kronecker power of H4 / 2).
-
-        With H4[a, b] = -1 exactly where a + b == 3, a stage is out[a] = 0.5 * sum_b x[b] - x[3 - a]: a sum and a
-        flip along the digit axis. Both are reductions that stay in registers or warp shuffles (the row layout puts
-        a 256-block inside one warp), so no shared memory or barrier is needed. GATHER does the (exact) flip with
-        tl.gather instead: identical values, used under the interpreter where tl.flip is very slow."""
-        for s in tl.static_range(LOG4G):
-            y = tl.reshape(x, (BM, KP // (4 << (2 * s)), 4, 1 << (2 * s)))
-            if GATHER:
-                d = tl.arange(0, 4)
-                flipped = tl.gather(y, tl.broadcast_to((3 - d)[None, None, :, None], y.shape), 2)
-            else:
-                flipped = tl.flip(y, 2)
-            y = 0.5 * tl.sum(y, axis=2, keep_dims=True) - flipped
-            x = tl.reshape(y, (BM, KP))
-        return x
-
-    @triton.jit
-    def _round_to_dtype(x, T_CODE: tl.constexpr):
-        """Round fp32 values to the activation dtype (0 fp32, 1 fp16, 2 bf16) and back, nearest-even."""
-        if T_CODE == 1:
-            x = x.to(tl.float16).to(tl.float32)
-        elif T_CODE == 2:
-            # explicit bit-level round-to-nearest-even to bf16 (finite inputs), identical on GPU and interpreter
-            u = x.to(tl.uint32, bitcast=True)
-            u = (u + (((u >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
-            x = u.to(tl.float32, bitcast=True)
-        return x
-
-    @triton.jit
-    def _cast_rne(x, DTYPE: tl.constexpr):
-        """fp32 -> DTYPE with round-to-nearest-even (bf16 rounded bit-exactly first: the interpreter truncates)."""
-        if DTYPE == tl.bfloat16:
-            x = _round_to_dtype(x, 2)
-        return x.to(DTYPE)
-
-    @triton.jit
-    def _load_rotated_tile(
-        x_ptr, cs_ptr, rows64, cols, mask, stride_xm, K,
-        HAS_CS: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr,
-    ):
-        """One [BM, BK] tile of the rows, in fp32: (x * column scale), rotated per group (not yet rounded to T)."""
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_CS:
-            x = x * tl.load(cs_ptr + cols, mask=cols < K, other=0.0)[None, :]
-        if LOG4G > 0:
-            x = _fwht_rows(x, BM, BK, LOG4G, GATHER)
-        return x
-
-    @triton.jit
-    def _rot_quant_kernel(
-        x_ptr, q_ptr, s_ptr, cs_ptr, M, K, stride_xm, stride_qm,
-        T_CODE: tl.constexpr, TINY: tl.constexpr, HAS_CS: tl.constexpr,
-        LOG4G: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, GATHER: tl.constexpr,
-    ):
-        """Rotate and quantise BM rows to int8 with fp32 scales (eager numerics), streaming over K in tiles of BK
-        columns (a multiple of the group): pass 1 takes each row's absmax, pass 2 recomputes the tile (its reads
-        mostly hit L2) and writes the codes. Nothing wider than one tile lives in registers and K is not padded
-        beyond the tile (K = 3072 is 12 tiles of 256)."""
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        row_ok = rows < M
-        rows64 = rows.to(tl.int64)
-        offs = tl.arange(0, BK)
-        amax = tl.zeros((BM,), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + offs
-            mask = row_ok[:, None] & (cols[None, :] < K)
-            x = _load_rotated_tile(x_ptr, cs_ptr, rows64, cols, mask, stride_xm, K, HAS_CS, LOG4G, BM, BK, GATHER)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        # rounding to T is monotonic and odd, so the absmax of the rounded row is the rounded absmax
-        amax = _round_to_dtype(amax, T_CODE)
-        s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
-        tl.store(s_ptr + rows, s, mask=row_ok)
-        s_t = _round_to_dtype(s, T_CODE)
-        s_t = tl.broadcast_to(tl.where(s_t == 0.0, TINY, s_t)[:, None], (BM, BK))
-        for k0 in range(0, K, BK):
-            cols = k0 + offs
-            mask = row_ok[:, None] & (cols[None, :] < K)
-            x = _load_rotated_tile(x_ptr, cs_ptr, rows64, cols, mask, stride_xm, K, HAS_CS, LOG4G, BM, BK, GATHER)
-            v = _round_to_dtype(tl.math.div_rn(_round_to_dtype(x, T_CODE), s_t), T_CODE)
-            v = (v + 12582912.0) - 12582912.0  # round half to even (|v| <= 2^22)
-            v = tl.minimum(tl.maximum(v, -128.0), 127.0)
-            tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], v.to(tl.int8), mask=mask)
-
-    @triton.jit
-    def _rot_quant_rows_kernel(
-        x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
-        T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH: tl.constexpr,
-        CH: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr,
-    ):
-        """Rotate and quantise BM whole rows in one pass (eager numerics): each row is held in registers as NCH
-        chunks of CH columns (CH a multiple of the group, so a chunk is whole groups and K needs no padding to a
-        power of two beyond NCH chunks), loaded once, rotated once, reduced to its absmax and written as int8 codes
-        + an fp32 scale. EVEN: K == NCH * CH and M % BM == 0 (no masks)."""
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        rows64 = rows.to(tl.int64)
-        cols = tl.arange(0, NCH)[:, None] * CH + tl.arange(0, CH)[None, :]
-        offs_x = rows64[:, None, None] * stride_xm + cols[None, :, :]
-        if EVEN:
-            x = tl.load(x_ptr + offs_x).to(tl.float32)
-        else:
-            mask = (rows[:, None, None] < M) & (cols[None, :, :] < K)
-            x = tl.load(x_ptr + offs_x, mask=mask, other=0.0).to(tl.float32)
-        if LOG4G > 0:
-            x = tl.reshape(_fwht_rows(tl.reshape(x, (BM * NCH, CH)), BM * NCH, CH, LOG4G, GATHER), (BM, NCH, CH))
-        x = _round_to_dtype(x, T_CODE)
-        amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
-        s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
-        s_t = _round_to_dtype(s, T_CODE)
-        s_t = tl.broadcast_to(tl.where(s_t == 0.0, TINY, s_t)[:, None, None], (BM, NCH, CH))
-        v = _round_to_dtype(tl.math.div_rn(x, s_t), T_CODE)
-        v = (v + 12582912.0) - 12582912.0  # round half to even (|v| <= 2^22)
-        v = tl.minimum(tl.maximum(v, -128.0), 127.0).to(tl.int8)
-        offs_q = rows64[:, None, None] * stride_qm + cols[None, :, :]
-        if EVEN:
-            tl.store(s_ptr + rows, s)
-            tl.store(q_ptr + offs_q, v)
-        else:
-            tl.store(s_ptr + rows, s, mask=rows < M)
-            tl.store(q_ptr + offs_q, v, mask=mask)
-
-    @triton.jit
-    def _scale_rotate_kernel(
-        x_ptr, y_ptr, rs_ptr, M, K, stride_xm, stride_ym,
-        HAS_RS: tl.constexpr, LOG4G: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, GATHER: tl.constexpr,
-    ):
-        """y = rotate(fp32(x) * row_scale) for one [BM, BK] tile (BK a multiple of the group), stored in y's dtype
-        (dequantisation / int8-backward output)."""
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BK + tl.arange(0, BK)
-        row_ok = rows < M
-        mask = row_ok[:, None] & (cols[None, :] < K)
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0).to(tl.float32)
-        if HAS_RS:
-            x = x * tl.load(rs_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        x = _fwht_rows(x, BM, BK, LOG4G, GATHER)
-        tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], _cast_rne(x, y_ptr.dtype.element_ty), mask=mask)
+    _cast_rne = _qk._cast_rne  # the jit helpers the GEMM kernels call
+    _fwht_rows = _qk._fwht_rows
 
     @triton.jit
     def _gemm_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
@@ -897,25 +766,6 @@ if _TRITON_IMPORTED:
     )(_grad_input_upcast_kernel)
 
 
-_T_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_TINY = {dt: float(torch.finfo(dt).tiny) for dt in _FLOAT_DTYPES}
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (int(v) - 1).bit_length())
-
-
-# Launch parameters (the benchmark can override them): elements per program and per thread of the row kernels (a
-# tile is BM rows x BK columns), the column tile of the streaming kernels, the activation quantiser ("rows": one pass
-# over whole rows held in registers, up to "rows_max" elements a row, "rows_elems" elements and "rows_ept" elements a
-# thread per program; "stream": two passes over column tiles), and the forward GEMM kernel ("ptr": pointer loads,
-# pipelined with cp.async; "tma": tensor-descriptor loads).
-_TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "quantiser": "rows", "rows_max": 16384,
-                 "rows_elems": 2048, "rows_ept": 16, "gemm": "ptr", "backward": "dequant"}
-QUANTISERS: tuple[str, ...] = ("rows", "stream")
-# (kernel, K, group size, dtype, has column scale, device) -> launch plan of the rotate + quantise kernel
-_QUANT_PLANS: dict[tuple, tuple] = {}
-
 
 def set_gemm_kernel(name: str) -> None:
     """Choose the forward int8 GEMM on CUDA: "ptr" (default; pointer loads pipelined with cp.async, lowest host cost)
@@ -925,13 +775,6 @@ def set_gemm_kernel(name: str) -> None:
         raise ValueError(f"unknown ConvRot GEMM kernel {name!r}; choose 'ptr' or 'tma'")
     _TUNING["gemm"] = name
 
-
-def set_quantiser(name: str) -> None:
-    """Choose the activation quantiser kernel: "rows" (default; one pass, whole rows in registers, rows wider than
-    ``_TUNING["rows_max"]`` fall back to "stream") or "stream" (two passes over column tiles)."""
-    if name not in QUANTISERS:
-        raise ValueError(f"unknown ConvRot quantiser {name!r}; choose one of {QUANTISERS}")
-    _TUNING["quantiser"] = name
 
 
 def set_backward_kernel(name: str) -> None:
@@ -953,110 +796,6 @@ def backward_kernel(name: str) -> Iterator[None]:
     finally:
         _TUNING["backward"] = saved
 
-
-def set_row_tuning(row_elems: int | None = None, elems_per_thread: int | None = None, tile_k: int | None = None,
-                   rows_elems: int | None = None, rows_ept: int | None = None, rows_max: int | None = None) -> None:
-    """Override the tile shapes of the row kernels (benchmark sweeps): the streaming rotate + quantise and scale +
-    rotate kernels (`row_elems`, `elems_per_thread`, `tile_k`) and the one-pass quantiser (`rows_*`)."""
-    for name, value in (("row_elems", row_elems), ("elems_per_thread", elems_per_thread), ("tile_k", tile_k),
-                        ("rows_elems", rows_elems), ("rows_ept", rows_ept), ("rows_max", rows_max)):
-        if value is not None:
-            _TUNING[name] = int(value)
-    _QUANT_PLANS.clear()
-
-
-def _pow2_floor(v: int) -> int:
-    return 1 << (max(1, int(v)).bit_length() - 1)
-
-
-def _tile_launch(k: int, group_size: int) -> tuple[int, int, int]:
-    """(BM rows, BK columns, warps) of a row-kernel tile: BK a power of two, a multiple of the group (K % g == 0, so
-    masked tail columns are whole groups of zeros), no wider than K needs."""
-    bk = max(16, group_size, min(_TUNING["tile_k"], _next_pow2(k)))
-    bm = _next_pow2(max(1, min(64, _TUNING["row_elems"] // bk)))
-    warps = max(1, min(16, bm * bk // (32 * _TUNING["elems_per_thread"])))
-    return bm, bk, _pow2_floor(warps)
-
-
-def _rows_launch(k: int, group_size: int) -> tuple[int, int, int, int] | None:
-    """(BM rows, NCH chunks, CH columns a chunk, warps) of the one-pass quantiser, or None for rows too wide for it.
-    A chunk is a power of two of whole groups; only the chunk count is rounded up to a power of two (K = 3072 is 12
-    chunks of 256 held as 16, the last 4 masked)."""
-    ch = max(group_size, min(256, _next_pow2(k)))
-    nch = _next_pow2(-(-k // ch))
-    width = nch * ch
-    if width > _TUNING["rows_max"]:
-        return None
-    bm = _next_pow2(max(1, min(64, _TUNING["rows_elems"] // width)))
-    warps = max(1, min(16, bm * width // (32 * _TUNING["rows_ept"])))
-    return bm, nch, ch, _pow2_floor(warps)
-
-
-def _quant_plan(k: int, group_size: int, dtype: torch.dtype, has_cs: bool, device: int, kernel: str) -> tuple:
-    """("rows" | "stream", rows a program, the kernel's DirectLauncher, whether K fills the row tile) for a shape."""
-    key = (kernel, k, group_size, dtype, has_cs, device)
-    plan = _QUANT_PLANS.get(key)
-    if plan is not None:
-        return plan
-    log4g = _log4(group_size) if group_size else 0
-    rows = _rows_launch(k, group_size) if kernel == "rows" and not has_cs else None
-    if rows is not None:
-        bm, nch, ch, warps = rows
-        const = {"T_CODE": _T_CODE[dtype], "TINY": _TINY[dtype], "LOG4G": log4g, "BM": bm, "NCH": nch, "CH": ch,
-                 "GATHER": _INTERPRET}
-        launchers = tuple(DirectLauncher(_rot_quant_rows_kernel, {**const, "EVEN": even}, {"num_warps": warps})
-                          for even in (False, True))
-        plan = ("rows", bm, launchers, k == nch * ch)
-    else:
-        bm, bk, warps = _tile_launch(k, group_size)
-        const = {"T_CODE": _T_CODE[dtype], "TINY": _TINY[dtype], "HAS_CS": has_cs, "LOG4G": log4g, "BK": bk,
-                 "BM": bm, "GATHER": _INTERPRET}
-        plan = ("stream", bm, (DirectLauncher(_rot_quant_kernel, const, {"num_warps": warps}),), False)
-    _QUANT_PLANS[key] = plan
-    return plan
-
-
-def _quantize_rows_triton(
-    x2: torch.Tensor, group_size: int, col_scale: torch.Tensor | None = None, kernel: str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused rotate (group_size > 0) + per-row int8 quantisation of x2 [M, K]; with col_scale the rows are scaled
-    per column first and quantised in fp32. `kernel` overrides `set_quantiser`'s choice (the benchmark compares)."""
-    m, k = x2.shape
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    dtype = torch.float32 if col_scale is not None else x2.dtype
-    q = torch.empty((m, k), dtype=torch.int8, device=x2.device)
-    s = torch.empty((m,), dtype=torch.float32, device=x2.device)
-    if m == 0:
-        return q, s
-    name, bm, launchers, even_k = _quant_plan(k, group_size, dtype, col_scale is not None, x2.get_device(),
-                                              kernel or _TUNING["quantiser"])
-    grid = ((m + bm - 1) // bm, 1, 1)
-    if name == "rows":
-        launchers[even_k and m % bm == 0](grid, (x2, q, s, m, k, x2.stride(0), q.stride(0)))
-    else:
-        cs = col_scale.to(torch.float32).contiguous() if col_scale is not None else s
-        launchers[0](grid, (x2, q, s, cs, m, k, x2.stride(0), q.stride(0)))
-    return q, s
-
-
-def _scale_rotate_triton(
-    x2: torch.Tensor, row_scale: torch.Tensor | None, group_size: int, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """rotate(fp32(x2) * row_scale) per row -> out_dtype [M, K]."""
-    m, k = x2.shape
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty((m, k), dtype=out_dtype, device=x2.device)
-    if m == 0:
-        return y
-    bm, bk, warps = _tile_launch(k, group_size)
-    rs = row_scale.to(device=x2.device, dtype=torch.float32).contiguous() if row_scale is not None else y
-    _scale_rotate_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
-        x2, y, rs, m, k, x2.stride(0), y.stride(0),
-        HAS_RS=row_scale is not None, LOG4G=_log4(group_size), BK=bk, BM=bm, GATHER=_INTERPRET, num_warps=warps,
-    )
-    return y
 
 
 def _tma_ok(a: torch.Tensor, b: torch.Tensor, stride_bn: int, stride_bk: int, k: int) -> bool:
