@@ -546,7 +546,7 @@ def cached_quantized_activation(x: torch.Tensor, group_size: int) -> tuple[torch
     hit = _ACT_CACHE.get(x, group_size, triton)
     if hit is not None:
         return hit
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if triton:
         value = _quantize_rows_triton(x2, group_size)
     else:
@@ -566,7 +566,7 @@ def linear_forward(
         raise ValueError(f"input features {x.shape[-1]} do not match the weight's {k}")
     q_x, s_x = cached_quantized_activation(x, group_size)
     out = int8_gemm(q_x, s_x, weight, weight_scale, bias, x.dtype)
-    return out.view(*x.shape[:-1], n)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -829,9 +829,11 @@ def _int8_gemm_triton(
         return c
     stride_bn, stride_bk = int(b_strides_nk[0]), int(b_strides_nk[1])
     m_bucket = min(_next_pow2(m), 8192)
+    stride_am, stride_ak = a.stride()
+    stride_cm, stride_cn = c.stride()
     args = (
         a, b, c, sa, sb if sb is not None else sa, bias if bias is not None else sa, m, n, k,
-        m_bucket, a.stride(0), a.stride(1), stride_bk, stride_bn, c.stride(0), c.stride(1),
+        m_bucket, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     )
     has_sb, has_bias = sb is not None, bias is not None
     if _INTERPRET:
@@ -850,8 +852,11 @@ def _int8_gemm_triton(
                       {"HAS_SB": has_sb, "HAS_BIAS": has_bias}, descs)
         return c
     key = ("ptr", m, n, k, has_sb, has_bias, out_dtype, a.get_device())
+    # the plan fixes the sizes and dtypes and c is new: the operands' alignments and strides decide the rest
+    direct_key = (a.data_ptr() & 15, b.data_ptr() & 15, sa.data_ptr() & 15, 0 if sb is None else sb.data_ptr() & 15,
+                  0 if bias is None else bias.data_ptr() & 15, stride_am, stride_ak, stride_bk, stride_bn, stride_cm)
     _launch_tuned(_int8_gemm_tuned, _int8_gemm_kernel, key, m, n, args,
-                  {"HAS_SB": has_sb, "HAS_BIAS": has_bias, "EVEN_K": k % 128 == 0}, None)
+                  {"HAS_SB": has_sb, "HAS_BIAS": has_bias, "EVEN_K": k % 128 == 0}, None, direct_key)
     return c
 
 
@@ -880,10 +885,12 @@ def _grad_input_upcast_triton(
 
 
 def _launch_tuned(
-    tuned: Any, raw: Any, key: tuple, m: int, n: int, args: tuple, flags: dict, descs: tuple | None
+    tuned: Any, raw: Any, key: tuple, m: int, n: int, args: tuple, flags: dict, descs: tuple | None,
+    direct_key: tuple | None = None,
 ) -> None:
     """Autotune on the first call of a shape, then launch the plain kernel with the chosen config, its grid and
-    keywords kept per shape (the autotuner's per-call bookkeeping is a noticeable share of the host time)."""
+    keywords kept per shape (the autotuner's per-call bookkeeping is a noticeable share of the host time): directly
+    (`DirectLauncher`, with `direct_key` as its specialisation key when given) unless TMA descriptors are used."""
     plan = _GEMM_PLANS.get(key)
     if plan is None:
         def grid(meta: dict) -> tuple[int]:
@@ -899,7 +906,7 @@ def _launch_tuned(
         return
     launch, meta, keywords, direct, grid3 = plan
     if direct is not None:
-        direct(grid3, args)
+        direct(grid3, args, direct_key)
         return
     descs[0].block_shape = [meta["BLOCK_M"], meta["BLOCK_K"]]
     descs[1].block_shape = [meta["BLOCK_N"], meta["BLOCK_K"]]

@@ -62,11 +62,15 @@ class DirectLauncher:
         # specialisation key -> the compiled kernel, or None where it must go through Triton
         self.compiled: dict[tuple, Any] = {}
 
-    def __call__(self, grid: tuple[int, int, int], args: tuple) -> None:
+    def __call__(self, grid: tuple[int, int, int], args: tuple, key: tuple | None = None) -> None:
+        """Launch on `grid` (3 dimensions) with the runtime arguments `args`. `key`, when the caller gives one, must
+        determine the specialisation of `args` by itself (what the caller's plan does not fix: the alignments of
+        its inputs, the values of strides and sizes that vary); without it `spec_key(args)` is used."""
         if not (_STATE["enabled"] and not _STATE["failed"]):
             self.fn[grid](*args, **self.constexprs, **self.options)
             return
-        key = spec_key(args)
+        if key is None:
+            key = spec_key(args)
         kernel = self.compiled.get(key, False)
         if kernel is False:  # first call of this specialisation: Triton compiles (or finds) the kernel
             kernel = self.fn[grid](*args, **self.constexprs, **self.options)
