@@ -74,7 +74,8 @@ class DirectLauncher:
         kernel = self.compiled.get(key, False)
         if kernel is False:  # first call of this specialisation: Triton compiles (or finds) the kernel
             kernel = self.fn[grid](*args, **self.constexprs, **self.options)
-            self.compiled[key] = kernel if hasattr(kernel, "function") else None
+            # a CompiledKernel can be launched by `kernel[grid](*args)`; the interpreter returns no kernel
+            self.compiled[key] = kernel if kernel is not None and hasattr(type(kernel), "__getitem__") else None
             return
         if kernel is None:
             self.fn[grid](*args, **self.constexprs, **self.options)
