@@ -12,8 +12,8 @@ Parts (`--parts`, comma-separated; default: all the device supports):
   the components (quantiser with its GB/s, GEMM, each backward kernel, dequantisation). Medians over `--iters`
   (>= 20) timed iterations after warm-up, each measured with CUDA events after an L2 flush.
 - ``quantiser`` (GPU): the activation quantiser at M = 4352 and K = 3072 / 8192 / 16384 in TB/s, the one-pass
-  "rows" kernel (default) against the two-pass "stream" kernel and the copy rate, their codes against each other
-  and the eager reference, and a sweep of the rows kernel's launch shape.
+  "rows" kernel (default) against the two-pass "stream" kernel, the tensor-core rotation "rows_mma" and the copy
+  rate, their codes against each other and the eager reference, and a sweep of the rows kernel's launch shape.
 - ``overhead`` (GPU): microseconds per int8 Linear call against F.linear at M = 64 and 4352 (3072 x 3072, 1000
   calls, one sync at the end), with and without the direct Triton launches, the quantiser and GEMM alone, and a
   cProfile of the module call at M = 64.
@@ -366,12 +366,17 @@ def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep
         r["rows_vs_eager_q_mismatch"] = int((q_r != q_e).sum())
         r["rows_vs_eager_s_mismatch"] = int((s_r != s_e.view(-1)).sum())
         r["rows_plan"] = str(K._rows_launch(k, G))
+        q_m, s_m = K._quantize_rows_triton(xs[0], G, kernel="rows_mma")
+        r["rows_mma_vs_eager_q_mismatch"] = int((q_m != q_e).sum())
+        r["rows_mma_vs_eager_s_mismatch"] = int((s_m != s_e.view(-1)).sum())
+        r["rows_mma_vs_rows_q_mismatch"] = int((q_m != q_r).sum())
         for kernel in K.QUANTISERS:
             t = time_ms(lambda kernel=kernel, nx=nx: K._quantize_rows_triton(nx(), G, kernel=kernel), device, iters)
             r[kernel] = {**t, "TBps": nbytes / (t["median_ms"] * 1e-3) / 1e12}
         t = time_ms(lambda nx=nx: nx().clone(), device, iters)
         r["copy"] = {**t, "TBps": 2 * m * k * 2 / (t["median_ms"] * 1e-3) / 1e12}
         r["rows_over_stream"] = r["stream"]["median_ms"] / r["rows"]["median_ms"]
+        r["rows_mma_over_rows"] = r["rows"]["median_ms"] / r["rows_mma"]["median_ms"]
         if sweep:
             saved = dict(K._TUNING)
             r["rows_sweep"] = []

@@ -38,6 +38,7 @@ def run_checks(device: str) -> dict:
             bias = torch.randn(n, device=device).to(dt)
             q_t, s_t = K._quantize_rows_triton(x.reshape(-1, k), g)  # the default one-pass "rows" kernel
             q_st, s_st = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="stream")
+            q_mm, s_mm = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="rows_mma")  # tensor-core rotation
             q_e, s_e = K.quantize_rowwise(K.rotate_activation(x, g).reshape(-1, k) if g else x.reshape(-1, k))
             y_t = K.int8_linear(x, q, s, bias, g, backend="triton")
             y_e = K.int8_linear(x, q, s, bias, g, backend="eager")
@@ -46,6 +47,7 @@ def run_checks(device: str) -> dict:
                 "q_mismatch": int((q_t != q_e).sum()), "s_mismatch": int((s_t != s_e.reshape(-1)).sum()),
                 "rows_vs_stream_q_mismatch": int((q_t != q_st).sum()),
                 "rows_vs_stream_s_mismatch": int((s_t != s_st).sum()),
+                "mma_q_mismatch": int((q_mm != q_e).sum()), "mma_s_mismatch": int((s_mm != s_e.reshape(-1)).sum()),
                 "y_mismatch": int((y_t != y_e).sum()), "y_dtype_ok": y_t.dtype == dt and y_t.shape == (2, m, n),
                 "y_relerr": float((y_t.float() - y_e.float()).norm() / y_e.float().norm()),
             }
@@ -139,6 +141,8 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
             assert c["rows_vs_stream_q_mismatch"] == 0 and c["rows_vs_stream_s_mismatch"] == 0, c
         else:
             assert c["rows_vs_stream_q_mismatch"] <= 0.01 * 2 * c["shape"][0] * c["shape"][1], c
+        if exact:  # the tensor-core rotation ("rows_mma"; other shapes and dtypes run "rows") equals eager as well
+            assert c["mma_q_mismatch"] == 0 and c["mma_s_mismatch"] <= (max(2, 0.1 * c["shape"][0]) if on_cuda else 0), c
         if exact and on_cuda:  # Triton's fp32 division on the GPU is not IEEE: a scale may differ in its last bit
             # (a few rows), the int8 codes may not; the outputs then follow those scales
             assert c["q_mismatch"] == 0 and c["s_mismatch"] <= max(2, 0.1 * c["shape"][0]), c

@@ -135,25 +135,47 @@ if _TRITON_IMPORTED:
 
     @triton.jit
     def _rot_quant_rows_kernel(
-        x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
+        x_ptr, q_ptr, s_ptr, h_ptr, M, K, stride_xm, stride_qm,
         T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH: tl.constexpr,
-        CH: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr,
+        CH: tl.constexpr, EVEN: tl.constexpr, MMA: tl.constexpr, GATHER: tl.constexpr,
     ):
         """Rotate and quantise BM whole rows in one pass (eager numerics): each row is held in registers as NCH
         chunks of CH columns (CH a multiple of the group, so a chunk is whole groups and K needs no padding to a
         power of two beyond NCH chunks), loaded once, rotated once, reduced to its absmax and written as int8 codes
-        + an fp32 scale. EVEN: K == NCH * CH and M % BM == 0 (no masks)."""
+        + an fp32 scale. EVEN: K == NCH * CH and M % BM == 0 (no masks).
+
+        MMA (256-groups of bf16/fp16 rows, BM * NCH >= 4): the rotation as H_256 = H_4 (x) H_64 on the tensor cores:
+        the three low base-4 digits by one product with H_64 (`h_ptr`, exact in T; the products are exact, the sums
+        fp32), the high digit by one radix-4 stage in registers. GATHER also marks the interpreter (fp32 product)."""
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         rows64 = rows.to(tl.int64)
         cols = tl.arange(0, NCH)[:, None] * CH + tl.arange(0, CH)[None, :]
         offs_x = rows64[:, None, None] * stride_xm + cols[None, :, :]
         if EVEN:
-            x = tl.load(x_ptr + offs_x).to(tl.float32)
+            x = tl.load(x_ptr + offs_x)
         else:
             mask = (rows[:, None, None] < M) & (cols[None, :, :] < K)
-            x = tl.load(x_ptr + offs_x, mask=mask, other=0.0).to(tl.float32)
-        if LOG4G > 0:
-            x = tl.reshape(_fwht_rows(tl.reshape(x, (BM * NCH, CH)), BM * NCH, CH, LOG4G, GATHER), (BM, NCH, CH))
+            x = tl.load(x_ptr + offs_x, mask=mask, other=0.0)
+        if MMA:
+            d64 = tl.arange(0, 64)
+            h = tl.load(h_ptr + d64[:, None] * 64 + d64[None, :])
+            xr = tl.reshape(x, (BM * NCH * 4, 64))
+            if GATHER:
+                y = tl.dot(xr.to(tl.float32), h.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+            else:
+                y = tl.dot(xr, h, out_dtype=tl.float32)
+            y = tl.reshape(y, (BM * NCH, 4, 64))
+            if GATHER:
+                d = tl.arange(0, 4)
+                flipped = tl.gather(y, tl.broadcast_to((3 - d)[None, :, None], y.shape), 1)
+            else:
+                flipped = tl.flip(y, 1)
+            x = tl.reshape(0.5 * tl.sum(y, axis=1, keep_dims=True) - flipped, (BM, NCH, CH))
+        else:
+            x = x.to(tl.float32)
+            if LOG4G > 0:
+                x = tl.reshape(_fwht_rows(tl.reshape(x, (BM * NCH, CH)), BM * NCH, CH, LOG4G, GATHER),
+                               (BM, NCH, CH))
         x = _round_to_dtype(x, T_CODE)
         amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
         s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
@@ -200,14 +222,17 @@ _TINY = {dt: float(torch.finfo(dt).tiny) for dt in _FLOAT_DTYPES}
 # GEMM kernel ("ptr": pointer loads, pipelined with cp.async; "tma": tensor-descriptor loads) and the backward.
 _TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "quantiser": "rows", "rows_max": 16384,
                  "rows_elems": 2048, "rows_ept": 16, "gemm": "ptr", "backward": "dequant"}
-QUANTISERS: tuple[str, ...] = ("rows", "stream")
+QUANTISERS: tuple[str, ...] = ("rows", "stream", "rows_mma")
+# (device, dtype) -> H_64 (normalised, exact in bf16/fp16) for the "rows_mma" quantiser
+_H64: dict[tuple, torch.Tensor] = {}
 # (kernel, K, group size, dtype, has column scale, device) -> launch plan of the rotate + quantise kernel
 _QUANT_PLANS: dict[tuple, tuple] = {}
 
 
 def set_quantiser(name: str) -> None:
     """Choose the activation quantiser kernel: "rows" (default; one pass, whole rows in registers, rows wider than
-    ``_TUNING["rows_max"]`` fall back to "stream") or "stream" (two passes over column tiles)."""
+    ``_TUNING["rows_max"]`` fall back to "stream"), "stream" (two passes over column tiles) or "rows_mma" ("rows"
+    with the 256-group rotation of bf16/fp16 rows on the tensor cores; other rows as "rows")."""
     if name not in QUANTISERS:
         raise ValueError(f"unknown ConvRot quantiser {name!r}; choose one of {QUANTISERS}")
     _TUNING["quantiser"] = name
@@ -250,6 +275,18 @@ def _rows_launch(k: int, group_size: int) -> tuple[int, int, int, int] | None:
     return bm, nch, ch, _pow2_floor(warps)
 
 
+def _h64(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """H_64 = H_4 (x) H_4 (x) H_4 / 8 with H_4's -1 where row + column == 3 (the ConvRot regular Hadamard)."""
+    h = _H64.get((device, dtype))
+    if h is None:
+        h4 = torch.ones(4, 4, dtype=torch.float64)
+        for a in range(4):
+            h4[a, 3 - a] = -1.0
+        h = torch.kron(torch.kron(h4, h4), h4) / 8.0
+        h = _H64[(device, dtype)] = h.to(device=device, dtype=dtype).contiguous()
+    return h
+
+
 def _quant_plan(k: int, group_size: int, dtype: torch.dtype, has_cs: bool, device: int, kernel: str) -> tuple:
     """("rows" | "stream", rows a program, the kernel's DirectLauncher, whether K fills the row tile) for a shape."""
     key = (kernel, k, group_size, dtype, has_cs, device)
@@ -257,14 +294,16 @@ def _quant_plan(k: int, group_size: int, dtype: torch.dtype, has_cs: bool, devic
     if plan is not None:
         return plan
     log4g = log4(group_size) if group_size else 0
-    rows = _rows_launch(k, group_size) if kernel == "rows" and not has_cs else None
+    rows = _rows_launch(k, group_size) if kernel in ("rows", "rows_mma") and not has_cs else None
     if rows is not None:
         bm, nch, ch, warps = rows
+        mma = (kernel == "rows_mma" and group_size == 256 and ch == 256 and bm * nch >= 4
+               and dtype in (torch.bfloat16, torch.float16))
         const = {"T_CODE": _T_CODE[dtype], "TINY": _TINY[dtype], "LOG4G": log4g, "BM": bm, "NCH": nch, "CH": ch,
-                 "GATHER": _INTERPRET}
+                 "MMA": mma, "GATHER": _INTERPRET}
         launchers = tuple(DirectLauncher(_rot_quant_rows_kernel, {**const, "EVEN": even}, {"num_warps": warps})
                           for even in (False, True))
-        plan = ("rows", bm, launchers, k == nch * ch)
+        plan = ("rows_mma" if mma else "rows", bm, launchers, k == nch * ch)
     else:
         bm, bk, warps = _tile_launch(k, group_size)
         const = {"T_CODE": _T_CODE[dtype], "TINY": _TINY[dtype], "HAS_CS": has_cs, "LOG4G": log4g, "BK": bk,
@@ -292,10 +331,11 @@ def _quantize_rows_triton(
     name, bm, launchers, even_k = _quant_plan(k, group_size, dtype, col_scale is not None, x2.get_device(),
                                               kernel or _TUNING["quantiser"])
     grid = ((m + bm - 1) // bm, 1, 1)
-    if name == "rows":
+    if name != "stream":
         # the plan fixes K and the dtypes, q and s are new (aligned): x2's alignment and stride and M's value decide
         key = (x2.data_ptr() & 15, stride_xm, m == 1, m & 15)
-        launchers[even_k and m % bm == 0](grid, (x2, q, s, m, k, stride_xm, k), key)
+        h = _h64(x2.device, dtype) if name == "rows_mma" else s
+        launchers[even_k and m % bm == 0](grid, (x2, q, s, h, m, k, stride_xm, k), key)
     else:
         cs = col_scale.to(torch.float32).contiguous() if col_scale is not None else s
         launchers[0](grid, (x2, q, s, cs, m, k, stride_xm, k))
