@@ -99,6 +99,20 @@ def test_with_bitsandbytes_the_8_gib_plan_caches_with_nf4(with_bitsandbytes):
     assert "ConvRot INT8 (quantised at load) on the GPU needs 9.4 GiB" in plan.te_line
 
 
+def test_a_bitsandbytes_encoder_read_at_startup_counts_in_the_latent_caching(with_bitsandbytes):
+    # outputs cached in memory: the encoder is read at startup, before the latents are cached, and a bitsandbytes
+    # encoder is quantised on the GPU then and stays there; nf4 then needs more than 8 GiB in that phase
+    in_memory = [a for a in RUN if a != "--cache_text_encoder_outputs_to_disk"] + ["--cache_text_encoder_outputs"]
+    plan, values, _ = training_plan(["--vram_budget", "8", *in_memory])
+    assert summary(plan) == ("int8", "full", 15, "none", False)
+    assert "nf4 (bitsandbytes) on the GPU needs 10.4 GiB" in plan.te_line
+    # cached to disk: the encoder is read in its own caching phase, after the latents (the 8 GiB plan caches with nf4)
+    plan, values, _ = training_plan(["--vram_budget", "8", *RUN])
+    assert summary(plan) == ("int8", "full", 15, "bnb_nf4", True)
+    latents = plan.chosen.estimate.phase("caching latents")
+    assert latents.allocated < 4 * 2**30
+
+
 @pytest.mark.parametrize("budget, expected", [
     (8, ("bf16", "selective", 37, "none", False)),  # compiled INT8 is slower than bf16 + a long swap
     (12, ("bf16", "selective", 19, "convrot_int8", True)),

@@ -87,6 +87,7 @@ OPTIMIZER_8BIT_BYTES = {  # bitsandbytes 8-bit optimizers: bytes of state per pa
     "ademamix8bit": 3, "pagedademamix8bit": 3,
 }
 DEFAULT_OPTIMIZER_STATES = 2  # an optimizer not listed: taken as Adam-like
+BNB_TE_VARIANTS = ("bnb_int8", "bnb_nf4")  # quantised on their GPU when read, never moved (text_encoder.loading)
 
 
 # ---------------------------------------------------------------------------------------------------------- inputs
@@ -110,6 +111,9 @@ class Workload:
     highvram: bool = False
     lowram: bool = False
     sample_images: bool = False
+    # the trainer reads the text encoder at startup (before the latents are cached) unless its outputs are cached to
+    # disk, it is not trained and no sample prompt is encoded; a bitsandbytes encoder read then is on the GPU already
+    te_read_at_start: bool = True
 
     @property
     def tokens(self) -> int:
@@ -266,7 +270,10 @@ def training_estimate(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workloa
     te_w = _te_weights_on_gpu(te, setup)
     vae_w = vae.weight_bytes
     if w.cache_latents:
-        extra = te_w if w.lowram else 0  # --lowram loads the text encoder and the VAE straight to the GPU
+        # --lowram loads the text encoder and the VAE straight to the GPU; a bitsandbytes encoder is quantised on the
+        # GPU when it is read and stays there
+        on_gpu_early = w.lowram or (w.te_read_at_start and setup.te_variant in BNB_TE_VARIANTS)
+        extra = te_w if on_gpu_early else 0
         act = vae_encode_bytes(vae, w.pixels, w.vae_batch_size)
         phases.append(Phase("caching latents", vae_w + extra + act, act))
     if w.cache_text_encoder_outputs and setup.te_on_gpu:

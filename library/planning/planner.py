@@ -222,7 +222,9 @@ def _smallest_swap(make: Callable[[int], Candidate], budget: int, lo: int, hi: i
 # ---------------------------------------------------------------------------------------------------------- training
 def _choose_te_for_caching(w: Workload, choices: Choices, evaluate: Callable[[Setup], Estimate],
                            overheads: Overheads, budget: int) -> tuple[tuple[str, bool], str]:
-    """The first text-encoder option that fits its caching phase, and the plan's text-encoder line."""
+    """The first text-encoder option that fits its caching phase (and the latent caching before it, when the
+    encoder is on the GPU then: --lowram, or a bitsandbytes encoder read at startup), and the plan's text-encoder
+    line."""
     int8 = choices.te_int8_source
     if not choices.te_planned:
         return choices.te[0], "text encoder: --te_quant auto chooses at load time from the free memory (not planned)"
@@ -231,6 +233,9 @@ def _choose_te_for_caching(w: Workload, choices: Choices, evaluate: Callable[[Se
         est = evaluate(Setup(te_variant=variant, te_on_gpu=on_gpu))
         phase = [p for p in est.phases if p.name == "caching text-encoder outputs"]
         need = overheads.needs(phase[0].reserved(w.expandable_segments)) if phase else 0
+        latents = [p for p in est.phases if p.name == "caching latents"]
+        if phase and latents and latents[0].allocated > phase[0].allocated:  # the encoder waits on the GPU
+            need = max(need, overheads.needs(latents[0].reserved(w.expandable_segments)))
         needs.append(((variant, on_gpu), need))
         if need <= budget:
             skipped = "; ".join(f"{te_label(v, g, int8)} needs {gib(n)} GiB" for (v, g), n in needs[:-1])

@@ -131,6 +131,7 @@ def training_workload(args: argparse.Namespace) -> tuple[Workload, str]:
         cache_latents=bool(args.cache_latents or args.cache_latents_to_disk), vae_batch_size=args.vae_batch_size or 1,
         cache_text_encoder_outputs=cache_te, train_text_encoder=not args.network_train_unet_only and not cache_te,
         highvram=bool(args.highvram), lowram=bool(args.lowram), sample_images=bool(args.sample_prompts),
+        te_read_at_start=not (args.cache_text_encoder_outputs_to_disk and not args.sample_prompts),
     )
     what = (f"training at {w}x{h} ({work.image_tokens} image tokens) + {work.text_tokens} text tokens (assumed),"
             f" batch {batch}, LoRA rank {work.lora_rank}, {work.optimizer}" + (", --compile" if work.compile else ""))
