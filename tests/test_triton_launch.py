@@ -4,6 +4,8 @@ arguments."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -111,3 +113,142 @@ def test_disabled_means_every_call_through_triton():
 def test_constexprs_must_be_the_trailing_parameters():
     with pytest.raises(ValueError, match="trailing"):
         TL.DirectLauncher(_Jit(), {"n": 3, "EVEN": True}, {})
+
+
+class CudaLauncher:
+    """Stands in for Triton's generic CudaLauncher (the layout of Triton 3.7+): its C `launch` records the call."""
+
+    def __init__(self, log: list, refuse: bool = False, scratch: int = 0):
+        self.log, self.refuse = log, refuse
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.arg_annotations, self.kernel_signature = ("annotations",), b"sig"
+        self.launch = _CLaunch(log, refuse)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, launch_enter_hook,
+                 launch_exit_hook, *args):
+        raise AssertionError("the raw launch must not go through CudaLauncher.__call__")
+
+
+class _CLaunch:
+    """A callable object (not a Python function: like the C launch function, unlike a Python wrapper)."""
+
+    def __init__(self, log: list, refuse: bool):
+        self.log, self.refuse = log, refuse
+
+    def __call__(self, *args):
+        if self.refuse:
+            raise TypeError("launch() argument 14 must be bytes-like, not tuple")
+        self.log.append(("raw", args))
+
+
+class _CompiledWithLauncher(_Compiled):
+    function = 1234
+    packed_metadata = (4, 1, 0)
+
+    def __init__(self, log: list, refuse_raw: bool = False, scratch: int = 0):
+        super().__init__(log)
+        self.run = CudaLauncher(log, refuse_raw, scratch)
+
+
+class _JitRaw(_Jit):
+    def __init__(self, refuse_raw: bool = False, scratch: int = 0):
+        super().__init__()
+        self.refuse_raw, self.scratch = refuse_raw, scratch
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return _CompiledWithLauncher(self.log, self.refuse_raw, self.scratch)
+        return run
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """A Triton stand-in whose active driver gives device 3 and stream 777, with no launch hooks registered."""
+    driver = types.SimpleNamespace(get_current_device=lambda: 3, get_current_stream=lambda d: 777 if d == 3 else 0)
+    hooks = types.SimpleNamespace(launch_enter_hook=TL_HookChain(), launch_exit_hook=TL_HookChain())
+    monkeypatch.setattr(TL, "triton", types.SimpleNamespace(__version__="3.9.0",
+                                                            runtime=types.SimpleNamespace(
+                                                                driver=types.SimpleNamespace(active=driver))))
+    monkeypatch.setattr(TL, "_knobs", types.SimpleNamespace(runtime=hooks))
+    monkeypatch.setattr(TL, "_LAYOUT", {})
+    return hooks
+
+
+class TL_HookChain:
+    def __init__(self):
+        self.calls: list = []
+
+
+def test_raw_launch_calls_the_c_launcher_with_fixed_metadata(fake_driver):
+    fn = _JitRaw()
+    launcher = TL.DirectLauncher(fn, {"EVEN": True, "BLOCK": 64}, {"num_warps": 4})
+    x = torch.zeros(64)
+    launcher((2, 1, 1), (x, 64, 1))
+    launcher((5, 1, 1), (x, 64, 1))
+    assert [entry[0] for entry in fn.log] == ["jit", "raw"]
+    assert fn.log[1][1] == (5, 1, 1, 777, 1234, False, True, (4, 1, 0), None, None, None, None, None,
+                            ("annotations",), b"sig", (x, 64, 1, 64, True))
+    assert TL._LAYOUT[CudaLauncher] == "generic"
+
+
+def test_raw_launch_off_uses_the_compiled_kernels_launcher(fake_driver):
+    fn = _JitRaw()
+    launcher = TL.DirectLauncher(fn, {"EVEN": True, "BLOCK": 64}, {})
+    x = torch.zeros(64)
+    launcher((1, 1, 1), (x, 64, 1))
+    TL.set_raw_launch(False)
+    launcher((1, 1, 1), (x, 64, 1))
+    TL.set_raw_launch(True)
+    launcher((1, 1, 1), (x, 64, 1))
+    assert [entry[0] for entry in fn.log] == ["jit", "direct", "raw"]
+
+
+def test_a_registered_launch_hook_keeps_the_normal_path(fake_driver):
+    fn = _JitRaw()
+    launcher = TL.DirectLauncher(fn, {"EVEN": True, "BLOCK": 64}, {})
+    x = torch.zeros(64)
+    launcher((1, 1, 1), (x, 64, 1))
+    fake_driver.launch_enter_hook.calls.append(print)
+    launcher((1, 1, 1), (x, 64, 1))
+    assert [entry[0] for entry in fn.log] == ["jit", "direct"]
+
+
+def test_scratch_memory_or_an_unknown_layout_means_no_raw_launch(fake_driver):
+    fn = _JitRaw(scratch=128)
+    launcher = TL.DirectLauncher(fn, {"EVEN": True, "BLOCK": 64}, {})
+    x = torch.zeros(64)
+    launcher((1, 1, 1), (x, 64, 1))
+    launcher((1, 1, 1), (x, 64, 1))
+    assert [entry[0] for entry in fn.log] == ["jit", "direct"]
+    assert not launcher.raw
+
+
+def test_a_refusing_raw_launch_falls_back_to_the_compiled_launcher(fake_driver):
+    fn = _JitRaw(refuse_raw=True)
+    launcher = TL.DirectLauncher(fn, {"EVEN": True, "BLOCK": 64}, {})
+    x = torch.zeros(64)
+    launcher((1, 1, 1), (x, 64, 1))
+    launcher((1, 1, 1), (x, 64, 1))  # the raw launch raises TypeError: this call goes through kernel[grid]
+    launcher((1, 1, 1), (x, 64, 1))
+    assert [entry[0] for entry in fn.log] == ["jit", "direct", "direct"]
+    assert not TL.raw_launch_enabled() and TL.direct_launch_enabled()
+
+
+def test_the_v36_layout_needs_a_known_triton_version(fake_driver, monkeypatch):
+    class V36(CudaLauncher):
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            raise AssertionError("not called")
+
+    V36.__name__ = "CudaLauncher"
+    log: list = []
+    assert TL._launcher_layout(V36(log)) is None  # 3.9 with the *args call: unknown
+    monkeypatch.setattr(TL, "_LAYOUT", {})
+    monkeypatch.setattr(TL.triton, "__version__", "3.6.0")
+    kernel = types.SimpleNamespace(run=V36(log), function=99, packed_metadata=(8, 1, 512))
+    launch = TL.raw_launcher(kernel, (64, True))
+    x = torch.zeros(4)
+    launch((7, 1, 1), (x, 3))
+    assert log == [("raw", (7, 1, 1, 777, 99, False, True, None, None, (8, 1, 512), None, None, None, x, 3, 64,
+                            True))]

@@ -4,25 +4,45 @@
 derives their specialisation, builds a cache key, checks the kernel's globals and only then calls the compiled
 launcher. For a Linear of a few dozen tokens that work is most of the call's host time. `DirectLauncher` pays it
 once per specialisation: the first call goes through Triton (compiling when needed) and keeps the compiled kernel;
-later calls with the same specialisation call the compiled kernel's own launcher (``CompiledKernel[grid]``) with
-the arguments in the kernel's parameter order.
+later calls with the same specialisation launch it directly, with the arguments in the kernel's parameter order.
+
+Two direct levels exist. "raw" (default): the compiled kernel's C launch function is called with everything that
+does not change per call fixed once (function handle, packed metadata, cooperative/PDL flags, no scratch buffers,
+no launch hooks); only the stream is read per call. This skips ``CompiledKernel.__getitem__``, its runner, the
+launch metadata and the ``CudaLauncher.__call__`` wrapper. It is used only where the launcher's layout is one this
+module knows (recognised once per process by the launcher's attributes and call signature: Triton 3.5-3.6's
+per-kernel launch modules and the generic launcher of later versions), the kernel needs no scratch memory and no
+launch hook is registered (a profiler such as proton keeps the normal path). Otherwise, or after `set_raw_launch(
+False)`, the compiled kernel's own launcher runs (``CompiledKernel[grid](*args)``).
 
 The specialisation key mirrors what Triton specialises on: per tensor its dtype and whether its address is 16-byte
-aligned, per integer whether it is 1, whether it is a multiple of 16 and whether it needs 64 bits. Where the
-compiled launcher refuses the arguments (a Triton whose launchers take another layout), the launcher logs it once
-and every later call goes through Triton again; `set_direct_launch(False)` does that from the start.
+aligned, per integer whether it is 1, whether it is a multiple of 16 and whether it needs 64 bits. Where a direct
+launch refuses the arguments (a Triton whose launchers take another layout), that level is logged once and turned
+off, and the call is repeated through the next level; `set_direct_launch(False)` sends every call through Triton.
+Under ``TRITON_INTERPRET=1`` Triton returns no compiled kernel, so every call takes the normal launch.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_STATE = {"enabled": True, "failed": False}
+try:  # triton is optional; without it only the bookkeeping here is used (tests give stand-in kernels)
+    import triton
+    from triton import knobs as _knobs
+except Exception:  # noqa: BLE001 - a missing or broken triton (or one without knobs) means no raw launches
+    triton = None  # type: ignore[assignment]
+    _knobs = None  # type: ignore[assignment]
+
+_STATE = {"enabled": True, "failed": False, "raw": True, "raw_failed": False}
+# the launcher layout of this Triton ("v36", "generic" or None for unknown), recognised on the first kernel
+_LAYOUT: dict[type, str | None] = {}
 
 
 def set_direct_launch(enabled: bool) -> None:
@@ -35,6 +55,17 @@ def direct_launch_enabled() -> bool:
     return _STATE["enabled"] and not _STATE["failed"]
 
 
+def set_raw_launch(enabled: bool) -> None:
+    """Turn the raw launches (the C launch function called directly) on (default) or off (direct launches then go
+    through ``CompiledKernel[grid]``)."""
+    _STATE["raw"] = bool(enabled)
+
+
+def raw_launch_enabled() -> bool:
+    """True when direct launches may call the C launch function (on, direct launches on, nothing refused)."""
+    return _STATE["raw"] and not _STATE["raw_failed"] and direct_launch_enabled()
+
+
 def spec_key(args: tuple) -> tuple:
     """What Triton specialises a kernel on, for the runtime arguments `args`."""
     return tuple(
@@ -45,10 +76,93 @@ def spec_key(args: tuple) -> tuple:
     )
 
 
+def _launch_hooks_idle() -> bool:
+    """True when no launch enter/exit hook is registered (a hook needs the launch metadata: normal path)."""
+    if _knobs is None:
+        return True
+    rt = _knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+_V36_CALL = ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+_GENERIC_CALL = ["self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+                 "launch_enter_hook", "launch_exit_hook", "args"]
+
+
+def _launcher_layout(launcher: Any) -> str | None:
+    """How this Triton's CudaLauncher calls its C launch function, from its call signature and attributes:
+    "v36" (Triton 3.5-3.6: ``launch(gx, gy, gz, stream, function, coop, pdl, global_scratch, profile_scratch,
+    kernel_metadata, launch_metadata, enter_hook, exit_hook, *args)``), "generic" (later: ``launch(gx, gy, gz,
+    stream, function, coop, pdl, kernel_metadata, launch_metadata, enter_hook, exit_hook, global_scratch,
+    profile_scratch, arg_annotations, kernel_signature, args)``) or None (unknown: no raw launches)."""
+    cls = type(launcher)
+    if cls in _LAYOUT:
+        return _LAYOUT[cls]
+    layout = None
+    try:
+        names = list(inspect.signature(cls.__call__).parameters)
+    except (TypeError, ValueError):
+        names = []
+    common = all(hasattr(launcher, a) for a in ("launch", "launch_cooperative_grid", "launch_pdl",
+                                                 "global_scratch_size", "profile_scratch_size"))
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit()) if triton else ()
+    if cls.__name__ == "CudaLauncher" and common:
+        if names == _V36_CALL and version in ((3, 5), (3, 6)):
+            layout = "v36"
+        elif names == _GENERIC_CALL and hasattr(launcher, "arg_annotations") and hasattr(launcher,
+                                                                                          "kernel_signature"):
+            layout = "generic"
+    _LAYOUT[cls] = layout
+    logger.debug("Triton %s launcher %s (call %s): raw launch layout %s",
+                 getattr(triton, "__version__", "?"), cls.__name__, names, layout)
+    return layout
+
+
+def raw_launcher(kernel: Any, tail: tuple) -> Callable[[tuple, tuple], None] | None:
+    """A function ``launch(grid3, args)`` that calls the C launch function of the compiled `kernel` directly with
+    the runtime arguments `args` followed by the constexprs `tail`, or None where this kernel or Triton does not
+    allow it (unknown launcher layout, scratch memory, a tensor-descriptor wrapper, a sanitizer)."""
+    if triton is None:
+        return None
+    try:
+        launcher = kernel.run  # loads the module and builds the CudaLauncher when needed
+        function = kernel.function
+        packed = kernel.packed_metadata
+    except Exception as e:  # noqa: BLE001 - whatever this Triton lacks means the normal launch
+        logger.debug("no raw launch for %r: %s", kernel, e)
+        return None
+    layout = _launcher_layout(launcher)
+    launch = getattr(launcher, "launch", None)
+    # a Python wrapper around the launch function (tensor descriptors) needs the normal path
+    if (layout is None or launch is None or inspect.isfunction(launch) or inspect.ismethod(launch)
+            or launcher.global_scratch_size or launcher.profile_scratch_size
+            or getattr(launcher, "gsan_enabled", False)):
+        return None
+    coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+    drv = triton.runtime.driver.active
+    get_device, get_stream = drv.get_current_device, drv.get_current_stream
+    if layout == "v36":
+        def launch_v36(grid: tuple, args: tuple) -> None:
+            launch(grid[0], grid[1], grid[2], get_stream(get_device()), function, coop, pdl, None, None, packed,
+                   None, None, None, *args, *tail)
+
+        return launch_v36
+    annotations, signature = launcher.arg_annotations, launcher.kernel_signature
+
+    def launch_generic(grid: tuple, args: tuple) -> None:
+        launch(grid[0], grid[1], grid[2], get_stream(get_device()), function, coop, pdl, packed, None, None, None,
+               None, None, annotations, signature, args + tail)
+
+    return launch_generic
+
+
 class DirectLauncher:
     """One @triton.jit kernel with fixed constexprs (its trailing parameters) and launch options."""
 
-    __slots__ = ("compiled", "constexprs", "fn", "options", "tail")
+    __slots__ = ("compiled", "constexprs", "fn", "options", "raw", "tail")
 
     def __init__(self, fn: Any, constexprs: dict[str, Any], options: dict[str, Any]):
         names = list(fn.arg_names)
@@ -61,21 +175,38 @@ class DirectLauncher:
         self.tail = tuple(constexprs[n] for n in names[first:])
         # specialisation key -> the compiled kernel, or None where it must go through Triton
         self.compiled: dict[tuple, Any] = {}
+        # specialisation key -> its raw launch function (`raw_launcher`), where there is one
+        self.raw: dict[tuple, Callable[[tuple, tuple], None]] = {}
 
     def __call__(self, grid: tuple[int, int, int], args: tuple, key: tuple | None = None) -> None:
         """Launch on `grid` (3 dimensions) with the runtime arguments `args`. `key`, when the caller gives one, must
         determine the specialisation of `args` by itself (what the caller's plan does not fix: the alignments of
         its inputs, the values of strides and sizes that vary); without it `spec_key(args)` is used."""
-        if not (_STATE["enabled"] and not _STATE["failed"]):
+        state = _STATE
+        if not (state["enabled"] and not state["failed"]):
             self.fn[grid](*args, **self.constexprs, **self.options)
             return
         if key is None:
             key = spec_key(args)
+        raw = self.raw.get(key)
+        if raw is not None and state["raw"] and not state["raw_failed"] and _launch_hooks_idle():
+            try:
+                raw(grid, args)
+                return
+            except TypeError as e:  # this launch function wants other arguments: the compiled kernel's launcher
+                state["raw_failed"] = True
+                logger.info("raw Triton launches are not usable with this Triton (%s); using CompiledKernel[grid]",
+                            e)
         kernel = self.compiled.get(key, False)
         if kernel is False:  # first call of this specialisation: Triton compiles (or finds) the kernel
             kernel = self.fn[grid](*args, **self.constexprs, **self.options)
             # a CompiledKernel can be launched by `kernel[grid](*args)`; the interpreter returns no kernel
-            self.compiled[key] = kernel if kernel is not None and hasattr(type(kernel), "__getitem__") else None
+            kernel = kernel if kernel is not None and hasattr(type(kernel), "__getitem__") else None
+            self.compiled[key] = kernel
+            if kernel is not None:
+                raw = raw_launcher(kernel, self.tail)
+                if raw is not None:
+                    self.raw[key] = raw
             return
         if kernel is None:
             self.fn[grid](*args, **self.constexprs, **self.options)
@@ -83,6 +214,6 @@ class DirectLauncher:
         try:
             kernel[grid](*args, *self.tail)
         except TypeError as e:  # this Triton's launcher wants other arguments: launch through Triton from now on
-            _STATE["failed"] = True
+            state["failed"] = True
             logger.info("direct Triton launches are not usable with this Triton (%s); using kernel[grid]", e)
             self.fn[grid](*args, **self.constexprs, **self.options)
