@@ -15,8 +15,8 @@ Parts (`--parts`, comma-separated; default: all the device supports):
   "rows" kernel (default) against the two-pass "stream" kernel, the tensor-core rotation "rows_mma" and the copy
   rate, their codes against each other and the eager reference, and a sweep of the rows kernel's launch shape.
 - ``overhead`` (GPU): microseconds per int8 Linear call against F.linear at M = 64 and 4352 (3072 x 3072, 1000
-  calls, one sync at the end), with and without the direct Triton launches, the quantiser and GEMM alone, and a
-  cProfile of the module call at M = 64.
+  calls, one sync at the end), with the raw launches (default), the compiled kernels' launchers and every launch
+  through ``JITFunction.run``, the quantiser and GEMM alone, and a cProfile of the module call at M = 64.
 - ``te`` (GPU): the Linears of the Qwen3.5-9B text model (32 layers) at M = 20 / 77 / 300 tokens, bf16 against
   ConvRot INT8, ms per caption (the whole encoder per caption is ``bench.te_throughput``'s).
 - ``blocks`` (GPU): 4 full-width MossImageBlocks (the product's modules, rank-16 LoRA from networks.lora_generic,
@@ -56,7 +56,7 @@ from library.moss_image.dit import MossImage, MossImageConfig, rope_cos_sin
 from library.moss_image.loaders import quantize_dit
 from library.quant import convrot as U
 from library.quant import convrot_kernels as K
-from library.quant import convrot_ops
+from library.quant import convrot_ops, triton_launch
 from library.runtime.compile import compile_blocks
 from networks import lora_generic
 
@@ -428,10 +428,8 @@ def _host_profile(fn: Callable[[], Any], calls: int = 300, top: int = 18) -> lis
 
 def bench_overhead(m: int, k: int, n: int, device: str, calls: int) -> dict:
     """Time per call of the int8 Linear module against F.linear at M x K -> N (1000 calls, one CUDA sync at the
-    end): with the direct Triton launches (default) and without, the quantiser and the GEMM alone, and where the
-    host time goes (cProfile of the module call)."""
-    from library.quant import triton_launch
-
+    end): with the raw Triton launches (default), the compiled kernels' launchers and ``JITFunction.run``, the
+    quantiser and the GEMM alone, and where the host time goes (cProfile of the module call)."""
     torch.manual_seed(0)
     lin = nn.Linear(k, n, bias=True).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
     qlin = U.ConvRotInt8Linear.from_linear(lin, G)
@@ -439,24 +437,31 @@ def bench_overhead(m: int, k: int, n: int, device: str, calls: int) -> dict:
     nx = cycler(xs)  # alternating inputs: every int8 call misses the activation cache
     q_x, s_x = K._quantize_rows_triton(xs[0], G)
     r: dict = {"M": m, "K": k, "N": n, "calls": calls}
+    # (tag, direct launches, raw launches): raw = the C launch function called directly (default), direct = the
+    # compiled kernel's own launcher, jit_run = every launch through JITFunction.run
+    modes = (("raw", True, True), ("direct", True, False), ("jit_run", False, False))
     with torch.no_grad():
         r["F_linear_us"] = _per_call_us(lambda: F.linear(nx(), lin.weight, lin.bias), device, calls)
-        for direct in (True, False):
+        outs = {}
+        for tag, direct, raw in modes:
             triton_launch.set_direct_launch(direct)
-            tag = "direct" if direct else "jit_run"
+            triton_launch.set_raw_launch(raw)
             r[f"int8_module_us_{tag}"] = _per_call_us(lambda: qlin(nx()), device, calls)
             r[f"quantise_us_{tag}"] = _per_call_us(lambda: K._quantize_rows_triton(nx(), G), device, calls)
             r[f"gemm_us_{tag}"] = _per_call_us(
                 lambda: K.int8_gemm(q_x, s_x, qlin.weight, qlin.weight_scale, qlin.bias, torch.bfloat16), device,
                 calls)
+            outs[tag] = qlin(xs[0].clone())  # a new tensor: the quantiser runs too
+        r["F_linear_us_again"] = _per_call_us(lambda: F.linear(nx(), lin.weight, lin.bias), device, calls)
         triton_launch.set_direct_launch(True)
-        y_direct = qlin(xs[0])
-        triton_launch.set_direct_launch(False)
-        y_jit = qlin(xs[0])
-        triton_launch.set_direct_launch(True)
-        r["direct_vs_jit_run_mismatch"] = int((y_direct != y_jit).sum())
+        triton_launch.set_raw_launch(True)
+        r["direct_vs_jit_run_mismatch"] = int((outs["direct"] != outs["jit_run"]).sum())
+        r["raw_vs_jit_run_mismatch"] = int((outs["raw"] != outs["jit_run"]).sum())
         r["direct_launch_usable"] = triton_launch.direct_launch_enabled()
-        r["int8_over_F_linear"] = r["int8_module_us_direct"] / r["F_linear_us"]
+        r["raw_launch_usable"] = triton_launch.raw_launch_enabled()
+        r["raw_launch_layouts"] = sorted({str(v) for v in triton_launch._LAYOUT.values()})
+        r["int8_over_F_linear"] = r["int8_module_us_raw"] / r["F_linear_us"]
+        r["int8_over_F_linear_direct"] = r["int8_module_us_direct"] / r["F_linear_us"]
         if m <= 256:
             r["host_profile_int8_module"] = _host_profile(lambda: qlin(nx()), calls=min(calls, 300))
     return r
@@ -465,7 +470,8 @@ def bench_overhead(m: int, k: int, n: int, device: str, calls: int) -> dict:
 def bench_te_linears(ms: tuple, device: str, iters: int, layers: int = 32, shrink: int = 1) -> dict:
     """The Linear layers of the Qwen3.5-9B text model (`TE_UNIT` repeated to `layers` layers, random weights) at
     M tokens, eager: bf16 nn.Linear against the ConvRot INT8 module, ms per caption. Only the Linears: the whole
-    encoder (attention, DeltaNet, norms) per caption is bench.te_throughput's (it needs a full snapshot)."""
+    encoder (attention, DeltaNet, norms) per caption is bench.te_throughput's (it needs a full snapshot). INT8 with
+    and without the raw Triton launches."""
     torch.manual_seed(0)
     unit = [(i // shrink, o // shrink, g) for i, o, g in TE_UNIT]  # `shrink`: smaller widths for a smoke run
     bf16 = [nn.Linear(i, o, bias=False).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
@@ -485,8 +491,15 @@ def bench_te_linears(ms: tuple, device: str, iters: int, layers: int = 32, shrin
         with torch.no_grad():
             tb = time_ms(lambda: run(bf16), device, iters, warmup=3)
             tq = time_ms(lambda: run(int8), device, iters, warmup=3)
+            triton_launch.set_raw_launch(False)  # the compiled kernels' own launchers, for comparison
+            try:
+                tqd = time_ms(lambda: run(int8), device, iters, warmup=3)
+            finally:
+                triton_launch.set_raw_launch(True)
         r["rows"].append({"M": m, "bf16_ms_per_caption": tb["median_ms"], "int8_ms_per_caption": tq["median_ms"],
-                          "int8_over_bf16": tq["median_ms"] / tb["median_ms"]})
+                          "int8_over_bf16": tq["median_ms"] / tb["median_ms"],
+                          "int8_no_raw_launch_ms_per_caption": tqd["median_ms"],
+                          "int8_no_raw_launch_over_bf16": tqd["median_ms"] / tb["median_ms"]})
     return r
 
 

@@ -27,11 +27,16 @@ On CUDA with a usable Triton (``HAS_TRITON``) each step is one kernel: a quantis
 int8 codes + fp32 scales (`library.quant.convrot_quant_kernels`), and an autotuned int8 GEMM (int32 accumulation) that
 reads the weight ``[N, K]`` in place through its strides and applies the dequantisation/bias epilogue. Everywhere
 else an eager path with the same numerics runs (``torch._int_mm`` on CUDA, an exact fp32/fp64 product on the CPU).
+
+The autotuners keep their choices on disk in Triton's cache (``cache_results=True`` where the installed Triton has
+it), so a process on a machine that already tuned a shape picks its configuration without benchmarking (and
+without the benchmark's 256 MiB L2-flush buffer) in its first training step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
@@ -664,6 +669,11 @@ if _TRITON_IMPORTED:
             acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS
         )
 
+    # the autotuners' choices persist across processes where this Triton can store them (not under the interpreter)
+    _AUTOTUNE_CACHE = (
+        {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    )
+
     # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). BLOCK_K = 128 keeps 128-byte int8 rows for the K-major operands.
     _GEMM_CONFIGS = [
         (128, 256, 128, 3, 8),
@@ -681,6 +691,7 @@ if _TRITON_IMPORTED:
             for bm, bn, bk, st, wp in _GEMM_CONFIGS
         ],
         key=["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"],
+        **_AUTOTUNE_CACHE,
     )(_int8_gemm_kernel)
 
     try:
@@ -699,6 +710,7 @@ if _TRITON_IMPORTED:
             for bm, bn, bk, st, wp in _GEMM_CONFIGS
         ],
         key=["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"],
+        **_AUTOTUNE_CACHE,
     )(_int8_gemm_tma_kernel)
 
     @triton.jit
@@ -763,6 +775,7 @@ if _TRITON_IMPORTED:
             for bm, bn, bk, st, wp in _UPCAST_CONFIGS
         ],
         key=["M_BUCKET", "N", "K", "DTYPE", "LOG4G"],
+        **_AUTOTUNE_CACHE,
     )(_grad_input_upcast_kernel)
 
 
