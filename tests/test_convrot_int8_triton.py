@@ -85,6 +85,15 @@ def run_checks(device: str) -> dict:
     x.mul_(2)
     y3 = K.linear_forward(x, q, s, None, 256)
     out["launch_tuned"] = _check_launch_tuned(device)
+    # the eager path's codes and scales share one allocation: the same values as two, the scales 16-byte aligned
+    xo = torch.randn(9, 512, device=device, dtype=torch.bfloat16)
+    q1, s1 = K._quantize_rows_triton(xo, 256, one_buffer=True)
+    q2, s2 = K._quantize_rows_triton(xo, 256)
+    out["one_buffer"] = {
+        "same": bool(torch.equal(q1, q2) and torch.equal(s1, s2)),
+        "layout_ok": q1.shape == (9, 512) and s1.shape == (9,) and q1.is_contiguous() and s1.is_contiguous()
+        and s1.dtype == torch.float32 and s1.data_ptr() % 16 == 0 and q1.data_ptr() + 9 * 512 <= s1.data_ptr(),
+    }
     out["cache"] = {
         "hits": K._ACT_CACHE.hits - hits, "same": bool(torch.equal(y1, y2)),
         "after_inplace_ok": bool(torch.equal(y3, K.int8_linear(x, q, s, None, 256, backend="eager"))),
@@ -163,6 +172,7 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
             assert c["bwd_upcast_vs_model_relerr"] < 1e-3 and c["bwd_upcast_vs_dequant_relerr"] < 2e-2, c
     assert res["cache"] == {"hits": 1, "same": True, "after_inplace_ok": True}
     assert res["launch_tuned"]
+    assert res["one_buffer"] == {"same": True, "layout_ok": True}
 
 
 def _triton_importable() -> bool:

@@ -553,7 +553,7 @@ def cached_quantized_activation(x: torch.Tensor, group_size: int) -> tuple[torch
         return hit
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if triton:
-        value = _quantize_rows_triton(x2, group_size)
+        value = _quantize_rows_triton(x2, group_size, one_buffer=True)
     else:
         value = quantize_activation(x2, group_size, "eager")
     _ACT_CACHE.put(x, group_size, triton, value)
@@ -843,7 +843,7 @@ def _int8_gemm_triton(
     stride_bn, stride_bk = int(b_strides_nk[0]), int(b_strides_nk[1])
     m_bucket = min(_next_pow2(m), 8192)
     stride_am, stride_ak = a.stride()
-    stride_cm, stride_cn = c.stride()
+    stride_cm, stride_cn = max(n, 1), 1  # c is new and contiguous
     args = (
         a, b, c, sa, sb if sb is not None else sa, bias if bias is not None else sa, m, n, k,
         m_bucket, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,

@@ -313,19 +313,33 @@ def _quant_plan(k: int, group_size: int, dtype: torch.dtype, has_cs: bool, devic
     return plan
 
 
+def _codes_and_scales(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [m, k] and fp32 scales [m] in one allocation: the codes first, the scales after them at the next
+    16-byte boundary (one allocator call instead of two)."""
+    off = (m * k + 15) & ~15
+    buf = torch.empty((off + 4 * m,), dtype=torch.int8, device=device)
+    return buf.as_strided((m, k), (k, 1)), buf[off:].view(torch.float32)
+
+
 def _quantize_rows_triton(
-    x2: torch.Tensor, group_size: int, col_scale: torch.Tensor | None = None, kernel: str | None = None
+    x2: torch.Tensor, group_size: int, col_scale: torch.Tensor | None = None, kernel: str | None = None,
+    one_buffer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused rotate (group_size > 0) + per-row int8 quantisation of x2 [M, K]; with col_scale the rows are scaled
-    per column first and quantised in fp32. `kernel` overrides `set_quantiser`'s choice (the benchmark compares)."""
+    per column first and quantised in fp32. `kernel` overrides `set_quantiser`'s choice (the benchmark compares).
+    `one_buffer`: codes and scales share one allocation (`_codes_and_scales`; eager callers only: the registered
+    ops return them as two outputs, which must not share storage)."""
     m, k = x2.shape
     stride_xm, stride_xk = x2.stride()
     if stride_xk != 1:
         x2 = x2.contiguous()
         stride_xm = k
     dtype = torch.float32 if col_scale is not None else x2.dtype
-    q = torch.empty((m, k), dtype=torch.int8, device=x2.device)
-    s = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    if one_buffer:
+        q, s = _codes_and_scales(m, k, x2.device)
+    else:
+        q = torch.empty((m, k), dtype=torch.int8, device=x2.device)
+        s = torch.empty((m,), dtype=torch.float32, device=x2.device)
     if m == 0:
         return q, s
     name, bm, launchers, even_k = _quant_plan(k, group_size, dtype, col_scale is not None, x2.get_device(),
