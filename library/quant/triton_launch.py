@@ -140,6 +140,8 @@ def raw_launcher(kernel: Any, tail: tuple) -> Callable[[tuple, tuple], None] | N
     if (layout is None or launch is None or inspect.isfunction(launch) or inspect.ismethod(launch)
             or launcher.global_scratch_size or launcher.profile_scratch_size
             or getattr(launcher, "gsan_enabled", False)):
+        logger.debug("no raw launch for %s (layout %s, scratch %s/%s)", getattr(kernel, "name", kernel), layout,
+                     getattr(launcher, "global_scratch_size", "?"), getattr(launcher, "profile_scratch_size", "?"))
         return None
     coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
     drv = triton.runtime.driver.active
