@@ -404,7 +404,7 @@ def int8_gemm(
     if _use_triton(x_q, backend):
         if bias is not None and (bias.dtype != out_dtype or not bias.is_contiguous()):
             bias = bias.to(out_dtype).contiguous()
-        return _int8_gemm_triton(x_q, x_scale, weight, (weight.stride(0), weight.stride(1)), weight_scale, bias,
+        return _int8_gemm_triton(x_q, x_scale, weight, weight.stride(), weight_scale, bias,
                                  out_dtype, n)
     out = _epilogue_eager(_int8_mm_acc(x_q, weight), x_scale, weight_scale, out_dtype)
     if bias is not None:
