@@ -28,9 +28,10 @@ int8 codes + fp32 scales (`library.quant.convrot_quant_kernels`), and an autotun
 reads the weight ``[N, K]`` in place through its strides and applies the dequantisation/bias epilogue. Everywhere
 else an eager path with the same numerics runs (``torch._int_mm`` on CUDA, an exact fp32/fp64 product on the CPU).
 
-The autotuners keep their choices on disk in Triton's cache (``cache_results=True`` where the installed Triton has
-it), so a process on a machine that already tuned a shape picks its configuration without benchmarking (and
-without the benchmark's 256 MiB L2-flush buffer) in its first training step.
+The forward GEMM's autotuner keeps its choices on disk in Triton's cache (``cache_results=True`` where the installed
+Triton has it; not the TMA and upcast tuners, whose configurations or keys Triton cannot store), so a process on a
+machine that already tuned a shape picks its configuration without benchmarking (and without the benchmark's 256 MiB
+L2-flush buffer) in its first training step.
 """
 
 from __future__ import annotations
@@ -709,8 +710,7 @@ if _TRITON_IMPORTED:
                           pre_hook=_set_tma_blocks)
             for bm, bn, bk, st, wp in _GEMM_CONFIGS
         ],
-        key=["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"],
-        **_AUTOTUNE_CACHE,
+        key=["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"],  # no disk cache: its configs carry a pre-hook
     )(_int8_gemm_tma_kernel)
 
     @triton.jit
@@ -774,8 +774,9 @@ if _TRITON_IMPORTED:
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st, num_warps=wp)
             for bm, bn, bk, st, wp in _UPCAST_CONFIGS
         ],
+        # no disk cache: Triton 3.6 cannot write the DTYPE constexpr (a Triton dtype) into its JSON cache key (a
+        # TypeError on the H200, 2026-12-01)
         key=["M_BUCKET", "N", "K", "DTYPE", "LOG4G"],
-        **_AUTOTUNE_CACHE,
     )(_grad_input_upcast_kernel)
 
 
