@@ -3,13 +3,10 @@ same files); the run says so in its log."""
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
-
-import torch
-from torch import nn
 
 from networks import lora_generic
 from networks.lora_generic import LoRAModule, LoRANetwork
@@ -19,37 +16,16 @@ __all__ = ["LoRAModule", "LoRANetwork", "create_network", "create_network_from_w
 logger = logging.getLogger(__name__)
 
 
-def _note() -> None:
-    logger.info("--network_module networks.lora is networks.lora_generic, the MOSS-Image LoRA (sd-scripts' name)")
+def _noted(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (of networks.lora_generic, same signature) with one log line that says which network this is."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        logger.info("--network_module networks.lora is networks.lora_generic, the MOSS-Image LoRA (sd-scripts' name)")
+        return fn(*args, **kwargs)
+
+    return wrapped
 
 
-def create_network(
-    multiplier: float,
-    network_dim: int | None,
-    network_alpha: float | None,
-    vae: Any,
-    text_encoders: Any,
-    unet: nn.Module | None,
-    neuron_dropout: float | None = None,
-    **kwargs: Any,
-) -> LoRANetwork:
-    """networks.lora_generic.create_network."""
-    _note()
-    return lora_generic.create_network(multiplier, network_dim, network_alpha, vae, text_encoders, unet,
-                                       neuron_dropout, **kwargs)
-
-
-def create_network_from_weights(
-    multiplier: float,
-    file: str | os.PathLike | None,
-    vae: Any,
-    text_encoders: Any,
-    unet: nn.Module | None,
-    weights_sd: Mapping[str, torch.Tensor] | None = None,
-    for_inference: bool = False,
-    **kwargs: Any,
-) -> tuple[LoRANetwork, dict[str, torch.Tensor]]:
-    """networks.lora_generic.create_network_from_weights."""
-    _note()
-    return lora_generic.create_network_from_weights(multiplier, file, vae, text_encoders, unet, weights_sd,
-                                                    for_inference, **kwargs)
+create_network = _noted(lora_generic.create_network)
+create_network_from_weights = _noted(lora_generic.create_network_from_weights)

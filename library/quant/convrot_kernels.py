@@ -675,6 +675,15 @@ if _TRITON_IMPORTED:
         {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     )
 
+    def _autotuned(kernel: Any, configs: list[tuple[int, ...]], key: list[str], disk_cache: bool = False,
+                   pre_hook: Any = None) -> Any:
+        """`kernel` autotuned over (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) configurations (GROUP_M 8)."""
+        return triton.autotune(
+            configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st,
+                                   num_warps=wp, pre_hook=pre_hook) for bm, bn, bk, st, wp in configs],
+            key=key, **(_AUTOTUNE_CACHE if disk_cache else {}),
+        )(kernel)
+
     # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). BLOCK_K = 128 keeps 128-byte int8 rows for the K-major operands.
     _GEMM_CONFIGS = [
         (128, 256, 128, 3, 8),
@@ -686,14 +695,8 @@ if _TRITON_IMPORTED:
         (64, 256, 128, 4, 4),
         (64, 128, 128, 4, 4),
     ]
-    _int8_gemm_tuned = triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st, num_warps=wp)
-            for bm, bn, bk, st, wp in _GEMM_CONFIGS
-        ],
-        key=["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"],
-        **_AUTOTUNE_CACHE,
-    )(_int8_gemm_kernel)
+    _int8_gemm_tuned = _autotuned(_int8_gemm_kernel, _GEMM_CONFIGS, ["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"],
+                                  disk_cache=True)
 
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -704,14 +707,9 @@ if _TRITON_IMPORTED:
         nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
         nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
-    _int8_gemm_tma_tuned = triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st, num_warps=wp,
-                          pre_hook=_set_tma_blocks)
-            for bm, bn, bk, st, wp in _GEMM_CONFIGS
-        ],
-        key=["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"],  # no disk cache: its configs carry a pre-hook
-    )(_int8_gemm_tma_kernel)
+    # no disk cache: its configurations carry a pre-hook, which Triton does not store
+    _int8_gemm_tma_tuned = _autotuned(_int8_gemm_tma_kernel, _GEMM_CONFIGS,
+                                      ["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"], pre_hook=_set_tma_blocks)
 
     @triton.jit
     def _grad_input_upcast_kernel(
@@ -769,15 +767,10 @@ if _TRITON_IMPORTED:
         (128, 256, 128, 2, 8),
         (256, 256, 32, 3, 8),
     ]
-    _grad_input_upcast_tuned = triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st, num_warps=wp)
-            for bm, bn, bk, st, wp in _UPCAST_CONFIGS
-        ],
-        # no disk cache: Triton 3.6 cannot write the DTYPE constexpr (a Triton dtype) into its JSON cache key (a
-        # TypeError on the H200, 2026-12-01)
-        key=["M_BUCKET", "N", "K", "DTYPE", "LOG4G"],
-    )(_grad_input_upcast_kernel)
+    # no disk cache: Triton 3.6 cannot write the DTYPE constexpr (a Triton dtype) into its JSON cache key (a
+    # TypeError on the H200, 2026-12-01)
+    _grad_input_upcast_tuned = _autotuned(_grad_input_upcast_kernel, _UPCAST_CONFIGS,
+                                          ["M_BUCKET", "N", "K", "DTYPE", "LOG4G"])
 
 
 
