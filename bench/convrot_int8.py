@@ -682,7 +682,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no_components", action="store_true", help="linear: skip the per-kernel timings")
     ap.add_argument("--sweep", action="store_true", help="linear: also sweep the quantiser's tile shapes")
     ap.add_argument("--profile", action="store_true", help="blocks: GPU time per kernel category")
-    ap.add_argument("--gemm", choices=["ptr", "tma"], default=None, help="forward GEMM kernel (default: ptr)")
+    ap.add_argument("--gemm", choices=K.GEMM_KERNELS, default=None,
+                    help="forward GEMM kernel (default: auto, the pinned table else ptr)")
     ap.add_argument("--layers", type=int, default=4, help="blocks: number of full-width blocks")
     ap.add_argument("--blocks_backend", default=None, help="blocks: torch.compile backend (default inductor on the"
                     " GPU, aot_eager for a CPU smoke run)")

@@ -58,9 +58,10 @@ from library.quant.convrot_quant_kernels import (  # noqa: F401 - QUANTISERS, se
     set_quantiser,
     set_row_tuning,
 )
-from library.quant.int8_gemm_kernels import (  # noqa: F401 - set_*, backward_kernel, BACKWARD_KERNELS: re-exported
+from library.quant.int8_gemm_kernels import (  # noqa: F401 - set_*, backward_kernel, *_KERNELS: re-exported
     _GEMM_PLANS,
     BACKWARD_KERNELS,
+    GEMM_KERNELS,
     _grad_input_upcast_triton,
     _int8_gemm_triton,
     _launch_tuned,

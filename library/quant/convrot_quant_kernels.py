@@ -219,9 +219,9 @@ _TINY = {dt: float(torch.finfo(dt).tiny) for dt in _FLOAT_DTYPES}
 # tile is BM rows x BK columns), the column tile of the streaming kernels, the activation quantiser ("rows": one pass
 # over whole rows held in registers, up to "rows_max" elements a row, "rows_elems" elements and "rows_ept" elements a
 # thread per program; "stream": two passes over column tiles), and, for `library.quant.convrot_kernels`, the forward
-# GEMM kernel ("ptr": pointer loads, pipelined with cp.async; "tma": tensor-descriptor loads) and the backward.
+# GEMM kernel ("auto", or a variant of `library.quant.int8_gemm_kernels.GEMM_VARIANTS`) and the backward.
 _TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "quantiser": "rows", "rows_max": 16384,
-                 "rows_elems": 2048, "rows_ept": 16, "gemm": "ptr", "backward": "dequant"}
+                 "rows_elems": 2048, "rows_ept": 16, "gemm": "auto", "backward": "dequant"}
 QUANTISERS: tuple[str, ...] = ("rows", "stream", "rows_mma")
 # (device, dtype) -> H_64 (normalised, exact in bf16/fp16) for the "rows_mma" quantiser
 _H64: dict[tuple, torch.Tensor] = {}

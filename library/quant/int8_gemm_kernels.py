@@ -15,13 +15,17 @@ shape (`_GEMM_PLANS`) and the pointer kernels launch through `library.quant.trit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import json
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from library.errors import UserError
 from library.quant import convrot_quant_kernels as _qk
 from library.quant.convrot_quant_kernels import _TUNING, _next_pow2
 from library.quant.convrot_quant_kernels import log4 as _log4
@@ -64,18 +68,41 @@ if _TRITON_IMPORTED:
         tl.store(c_ptrs, out, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     @triton.jit
-    def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """Grouped ordering of the output tiles (GROUP_M row tiles share their B columns in L2)."""
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
+    def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        """(row tile, column tile) of output tile `tile_id` in the grouped ordering (GROUP_M row tiles share their
+        B columns in L2)."""
         num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
+        group_id = tile_id // num_pid_in_group
         first_pid_m = group_id * GROUP_M
         group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
         return pid_m, pid_n
+
+    @triton.jit
+    def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """The output tile of this program (one tile per program)."""
+        return _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+
+    @triton.jit
+    def _gemm_epilogue_tile(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn,
+                            HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, EPI_SUBTILE: tl.constexpr):
+        """`_gemm_epilogue` of the tile at (off_m, off_n); EPI_SUBTILE: as two [BLOCK_M, BLOCK_N / 2] halves (fewer
+        live fp32 registers; element-wise, so the same values)."""
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        if EPI_SUBTILE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            acc0, acc1 = tl.split(halves)
+            offs_n = off_n + tl.arange(0, BLOCK_N // 2)
+            _gemm_epilogue(acc0, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
+                           HAS_SB, HAS_BIAS)
+            _gemm_epilogue(acc1, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n + BLOCK_N // 2, M, N, stride_cm,
+                           stride_cn, HAS_SB, HAS_BIAS)
+        else:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            _gemm_epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
+                           HAS_SB, HAS_BIAS)
 
     @triton.jit
     def _int8_gemm_tma_kernel(
@@ -134,17 +161,78 @@ if _TRITON_IMPORTED:
             acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS
         )
 
+    @triton.jit
+    def _int8_gemm_persistent_kernel(
+        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+        HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        EPI_SUBTILE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
+    ):
+        """`_int8_gemm_kernel` as a persistent kernel: a fixed grid of programs (at most one per SM), each looping
+        over the output tiles tile_id = program, program + grid, ... in the grouped ordering. FLATTEN lets the
+        software pipeliner overlap one tile's epilogue with the next tile's loads."""
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
+                                warp_specialize=WARP_SPEC):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # wrap-around: in-bounds loads, masked store
+            offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+            a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+            b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_bn[None, :].to(tl.int64) * stride_bn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            for kk in range(tl.cdiv(K, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_left = K - kk * BLOCK_K
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+                    b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
+                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            _gemm_epilogue_tile(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                                stride_cm, stride_cn, HAS_SB, HAS_BIAS, BLOCK_M, BLOCK_N, EPI_SUBTILE)
+
+    @triton.jit
+    def _int8_gemm_tma_persistent_kernel(
+        a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET, stride_cm, stride_cn,
+        HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        EPI_SUBTILE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
+    ):
+        """`_int8_gemm_tma_kernel` as a persistent kernel (see `_int8_gemm_persistent_kernel`); WARP_SPEC asks
+        Triton to split the loop into producer (TMA) and consumer (MMA) warps where it supports that."""
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
+                                warp_specialize=WARP_SPEC):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            for kk in range(tl.cdiv(K, BLOCK_K)):
+                a = a_desc.load([off_m, kk * BLOCK_K])
+                b = b_desc.load([off_n, kk * BLOCK_K])
+                acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+            _gemm_epilogue_tile(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn,
+                                HAS_SB, HAS_BIAS, BLOCK_M, BLOCK_N, EPI_SUBTILE)
+
     # the autotuners' choices persist across processes where this Triton can store them (not under the interpreter)
     _AUTOTUNE_CACHE = (
         {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     )
 
     def _autotuned(kernel: Any, configs: list[tuple[int, ...]], key: list[str], disk_cache: bool = False,
-                   pre_hook: Any = None) -> Any:
-        """`kernel` autotuned over (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) configurations (GROUP_M 8)."""
+                   pre_hook: Any = None, extra: dict | None = None) -> Any:
+        """`kernel` autotuned over (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) configurations (GROUP_M 8), with the
+        constexprs `extra` fixed."""
         return triton.autotune(
-            configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st,
-                                   num_warps=wp, pre_hook=pre_hook) for bm, bn, bk, st, wp in configs],
+            configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, **(extra or {})},
+                                   num_stages=st, num_warps=wp, pre_hook=pre_hook) for bm, bn, bk, st, wp in configs],
             key=key, **(_AUTOTUNE_CACHE if disk_cache else {}),
         )(kernel)
 
@@ -174,6 +262,32 @@ if _TRITON_IMPORTED:
     # no disk cache: its configurations carry a pre-hook, which Triton does not store
     _int8_gemm_tma_tuned = _autotuned(_int8_gemm_tma_kernel, _GEMM_CONFIGS,
                                       ["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"], pre_hook=_set_tma_blocks)
+
+    # the persistent kernels need a Triton whose tl.range takes `flatten` and `warp_specialize` (3.4+)
+    _PERSISTENT_OK = {"flatten", "warp_specialize"} <= set(inspect.signature(tl.range).parameters)
+    # the short in-step tuning list of the persistent kernels (pinned table entries come from a broader sweep)
+    _PERSISTENT_CONFIGS = [
+        (128, 256, 128, 3, 8),
+        (128, 256, 128, 4, 8),
+        (256, 128, 128, 3, 8),
+        (128, 128, 128, 4, 8),
+        (64, 256, 128, 4, 4),
+    ]
+    _GEMM_KEY = ["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"]
+    _RAW_GEMMS = {"ptr": _int8_gemm_kernel, "tma": _int8_gemm_tma_kernel, "ptr_persistent": _int8_gemm_persistent_kernel,
+                  "tma_persistent": _int8_gemm_tma_persistent_kernel,
+                  "tma_persistent_ws": _int8_gemm_tma_persistent_kernel}
+    _TUNED_GEMMS = {"ptr": _int8_gemm_tuned, "tma": _int8_gemm_tma_tuned}
+    if _PERSISTENT_OK:
+        _TUNED_GEMMS["ptr_persistent"] = _autotuned(
+            _int8_gemm_persistent_kernel, _PERSISTENT_CONFIGS, _GEMM_KEY,
+            extra={"EPI_SUBTILE": False, "FLATTEN": True, "WARP_SPEC": False})
+        _TUNED_GEMMS["tma_persistent"] = _autotuned(
+            _int8_gemm_tma_persistent_kernel, _PERSISTENT_CONFIGS, _GEMM_KEY, pre_hook=_set_tma_blocks,
+            extra={"EPI_SUBTILE": False, "FLATTEN": True, "WARP_SPEC": False})
+        _TUNED_GEMMS["tma_persistent_ws"] = _autotuned(
+            _int8_gemm_tma_persistent_kernel, _PERSISTENT_CONFIGS, _GEMM_KEY, pre_hook=_set_tma_blocks,
+            extra={"EPI_SUBTILE": False, "FLATTEN": False, "WARP_SPEC": True})
 
     @triton.jit
     def _grad_input_upcast_kernel(
@@ -235,17 +349,188 @@ if _TRITON_IMPORTED:
     # TypeError on the H200, 2026-12-01)
     _grad_input_upcast_tuned = _autotuned(_grad_input_upcast_kernel, _UPCAST_CONFIGS,
                                           ["M_BUCKET", "N", "K", "DTYPE", "LOG4G"])
+else:
+    _TensorDescriptor = None
+    _PERSISTENT_OK = False
 
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Variants, configurations and the pinned per-shape table
+# --------------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GemmVariant:
+    """One forward int8 GEMM kernel: tensor-descriptor (TMA) or pointer loads, one tile per program or persistent
+    (a grid of at most one program per SM looping over the tiles), Triton's warp specialisation or not."""
+
+    name: str
+    tma: bool
+    persistent: bool
+    warp_specialize: bool = False
+
+
+GEMM_VARIANTS: dict[str, GemmVariant] = {v.name: v for v in (
+    GemmVariant("ptr", tma=False, persistent=False),
+    GemmVariant("tma", tma=True, persistent=False),
+    GemmVariant("ptr_persistent", tma=False, persistent=True),
+    GemmVariant("tma_persistent", tma=True, persistent=True),
+    GemmVariant("tma_persistent_ws", tma=True, persistent=True, warp_specialize=True),
+)}
+# "auto": the pinned table's choice for this GPU and shape where it has one, else "ptr" autotuned
+GEMM_KERNELS: tuple[str, ...] = ("auto", *GEMM_VARIANTS)
+GEMM_KERNEL_ENV = "MOSS_INT8_GEMM"  # forces a variant (benchmarks), like set_gemm_kernel
+GEMM_TABLE_ENV = "MOSS_INT8_GEMM_TABLE"  # another table file instead of the shipped one (benchmarks)
+DEFAULT_GEMM_TABLE = Path(__file__).with_name("int8_gemm_table.json")
+_M_BUCKET_MAX = 8192
+
+
+def available_gemm_variants() -> tuple[str, ...]:
+    """The variants this Triton can build (TMA needs tensor descriptors, persistent a tl.range with flatten and
+    warp_specialize); whether the GPU runs them (Hopper for TMA) is checked per call."""
+    if not _TRITON_IMPORTED:
+        return ()
+    return tuple(v.name for v in GEMM_VARIANTS.values()
+                 if (not v.tma or _TensorDescriptor is not None) and (not v.persistent or _PERSISTENT_OK))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """A launch configuration of the forward GEMM kernels. `epi_subtile` (the epilogue in two column halves) and
+    `flatten` (the tile and K loops flattened for the pipeliner) apply to the persistent kernels only."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    epi_subtile: bool = False
+    flatten: bool = True
+
+    def meta(self, variant: GemmVariant) -> dict[str, Any]:
+        """The kernel's block constexprs for `variant`."""
+        meta = {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m}
+        if variant.persistent:
+            meta.update(EPI_SUBTILE=self.epi_subtile, FLATTEN=self.flatten and not variant.warp_specialize,
+                        WARP_SPEC=variant.warp_specialize)
+        return meta
+
+    def options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GemmConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown int8 GEMM configuration keys {sorted(unknown)}; known: {sorted(names)}")
+        return cls(**d)
+
+
+def gemm_m_bucket(m: int) -> int:
+    """The M bucket of the autotuner key and of the pinned table: the next power of two, at most 8192."""
+    return min(_next_pow2(m), _M_BUCKET_MAX)
+
+
+# (gpu, N, K, B K-major) -> [(M bucket, variant, config)] sorted by bucket; None until first read
+_TABLE: dict[str, Any] = {"rows": None, "path": None}
+# (kernel setting, M, N, K, B K-major, device) -> (variant, pinned config or None): decided on a shape's first call
+_CHOICES: dict[tuple, tuple[GemmVariant, GemmConfig | None]] = {}
+
+
+def parse_gemm_table(data: dict[str, Any], source: str) -> dict[tuple, list[tuple[int, str, GemmConfig]]]:
+    """The table's rows by (gpu, N, K, B K-major); `data` is the JSON document ``{"entries": [{"gpu", "n", "k",
+    "m_bucket", "variant", "config", optional "b_kmajor" (default true)}, ...]}``. `gpu` is a device name as
+    torch reports it ("NVIDIA H200") or a compute capability ("sm90"). Entries naming a variant this Triton cannot
+    build are skipped (those shapes fall back to the autotuner)."""
+    rows: dict[tuple, list[tuple[int, str, GemmConfig]]] = {}
+    usable = set(available_gemm_variants())
+    try:
+        for e in data.get("entries", []):
+            if e["variant"] not in GEMM_VARIANTS:
+                raise ValueError(f"unknown variant {e['variant']!r}")
+            if e["variant"] not in usable:
+                continue
+            key = (str(e["gpu"]), int(e["n"]), int(e["k"]), bool(e.get("b_kmajor", True)))
+            rows.setdefault(key, []).append((int(e["m_bucket"]), e["variant"], GemmConfig.from_json(e["config"])))
+    except (KeyError, TypeError, ValueError) as err:
+        raise UserError(f"the int8 GEMM table {source} has a malformed entry ({err}); fix it or regenerate it with"
+                        " python -m bench.int8_gemm_sweep") from err
+    for r in rows.values():
+        r.sort(key=lambda t: t[0])
+    return rows
+
+
+def set_gemm_table(path: str | Path | None) -> None:
+    """Read the pinned per-shape table from `path` (None: the env var ``MOSS_INT8_GEMM_TABLE`` or the shipped
+    `DEFAULT_GEMM_TABLE`); shapes already launched keep their plans until `clear_gemm_plans`."""
+    path = Path(path) if path is not None else Path(os.environ.get(GEMM_TABLE_ENV) or DEFAULT_GEMM_TABLE)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read the int8 GEMM table {path} ({err}); fix the file or unset"
+                        f" {GEMM_TABLE_ENV}") from err
+    _TABLE["rows"], _TABLE["path"] = parse_gemm_table(data, str(path)), path
+    _CHOICES.clear()
+
+
+def pinned_gemm(gpu_names: Sequence[str], n: int, k: int, m: int, b_kmajor: bool = True
+                ) -> tuple[str, GemmConfig] | None:
+    """The table's (variant, config) for a GEMM of M x N x K on a GPU known by `gpu_names` (its name, then its
+    capability, e.g. ("NVIDIA H200", "sm90")): the entry of the nearest M bucket (log2 distance; ties to the larger)
+    of the first name with entries for (N, K). None where the table has nothing for it."""
+    if _TABLE["rows"] is None:
+        set_gemm_table(None)
+    want = gemm_m_bucket(m).bit_length()
+    for gpu in gpu_names:
+        rows = _TABLE["rows"].get((gpu, int(n), int(k), bool(b_kmajor)))
+        if rows:
+            _, variant, config = min(rows, key=lambda r: (abs(r[0].bit_length() - want), -r[0]))
+            return variant, config
+    return None
+
+
+def _gpu_names(device: torch.device) -> tuple[str, ...]:
+    if device.type != "cuda":
+        return ()
+    major, minor = torch.cuda.get_device_capability(device)
+    return (torch.cuda.get_device_name(device), f"sm{major}{minor}")
+
+
+def _choose(device: torch.device, m: int, n: int, k: int, b_kmajor: bool) -> tuple[GemmVariant, GemmConfig | None]:
+    """The variant and (pinned) configuration of a shape: the forced variant (`set_gemm_kernel`) with the table's
+    configuration where the table chose that variant too, else the table's choice ("auto"), else "ptr"; no pinned
+    configuration means the variant's autotuner runs on the first call."""
+    setting = _TUNING["gemm"]
+    pinned = pinned_gemm(_gpu_names(device), n, k, m, b_kmajor)
+    if setting == "auto":
+        return (GEMM_VARIANTS[pinned[0]], pinned[1]) if pinned else (GEMM_VARIANTS["ptr"], None)
+    return GEMM_VARIANTS[setting], (pinned[1] if pinned and pinned[0] == setting else None)
+
+
+def clear_gemm_plans() -> None:
+    """Forget the per-shape choices and launch plans (the next call of each shape decides again)."""
+    _CHOICES.clear()
+    _GEMM_PLANS.clear()
 
 
 def set_gemm_kernel(name: str) -> None:
-    """Choose the forward int8 GEMM on CUDA: "ptr" (default; pointer loads pipelined with cp.async, lowest host cost)
-    or "tma" (tensor-descriptor loads on Hopper+: 4-8 % faster on the GPU at M = 4352, about 30 us more host time per
-    call; falls back to "ptr" where descriptors cannot be used)."""
-    if name not in ("ptr", "tma"):
-        raise ValueError(f"unknown ConvRot GEMM kernel {name!r}; choose 'ptr' or 'tma'")
+    """Choose the forward int8 GEMM on CUDA: "auto" (default: the pinned table's variant and configuration for this
+    GPU and shape, else "ptr" autotuned), or force one of `GEMM_VARIANTS` (autotuned on a shape's first call unless
+    the table pinned that variant for it): "ptr" (pointer loads pipelined with cp.async, lowest host cost), "tma"
+    (tensor-descriptor loads on Hopper+, about 30 us more host time per call), "ptr_persistent", "tma_persistent"
+    and "tma_persistent_ws" (persistent grids; the last with Triton's warp specialisation). TMA variants fall back
+    to their pointer counterparts where descriptors cannot be used; the env var ``MOSS_INT8_GEMM`` sets the same."""
+    if name not in GEMM_KERNELS:
+        raise ValueError(f"unknown ConvRot GEMM kernel {name!r}; choose one of {GEMM_KERNELS}")
+    if name != "auto" and name not in available_gemm_variants():
+        raise ValueError(f"the ConvRot GEMM kernel {name!r} needs a newer Triton; available here:"
+                         f" {available_gemm_variants()}")
     _TUNING["gemm"] = name
-
+    _CHOICES.clear()
 
 
 def set_backward_kernel(name: str) -> None:
@@ -279,8 +564,67 @@ def _tma_ok(a: torch.Tensor, b: torch.Tensor, stride_bn: int, stride_bk: int, k:
     )
 
 
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Programs of a persistent grid: the GPU's SM count (4 under the interpreter, so that programs loop)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
 # (kernel kind, M, N, K, flags, out dtype, device) -> (plain kernel, grid, launch keywords) once the autotuner chose
 _GEMM_PLANS: dict[tuple, tuple] = {}
+# the block shape of every variant under the interpreter (small: the interpreter runs each program in Python)
+_INTERPRET_CONFIG = GemmConfig(32, 32, 32, group_m=4, num_stages=2, num_warps=4)
+
+
+def _gemm_args(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, b_strides_nk: Sequence[int],
+               sb: torch.Tensor | None, bias: torch.Tensor | None, c: torch.Tensor, n: int) -> tuple:
+    """The pointer kernels' runtime arguments (the TMA kernels take descriptors for the first two and no A/B
+    strides: `_tma_args`)."""
+    m, k = a.shape
+    stride_bn, stride_bk = int(b_strides_nk[0]), int(b_strides_nk[1])
+    return (a, b, c, sa, sb if sb is not None else sa, bias if bias is not None else sa, m, n, k, gemm_m_bucket(m),
+            a.stride(0), a.stride(1), stride_bk, stride_bn, c.stride(0), c.stride(1))
+
+
+def _tma_args(args: tuple, a: torch.Tensor, b: torch.Tensor, stride_bn: int, n: int) -> tuple[tuple, tuple]:
+    m, k = a.shape
+    descs = (_TensorDescriptor(a, [m, k], [a.stride(0), 1], [1, 16]),
+             _TensorDescriptor(b, [n, k], [stride_bn, 1], [1, 16]))
+    return (*descs, *args[2:10], args[14], args[15]), descs
+
+
+def launch_gemm_variant(
+    variant: str, config: GemmConfig, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor,
+    b_strides_nk: Sequence[int], sb: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor,
+    programs: int | None = None,
+) -> torch.Tensor:
+    """One launch of `variant` with `config` through Triton's normal launch path (no tuner, no plan): `out` [M, N]
+    = epilogue(a @ B) as in `_int8_gemm_triton`. For benchmarks and tests; `programs` caps a persistent grid
+    (default: the SM count). TMA variants need K-major operands (b_strides_nk[1] == 1) with 16-byte aligned rows."""
+    v = GEMM_VARIANTS[variant]
+    m, k = a.shape
+    n = out.shape[1]
+    args = _gemm_args(a, sa, b, b_strides_nk, sb, bias, out, n)
+    flags: dict[str, Any] = {"HAS_SB": sb is not None, "HAS_BIAS": bias is not None}
+    if v.tma:
+        if int(b_strides_nk[1]) != 1 or a.stride(1) != 1:
+            raise ValueError(f"the {variant} GEMM needs K-major operands")
+        args, descs = _tma_args(args, a, b, int(b_strides_nk[0]), n)
+        descs[0].block_shape = [config.block_m, config.block_k]
+        descs[1].block_shape = [config.block_n, config.block_k]
+    else:
+        flags["EVEN_K"] = k % config.block_k == 0
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    grid = (min(tiles, programs or _num_sms(a.device)) if v.persistent else tiles,)
+    _RAW_GEMMS[variant][grid](*args, **flags, **config.meta(v), **config.options())
+    return out
 
 
 def _int8_gemm_triton(
@@ -299,35 +643,37 @@ def _int8_gemm_triton(
     if m == 0:
         return c
     stride_bn, stride_bk = int(b_strides_nk[0]), int(b_strides_nk[1])
-    m_bucket = min(_next_pow2(m), 8192)
-    stride_am, stride_ak = a.stride()
-    stride_cm, stride_cn = max(n, 1), 1  # c is new and contiguous
-    args = (
-        a, b, c, sa, sb if sb is not None else sa, bias if bias is not None else sa, m, n, k,
-        m_bucket, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    )
+    if _INTERPRET:  # the chosen variant's pointer form (TMA needs a GPU) with small blocks
+        persistent = _TUNING["gemm"] != "auto" and GEMM_VARIANTS[_TUNING["gemm"]].persistent
+        return launch_gemm_variant("ptr_persistent" if persistent else "ptr", _INTERPRET_CONFIG, a, sa, b,
+                                   b_strides_nk, sb, bias, c)
+    args = _gemm_args(a, sa, b, b_strides_nk, sb, bias, c, n)
     has_sb, has_bias = sb is not None, bias is not None
-    if _INTERPRET:
-        bm, bn, bk = 32, 32, 32
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-        _int8_gemm_kernel[grid](
-            *args, HAS_SB=has_sb, HAS_BIAS=has_bias, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4,
-        )
+    device = a.get_device()
+    choice_key = (_TUNING["gemm"], m, n, k, stride_bk == 1, device)
+    choice = _CHOICES.get(choice_key)
+    if choice is None:
+        choice = _CHOICES[choice_key] = _choose(a.device, m, n, k, stride_bk == 1)
+    variant, config = choice
+    pinned = None if config is None else (config.meta(variant), config.options())
+    programs = _num_sms(a.device) if variant.persistent else None
+    if variant.tma and _tma_ok(a, b, stride_bn, stride_bk, k):
+        tma_args, descs = _tma_args(args, a, b, stride_bn, n)
+        key = (variant.name, m, n, k, has_sb, has_bias, out_dtype, device)
+        _launch_tuned(_TUNED_GEMMS[variant.name], _RAW_GEMMS[variant.name], key, m, n, tma_args,
+                      {"HAS_SB": has_sb, "HAS_BIAS": has_bias}, descs, pinned=pinned, programs=programs)
         return c
-    if _TUNING["gemm"] == "tma" and _tma_ok(a, b, stride_bn, stride_bk, k):
-        descs = (_TensorDescriptor(a, [m, k], [a.stride(0), 1], [1, 16]),
-                 _TensorDescriptor(b, [n, k], [stride_bn, 1], [1, 16]))
-        tma_args = (*descs, *args[2:10], c.stride(0), c.stride(1))
-        key = ("tma", m, n, k, has_sb, has_bias, out_dtype, a.get_device())
-        _launch_tuned(_int8_gemm_tma_tuned, _int8_gemm_tma_kernel, key, m, n, tma_args,
-                      {"HAS_SB": has_sb, "HAS_BIAS": has_bias}, descs)
-        return c
-    key = ("ptr", m, n, k, has_sb, has_bias, out_dtype, a.get_device())
+    name = "ptr_persistent" if variant.persistent else "ptr"
+    if variant.warp_specialize and pinned is not None:  # the pointer kernel without the warp specialisation
+        pinned = (config.meta(GEMM_VARIANTS[name]), pinned[1])
+    key = (name, m, n, k, has_sb, has_bias, out_dtype, device)
     # the plan fixes the sizes and dtypes and c is new: the operands' alignments and strides decide the rest
     direct_key = (a.data_ptr() & 15, b.data_ptr() & 15, sa.data_ptr() & 15, 0 if sb is None else sb.data_ptr() & 15,
-                  0 if bias is None else bias.data_ptr() & 15, stride_am, stride_ak, stride_bk, stride_bn, stride_cm)
-    _launch_tuned(_int8_gemm_tuned, _int8_gemm_kernel, key, m, n, args,
-                  {"HAS_SB": has_sb, "HAS_BIAS": has_bias, "EVEN_K": k % 128 == 0}, None, direct_key)
+                  0 if bias is None else bias.data_ptr() & 15, args[10], args[11], stride_bk, stride_bn, args[14])
+    block_k = config.block_k if config is not None else 128  # the tuned lists' BLOCK_K divide 128
+    _launch_tuned(_TUNED_GEMMS[name], _RAW_GEMMS[name], key, m, n, args,
+                  {"HAS_SB": has_sb, "HAS_BIAS": has_bias, "EVEN_K": k % block_k == 0}, None, direct_key,
+                  pinned=pinned, programs=programs)
     return c
 
 
@@ -357,24 +703,31 @@ def _grad_input_upcast_triton(
 
 def _launch_tuned(
     tuned: Any, raw: Any, key: tuple, m: int, n: int, args: tuple, flags: dict, descs: tuple | None,
-    direct_key: tuple | None = None,
+    direct_key: tuple | None = None, pinned: tuple[dict, dict] | None = None, programs: int | None = None,
 ) -> None:
-    """Autotune on the first call of a shape, then launch the plain kernel with the chosen config, its grid and
-    keywords kept per shape (the autotuner's per-call bookkeeping is a noticeable share of the host time): directly
-    (`DirectLauncher`, with `direct_key` as its specialisation key when given) unless TMA descriptors are used."""
+    """Autotune on the first call of a shape (or take the `pinned` (constexprs, launch options) of the table), then
+    launch the plain kernel with the chosen config, its grid and keywords kept per shape (the autotuner's per-call
+    bookkeeping is a noticeable share of the host time): directly (`DirectLauncher`, with `direct_key` as its
+    specialisation key when given) unless TMA descriptors are used. `programs` caps the grid of a persistent
+    kernel."""
     plan = _GEMM_PLANS.get(key)
     if plan is None:
         def grid(meta: dict) -> tuple[int]:
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+            tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+            return (min(tiles, programs) if programs else tiles,)
 
-        tuned[grid](*args, **flags)
-        cfg = tuned.best_config
-        meta = dict(cfg.kwargs)
-        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        if pinned is None:
+            tuned[grid](*args, **flags)
+            cfg = tuned.best_config
+            meta = dict(cfg.kwargs)
+            options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        else:
+            meta, options = pinned
         # the pointer kernels launch directly from now on; the TMA kernel's descriptors change per call
         direct = DirectLauncher(raw, {**flags, **meta}, options) if descs is None else None
-        _GEMM_PLANS[key] = (raw[grid(meta)], meta, {**flags, **meta, **options}, direct, (*grid(meta), 1, 1))
-        return
+        plan = _GEMM_PLANS[key] = (raw[grid(meta)], meta, {**flags, **meta, **options}, direct, (*grid(meta), 1, 1))
+        if pinned is None:  # the tuner ran this call already
+            return
     launch, meta, keywords, direct, grid3 = plan
     if direct is not None:
         direct(grid3, args, direct_key)
@@ -382,3 +735,7 @@ def _launch_tuned(
     descs[0].block_shape = [meta["BLOCK_M"], meta["BLOCK_K"]]
     descs[1].block_shape = [meta["BLOCK_N"], meta["BLOCK_K"]]
     launch(*args, **keywords)
+
+
+if os.environ.get(GEMM_KERNEL_ENV):
+    set_gemm_kernel(os.environ[GEMM_KERNEL_ENV])
