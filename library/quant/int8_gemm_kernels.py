@@ -1,15 +1,27 @@
-"""The int8 GEMMs of the ConvRot INT8 Linear (Triton): the forward GEMM with its dequantisation epilogue and the
-"upcast" grad-input GEMM of the bf16 backward, with their configurations, autotuners and launch plans.
+"""The int8 GEMMs of the ConvRot INT8 Linear (Triton): forward variants (pointer / TMA loads, one tile per program or
+persistent) with the dequantisation epilogue, the upcast grad-input GEMM, their autotuners, launch plans and the
+pinned per-shape table.
 
 - `_int8_gemm_triton`: ``T_out(fp32(A @ B) * (s_a[m] * s_b[n]))`` then ``+ bias`` in T_out, for int8 A [M, K] and a
-  weight read in place through its strides; int32 accumulation (exact). Two kernels: "ptr" (pointer loads,
-  pipelined with cp.async; default) and "tma" (tensor-descriptor loads on Hopper+), chosen by `set_gemm_kernel`.
+  weight read in place through its strides; int32 accumulation (exact, so every variant and configuration gives
+  identical outputs). Variants (`GEMM_VARIANTS`): "ptr" (pointer loads pipelined with cp.async), "tma"
+  (tensor-descriptor loads, Hopper+), "ptr_persistent" / "tma_persistent" (a grid of at most one program per SM
+  looping over the tiles in grouped order, the tile loop flattened so that one tile's epilogue overlaps the next
+  tile's loads, optionally the epilogue in two column halves) and "tma_persistent_ws" (Triton's warp
+  specialisation of that loop). The persistent ones need a Triton whose ``tl.range`` takes ``flatten`` and
+  ``warp_specialize``; `available_gemm_variants` says what this one builds.
+- which variant and configuration a shape gets: `set_gemm_kernel` (or the env var ``MOSS_INT8_GEMM``) forces a
+  variant; "auto" (default) looks the GPU (its name, then its compute capability) and the shape (N, K, B layout,
+  nearest M bucket) up in the pinned table (``int8_gemm_table.json`` next to this module, or the file named by
+  ``MOSS_INT8_GEMM_TABLE``; written from ``python -m bench.int8_gemm_sweep``), so that a pinned shape never
+  autotunes in a training step; a GPU or shape without an entry gets "ptr", autotuned on its first call.
 - `_grad_input_upcast_triton`: grad_x = grad_y @ W with the int8 codes upcast inside the GEMM and the inverse
   rotation applied to the output tile (`set_backward_kernel("upcast")`).
 
-Each shape is autotuned on its first call; the chosen configuration, grid and launch keywords are then kept per
-shape (`_GEMM_PLANS`) and the pointer kernels launch through `library.quant.triton_launch.DirectLauncher`.
-`library.quant.convrot_kernels` re-exports the names used elsewhere.
+The choice, configuration, grid and launch keywords are kept per shape (`_GEMM_PLANS`) after the first call, and
+the pointer kernels launch through `library.quant.triton_launch.DirectLauncher`. `launch_gemm_variant` launches one
+variant with an explicit configuration (the sweep, tests). `library.quant.convrot_kernels` re-exports the names
+used elsewhere.
 """
 
 from __future__ import annotations
