@@ -286,6 +286,20 @@ def _check_task(variant: str) -> tuple[str, dict[str, Any]]:
     return variant, check_variants([variant], "cuda")[variant]
 
 
+def run_checks_in(pool: Any, variants: list[str], deadline: float) -> dict[str, Any]:
+    """`check_variants` in the worker pool, one variant per worker; a variant not done by `deadline` (a compile
+    that hangs) is recorded as timed out and left out of the sweep."""
+    checks: dict[str, Any] = {v: {"error": "timeout"} for v in variants}
+    results = pool.imap_unordered(_check_task, variants)
+    for _ in variants:
+        try:
+            v, r = results.next(timeout=max(1.0, deadline - time.monotonic()))
+        except multiprocessing.TimeoutError:
+            break
+        checks[v] = r
+    return checks
+
+
 def _compile_task(task: tuple[dict, str, dict]) -> tuple[tuple, str, dict, str | None]:
     """Worker: compile (and launch once) one variant x config at one case's specialisation."""
     case_d, variant, cfg_d = task
@@ -426,6 +440,17 @@ def _env() -> dict[str, Any]:
             "timing": "CUDA graph of --inner launches, median of --reps replays; L2 not flushed"}
 
 
+def write_results(res: dict[str, Any], args: argparse.Namespace, t0: float) -> None:
+    """The sweep's JSON and (with --table_out) the pinned table of the cases measured so far."""
+    res["table"] = {"entries": table_entries(res["cases"], res["env"]["gpu"])}
+    res["wall_s"] = time.monotonic() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1), encoding="utf-8")
+    if args.table_out:
+        about = json.loads(G.DEFAULT_GEMM_TABLE.read_text(encoding="utf-8")).get("about", "")
+        Path(args.table_out).write_text(json.dumps({"about": about, **res["table"]}, indent=1), encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -438,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 0 else None
     try:
         if pool is not None:  # the small checks compile in parallel too
-            res["checks"] = dict(pool.map(_check_task, wanted))
+            res["checks"] = run_checks_in(pool, wanted, t0 + 0.25 * args.budget_s)
         else:
             res["checks"] = check_variants(wanted, "cuda")
         variants = [v for v in wanted if res["checks"][v].get("int32_exact")
@@ -458,13 +483,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for case in cases:
         res["cases"].append(sweep_case(case, variants, args.reps, args.inner, deadline))
         torch.cuda.empty_cache()
-    res["table"] = {"entries": table_entries(res["cases"], res["env"]["gpu"])}
-    res["wall_s"] = time.monotonic() - t0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1), encoding="utf-8")
-    if args.table_out:
-        about = json.loads(G.DEFAULT_GEMM_TABLE.read_text(encoding="utf-8")).get("about", "")
-        Path(args.table_out).write_text(json.dumps({"about": about, **res["table"]}, indent=1), encoding="utf-8")
+        write_results(res, args, t0)  # after every case: a run cut short keeps what it measured
     for r in res["cases"]:
         b = r.get("best") or {}
         print(f"{r['case']:<28} best {b.get('variant', '-'):<18} {b.get('tops', 0):7.1f} TOPS"
