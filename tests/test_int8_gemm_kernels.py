@@ -43,12 +43,17 @@ def run_checks() -> dict:
         for v in out["variants"]:
             for sub in (False, True):
                 cfg = GemmConfig(16, 32, 32, group_m=2, num_stages=2, num_warps=4, epi_subtile=sub)
-                c = G.launch_gemm_variant(v, cfg, a, sa, w, w.stride(), sb, bias,
-                                          torch.empty(m, n, dtype=torch.bfloat16), programs=3)
-                case = {"variant": v, "subtile": sub, "shape": [m, n, k], "identical": bool(torch.equal(c, ref))}
+                # 4 programs: they loop over the 9 or 8 tiles; the split-tail kernel splits the 9th over 3 of them
+                outs = [G.launch_gemm_variant(v, cfg, a, sa, w, w.stride(), sb, bias,
+                                              torch.empty(m, n, dtype=torch.bfloat16), programs=4)
+                        for _ in range(2 if G.GEMM_VARIANTS[v].split_tail else 1)]
+                case = {"variant": v, "subtile": sub, "shape": [m, n, k],
+                        "identical": all(torch.equal(c, ref) for c in outs)}
+                if G.GEMM_VARIANTS[v].split_tail:  # the kernel leaves its workspace and counters zeroed
+                    case["workspace_clean"] = all(not t.any() for t in G._WORKSPACES[a.device])
                 if not G.GEMM_VARIANTS[v].tma:
                     c32 = G.launch_gemm_variant(v, cfg, a, sa, wt, (1, n), None, None,
-                                                torch.empty(m, n, dtype=torch.float32), programs=3)
+                                                torch.empty(m, n, dtype=torch.float32), programs=4)
                     case["nmajor_identical"] = bool(torch.equal(c32, K._epilogue_eager(acc, sa, None, torch.float32)))
                 out["cases"].append(case)
     # the public path with a persistent variant forced, and a pinned plan that never runs the autotuner
@@ -104,10 +109,10 @@ def test_gemm_variants_under_the_interpreter():
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"ptr", "ptr_persistent", "tma", "tma_persistent"} <= set(res["variants"])
+    assert {"ptr", "ptr_persistent", "tma", "tma_persistent", "tma_split_tail"} <= set(res["variants"])
     assert len(res["cases"]) == 2 * 2 * len(res["variants"])
     for c in res["cases"]:
-        assert c["identical"] and c.get("nmajor_identical", True), c
+        assert c["identical"] and c.get("nmajor_identical", True) and c.get("workspace_clean", True), c
     assert res["forced_persistent"] and res["pinned_plan"]
 
 

@@ -7,8 +7,10 @@ pinned per-shape table.
   identical outputs). Variants (`GEMM_VARIANTS`): "ptr" (pointer loads pipelined with cp.async), "tma"
   (tensor-descriptor loads, Hopper+), "ptr_persistent" / "tma_persistent" (a grid of at most one program per SM
   looping over the tiles in grouped order, the tile loop flattened so that one tile's epilogue overlaps the next
-  tile's loads, optionally the epilogue in two column halves) and "tma_persistent_ws" (Triton's warp
-  specialisation of that loop). The persistent ones need a Triton whose ``tl.range`` takes ``flatten`` and
+  tile's loads, optionally the epilogue in two column halves), "tma_persistent_ws" (Triton's warp
+  specialisation of that loop) and "tma_split_tail" (persistent, with the tiles of the last partial wave split
+  along K over the whole grid: exact int32 partial sums added with atomics, so that e.g. 408 tiles on 132 SMs take
+  about 3.1 tile times instead of 4). The persistent ones need a Triton whose ``tl.range`` takes ``flatten`` and
   ``warp_specialize``; `available_gemm_variants` says what this one builds.
 - which variant and configuration a shape gets: `set_gemm_kernel` (or the env var ``MOSS_INT8_GEMM``) forces a
   variant; "auto" (default) looks the GPU (its name, then its compute capability) and the shape (N, K, B layout,
@@ -233,6 +235,64 @@ if _TRITON_IMPORTED:
             _gemm_epilogue_tile(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn,
                                 HAS_SB, HAS_BIAS, BLOCK_M, BLOCK_N, EPI_SUBTILE)
 
+    @triton.jit
+    def _tma_tile_acc(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        """int32 sum over the K tiles [k_lo, k_hi) of one output tile."""
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for kk in range(k_lo, k_hi):
+            a = a_desc.load([off_m, kk * BLOCK_K])
+            b = b_desc.load([off_n, kk * BLOCK_K])
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+        return acc
+
+    @triton.jit
+    def _int8_gemm_tma_split_tail_kernel(
+        a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K, M_BUCKET, stride_cm, stride_cn,
+        HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        EPI_SUBTILE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
+    ):
+        """`_int8_gemm_tma_persistent_kernel` without the last, partial wave: when the tiles leave a remainder of
+        `tail` tiles (at most half the grid) after whole waves, those tiles are split along K over all programs
+        (grid // tail splits each). Each split adds its int32 partial sums into a workspace tile with atomics
+        (integer sums: exact in any order) and bumps the tile's counter; the split that arrives last reads the sums
+        back (resetting workspace and counter to zero for the next launch) and runs the epilogue. `ws_ptr` (int32,
+        tail x BLOCK_M x BLOCK_N) and `cnt_ptr` (int32, tail) must be zero before the launch; launches sharing them
+        must not run concurrently (one stream)."""
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_tiles = num_pid_m * num_pid_n
+        programs = tl.num_programs(0)
+        pid = tl.program_id(0)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        tail = num_tiles % programs
+        splits = tl.minimum(programs // tl.maximum(tail, 1), k_tiles)
+        split_tail = (tail > 0) & (splits >= 2)
+        whole = tl.where(split_tail, num_tiles - tail, num_tiles)
+        for tile_id in tl.range(pid, whole, programs, flatten=FLATTEN, warp_specialize=WARP_SPEC):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = _tma_tile_acc(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, k_tiles, BLOCK_M, BLOCK_N,
+                                BLOCK_K)
+            _gemm_epilogue_tile(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                                stride_cm, stride_cn, HAS_SB, HAS_BIAS, BLOCK_M, BLOCK_N, EPI_SUBTILE)
+        if split_tail & (pid < tail * splits):
+            t = pid // splits
+            j = pid % splits
+            pid_m, pid_n = _tile_coords(whole + t, num_pid_m, num_pid_n, GROUP_M)
+            acc = _tma_tile_acc(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, j * k_tiles // splits,
+                                (j + 1) * k_tiles // splits, BLOCK_M, BLOCK_N, BLOCK_K)
+            offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            ws_ptrs = ws_ptr + t.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs
+            tl.atomic_add(ws_ptrs, acc, sem="relaxed")
+            tl.debug_barrier()  # every thread's partial sums are issued before the counter's release
+            arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
+            if arrived == splits - 1:  # the last split: all partial sums are in the workspace
+                total = tl.atomic_xchg(ws_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32), sem="relaxed")
+                tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed")
+                _gemm_epilogue_tile(total, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                                    M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS, BLOCK_M, BLOCK_N, EPI_SUBTILE)
+
     # the autotuners' choices persist across processes where this Triton can store them (not under the interpreter)
     _AUTOTUNE_CACHE = (
         {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
@@ -288,7 +348,8 @@ if _TRITON_IMPORTED:
     _GEMM_KEY = ["M_BUCKET", "N", "K", "HAS_SB", "HAS_BIAS"]
     _RAW_GEMMS = {"ptr": _int8_gemm_kernel, "tma": _int8_gemm_tma_kernel, "ptr_persistent": _int8_gemm_persistent_kernel,
                   "tma_persistent": _int8_gemm_tma_persistent_kernel,
-                  "tma_persistent_ws": _int8_gemm_tma_persistent_kernel}
+                  "tma_persistent_ws": _int8_gemm_tma_persistent_kernel,
+                  "tma_split_tail": _int8_gemm_tma_split_tail_kernel}
     _TUNED_GEMMS = {"ptr": _int8_gemm_tuned, "tma": _int8_gemm_tma_tuned}
     if _PERSISTENT_OK:
         _TUNED_GEMMS["ptr_persistent"] = _autotuned(
@@ -296,6 +357,9 @@ if _TRITON_IMPORTED:
             extra={"EPI_SUBTILE": False, "FLATTEN": True, "WARP_SPEC": False})
         _TUNED_GEMMS["tma_persistent"] = _autotuned(
             _int8_gemm_tma_persistent_kernel, _PERSISTENT_CONFIGS, _GEMM_KEY, pre_hook=_set_tma_blocks,
+            extra={"EPI_SUBTILE": False, "FLATTEN": True, "WARP_SPEC": False})
+        _TUNED_GEMMS["tma_split_tail"] = _autotuned(
+            _int8_gemm_tma_split_tail_kernel, _PERSISTENT_CONFIGS, _GEMM_KEY, pre_hook=_set_tma_blocks,
             extra={"EPI_SUBTILE": False, "FLATTEN": True, "WARP_SPEC": False})
         _TUNED_GEMMS["tma_persistent_ws"] = _autotuned(
             _int8_gemm_tma_persistent_kernel, _PERSISTENT_CONFIGS, _GEMM_KEY, pre_hook=_set_tma_blocks,
@@ -379,6 +443,7 @@ class GemmVariant:
     tma: bool
     persistent: bool
     warp_specialize: bool = False
+    split_tail: bool = False  # the last partial wave's tiles split along K (a workspace and counters)
 
 
 GEMM_VARIANTS: dict[str, GemmVariant] = {v.name: v for v in (
@@ -387,6 +452,7 @@ GEMM_VARIANTS: dict[str, GemmVariant] = {v.name: v for v in (
     GemmVariant("ptr_persistent", tma=False, persistent=True),
     GemmVariant("tma_persistent", tma=True, persistent=True),
     GemmVariant("tma_persistent_ws", tma=True, persistent=True, warp_specialize=True),
+    GemmVariant("tma_split_tail", tma=True, persistent=True, split_tail=True),
 )}
 # "auto": the pinned table's choice for this GPU and shape where it has one, else "ptr" autotuned
 GEMM_KERNELS: tuple[str, ...] = ("auto", *GEMM_VARIANTS)
@@ -534,7 +600,8 @@ def set_gemm_kernel(name: str) -> None:
     GPU and shape, else "ptr" autotuned), or force one of `GEMM_VARIANTS` (autotuned on a shape's first call unless
     the table pinned that variant for it): "ptr" (pointer loads pipelined with cp.async, lowest host cost), "tma"
     (tensor-descriptor loads on Hopper+, about 30 us more host time per call), "ptr_persistent", "tma_persistent"
-    and "tma_persistent_ws" (persistent grids; the last with Triton's warp specialisation). TMA variants fall back
+    "tma_persistent_ws" and "tma_split_tail" (persistent grids; with Triton's warp specialisation; with the last
+    partial wave split along K). TMA variants fall back
     to their pointer counterparts where descriptors cannot be used; the env var ``MOSS_INT8_GEMM`` sets the same."""
     if name not in GEMM_KERNELS:
         raise ValueError(f"unknown ConvRot GEMM kernel {name!r}; choose one of {GEMM_KERNELS}")
@@ -605,11 +672,32 @@ def _gemm_args(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, b_strides_nk:
             a.stride(0), a.stride(1), stride_bk, stride_bn, c.stride(0), c.stride(1))
 
 
-def _tma_args(args: tuple, a: torch.Tensor, b: torch.Tensor, stride_bn: int, n: int) -> tuple[tuple, tuple]:
+def _tma_args(args: tuple, a: torch.Tensor, b: torch.Tensor, stride_bn: int, n: int,
+              workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[tuple, tuple]:
+    """The TMA kernels' runtime arguments from the pointer kernels' (`workspace`: the split-tail kernel's)."""
     m, k = a.shape
     descs = (_TensorDescriptor(a, [m, k], [a.stride(0), 1], [1, 16]),
              _TensorDescriptor(b, [n, k], [stride_bn, 1], [1, 16]))
-    return (*descs, *args[2:10], args[14], args[15]), descs
+    ws = () if workspace is None else workspace
+    return (*descs, *args[2:6], *ws, *args[6:10], args[14], args[15]), descs
+
+
+# device -> (int32 partial-sum workspace, int32 tile counters) of the split-tail kernel, zero between launches (the
+# kernel leaves them zeroed); grown on demand
+_WORKSPACES: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_tail_workspace(device: torch.device, tiles: int, programs: int, block_m: int, block_n: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zeroed workspace for a split-tail launch of `tiles` tiles on `programs` programs (the tail is at most
+    half the grid, so programs // 2 tiles of partial sums at most)."""
+    need = max(1, programs // 2) * block_m * block_n
+    ws = _WORKSPACES.get(device)
+    if ws is None or ws[0].numel() < need or ws[1].numel() < programs:
+        ws = (torch.zeros(need, dtype=torch.int32, device=device), torch.zeros(max(programs, 1), dtype=torch.int32,
+                                                                               device=device))
+        _WORKSPACES[device] = ws
+    return ws
 
 
 def launch_gemm_variant(
@@ -625,16 +713,18 @@ def launch_gemm_variant(
     n = out.shape[1]
     args = _gemm_args(a, sa, b, b_strides_nk, sb, bias, out, n)
     flags: dict[str, Any] = {"HAS_SB": sb is not None, "HAS_BIAS": bias is not None}
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    grid = (min(tiles, programs or _num_sms(a.device)) if v.persistent else tiles,)
     if v.tma:
         if int(b_strides_nk[1]) != 1 or a.stride(1) != 1:
             raise ValueError(f"the {variant} GEMM needs K-major operands")
-        args, descs = _tma_args(args, a, b, int(b_strides_nk[0]), n)
+        ws = (_split_tail_workspace(a.device, tiles, grid[0], config.block_m, config.block_n) if v.split_tail
+              else None)
+        args, descs = _tma_args(args, a, b, int(b_strides_nk[0]), n, ws)
         descs[0].block_shape = [config.block_m, config.block_k]
         descs[1].block_shape = [config.block_n, config.block_k]
     else:
         flags["EVEN_K"] = k % config.block_k == 0
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    grid = (min(tiles, programs or _num_sms(a.device)) if v.persistent else tiles,)
     _RAW_GEMMS[variant][grid](*args, **flags, **config.meta(v), **config.options())
     return out
 
@@ -670,7 +760,9 @@ def _int8_gemm_triton(
     pinned = None if config is None else (config.meta(variant), config.options())
     programs = _num_sms(a.device) if variant.persistent else None
     if variant.tma and _tma_ok(a, b, stride_bn, stride_bk, k):
-        tma_args, descs = _tma_args(args, a, b, stride_bn, n)
+        # the split-tail workspace is sized for any configuration's tiles (programs // 2 tiles of 256 x 256)
+        ws = _split_tail_workspace(a.device, 0, programs, 256, 256) if variant.split_tail else None
+        tma_args, descs = _tma_args(args, a, b, stride_bn, n, ws)
         key = (variant.name, m, n, k, has_sb, has_bias, out_dtype, device)
         _launch_tuned(_TUNED_GEMMS[variant.name], _RAW_GEMMS[variant.name], key, m, n, tma_args,
                       {"HAS_SB": has_sb, "HAS_BIAS": has_bias}, descs, pinned=pinned, programs=programs)
