@@ -218,6 +218,8 @@ def test_sweep_arguments_and_cases():
     assert any(c.epi_subtile for c in persistent) and any(not c.flatten for c in persistent)
     assert len(set(persistent)) == len(persistent) and len(S.sweep_configs("ptr", small=True)) < len(S._BROAD)
     assert len(S.compile_tasks(work)) == len({(c.signature(), v, cfg) for c, v, cfg in work})
+    te = S.Case("te", 300, 1024, 12288)
+    assert te.proxy().signature() == te.signature() and te.proxy().m < 300 and te.proxy().k < 12288
 
 
 def test_sweep_text_encoder_shapes():
