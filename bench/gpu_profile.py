@@ -71,6 +71,7 @@ def kernel_profile(fn: Callable[[], Any], steps: int = 3, top: int = 25) -> dict
         calls[e.name] += 1
     span = max(b for _, b in intervals) - min(a for a, _ in intervals)
     busy = _union_us(intervals)
+    gaps = _largest_gaps(sorted(kernels, key=lambda e: e.time_range.start), top=12)
     per = 1e3 * steps
     return {
         "steps": steps,
@@ -81,4 +82,19 @@ def kernel_profile(fn: Callable[[], Any], steps: int = 3, top: int = 25) -> dict
         "categories_ms": {c: round(us / per, 2) for c, us in by_cat.most_common()},
         "top_kernels": [{"name": n[:160], "ms": round(us / per, 3), "calls": calls[n] // steps}
                         for n, us in by_name.most_common(top)],
+        "largest_gaps": gaps,
     }
+
+
+def _largest_gaps(kernels: list[Any], top: int) -> list[dict[str, Any]]:
+    """The `top` longest stretches with no kernel running (over all recorded calls), with the kernels on each side:
+    where the GPU waits for the host."""
+    gaps = []
+    end, last = kernels[0].time_range.end, kernels[0].name
+    for e in kernels[1:]:
+        if e.time_range.start > end:
+            gaps.append((e.time_range.start - end, last, e.name))
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e.name
+    gaps.sort(reverse=True)
+    return [{"us": round(us, 1), "after": a[:100], "before": b[:100]} for us, a, b in gaps[:top]]
