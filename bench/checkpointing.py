@@ -53,6 +53,7 @@ SWAP20_H2D = ["--blocks_to_swap", "20", "--block_swap_h2d_only"]
 CONFIGS: dict[str, list[str]] = {
     "no_gc_compile": ["--compile"],
     "no_gc_compile_max_autotune": ["--compile", "--compile_mode", "max-autotune-no-cudagraphs"],
+    "no_gc_compile_reduce_overhead": ["--compile", "--compile_mode", "reduce-overhead"],
     "gc_selective_compile_max_autotune": [*SELECTIVE, "--compile", "--compile_mode", "max-autotune-no-cudagraphs"],
     "gc_full_compile": [*GC, "--compile"],
     "gc_selective_compile": [*SELECTIVE, "--compile"],
