@@ -53,6 +53,8 @@ SWAP20_H2D = ["--blocks_to_swap", "20", "--block_swap_h2d_only"]
 CONFIGS: dict[str, list[str]] = {
     "no_gc_compile": ["--compile"],
     "no_gc_compile_max_autotune": ["--compile", "--compile_mode", "max-autotune-no-cudagraphs"],
+    "gc_full_compile_int8": [*GC, "--compile", "--convrot_int8"],
+    "no_gc_compile_int8": ["--compile", "--convrot_int8"],
     "no_gc_compile_reduce_overhead": ["--compile", "--compile_mode", "reduce-overhead"],
     "gc_selective_compile_max_autotune": [*SELECTIVE, "--compile", "--compile_mode", "max-autotune-no-cudagraphs"],
     "gc_full_compile": [*GC, "--compile"],
