@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 import moss_image_train_network as trainer_script
+from bench.gpu_profile import kernel_profile
 from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState, StepGarbageCollector
 from library.training.run_options import RunOptions
@@ -50,6 +52,11 @@ SELECTIVE = [*GC, "--checkpointing_policy", "selective"]
 SWAP20_H2D = ["--blocks_to_swap", "20", "--block_swap_h2d_only"]
 CONFIGS: dict[str, list[str]] = {
     "no_gc_compile": ["--compile"],
+    "no_gc_compile_max_autotune": ["--compile", "--compile_mode", "max-autotune-no-cudagraphs"],
+    "gc_full_compile_int8": [*GC, "--compile", "--convrot_int8"],
+    "no_gc_compile_int8": ["--compile", "--convrot_int8"],
+    "no_gc_compile_reduce_overhead": ["--compile", "--compile_mode", "reduce-overhead"],
+    "gc_selective_compile_max_autotune": [*SELECTIVE, "--compile", "--compile_mode", "max-autotune-no-cudagraphs"],
     "gc_full_compile": [*GC, "--compile"],
     "gc_selective_compile": [*SELECTIVE, "--compile"],
     "gc_full_eager": GC,
@@ -69,9 +76,10 @@ class Shape(SimpleNamespace):
 
 
 FULL = Shape(image=1024, text_tokens=256, rank=16, device="cuda", precision="bf16", backend="inductor", steps=20,
-             warmup=3)
+             warmup=3, profile=False)
 # fp32 on the CPU (bf16 matmuls there are slow) and dynamo without code generation: a smoke run in seconds
-TINY = Shape(image=64, text_tokens=8, rank=4, device="cpu", precision="no", backend="eager", steps=3, warmup=1)
+TINY = Shape(image=64, text_tokens=8, rank=4, device="cpu", precision="no", backend="eager", steps=3, warmup=1,
+             profile=False)
 
 
 class _OneBucket:
@@ -175,16 +183,34 @@ def _syncs_per_step(trainer: Any, run: RunState, batch: dict[str, Any], steps: i
     synchronising operation, with its count); (None, {}) on the CPU."""
     if not torch.cuda.is_available():
         return None, {}
-    with warnings.catch_warnings(record=True) as caught:
+    caught: list[str] = []
+
+    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        # the sync debug mode's own reset at the end of `_sync_debug` reports once: not the step's
+        if "synchroniz" in str(message) and not any(f.name == "_sync_debug" for f in traceback.extract_stack()):
+            caught.append(_call_chain(filename, lineno))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         trainer._run_epoch(run, _sync_debug(batch, steps), _Progress(), *loop)
         torch.cuda.synchronize()
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
     sites: dict[str, int] = {}
-    for w in syncs:
-        site = f"{os.path.relpath(w.filename, REPO) if w.filename.startswith(str(REPO)) else w.filename}:{w.lineno}"
+    for site in caught:
         sites[site] = sites.get(site, 0) + 1
-    return len(syncs) / steps, sites
+    return len(caught) / steps, sites
+
+
+def _short(filename: str) -> str:
+    return os.path.relpath(filename, REPO) if filename.startswith(str(REPO)) else filename
+
+
+def _call_chain(filename: str, lineno: int, depth: int = 6) -> str:
+    """The warned line and the project's frames that led to it (innermost first), e.g. to find which call of ours
+    ends in a synchronising torch function."""
+    frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(str(REPO))]
+    chain = [f"{_short(filename)}:{lineno}"] + [f"{_short(f.filename)}:{f.lineno}" for f in reversed(frames)]
+    return " <- ".join(dict.fromkeys(chain[: depth + 1]))
 
 
 def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
@@ -217,13 +243,16 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
             peak = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()) if device.type == "cuda" \
                 else (0, 0)
             syncs, sync_sites = _syncs_per_step(trainer, run, batch, 3, loop)
+            profile = None
+            if shape.profile and device.type == "cuda":
+                profile = kernel_profile(lambda: trainer._run_epoch(run, iter([batch]), _Progress(), *loop), steps=3)
     result: dict[str, Any] = {
         "config": name, "flags": flags, "ok": True, "steps": shape.steps, "warmup": shape.warmup,
         "step_ms_median": round(statistics.median(times), 1), "step_ms": [round(t, 1) for t in times],
         "wall_ms_per_step": round(wall_s * 1000 / shape.steps, 1),
         "peak_reserved_gib": round(peak[0] / GIB, 2), "peak_allocated_gib": round(peak[1] / GIB, 2),
         "peak_reserved_with_load_gib": round(max(with_load, peak[0]) / GIB, 2),
-        "host_syncs_per_step": syncs, "host_sync_sites": sync_sites,
+        "host_syncs_per_step": syncs, "host_sync_sites": sync_sites, **({"profile": profile} if profile else {}),
         "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
         "checkpointing": run.unet.checkpoint_mode, "policy": run.unet.checkpoint_policy,
         "losses": list(run.loss_history),
@@ -246,7 +275,7 @@ def compare(results: list[dict[str, Any]]) -> None:
 
 def _child(name: str, ns: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.checkpointing", "--single", name, "--snapshot", str(ns.snapshot),
-           "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
+           "--steps", str(ns.steps), "--warmup", str(ns.warmup), *(["--profile"] if ns.profile else [])]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ns.timeout_s, check=False)
@@ -288,6 +317,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="steps before measuring (default 3; tiny 1)")
     p.add_argument("--out", type=Path, default=Path("checkpointing.json"), help="JSON results")
     p.add_argument("--timeout_s", type=float, default=480, help="limit per configuration (its own process)")
+    p.add_argument("--profile", action="store_true",
+                   help="also record 3 steps with torch.profiler: GPU time per kernel category, top kernels, idle time")
     p.add_argument("--single", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -298,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = Shape(**vars(TINY if ns.tiny else FULL))
     shape.steps = ns.steps or shape.steps
     shape.warmup = ns.warmup if ns.warmup is not None else shape.warmup
+    shape.profile = ns.profile
     ns.steps, ns.warmup = shape.steps, shape.warmup
     names = [n.strip() for n in (ns.configs or ",".join(CONFIGS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.gpu_profile import kernel_profile
 from library.moss_image.dit import MossImage, MossImageConfig, rope_cos_sin
 from library.moss_image.loaders import quantize_dit
 from library.quant import convrot as U
@@ -585,32 +586,7 @@ class _Blocks:
 
 def _profile_categories(fn: Callable[[], Any], steps: int = 3) -> dict:
     """GPU time per kernel category of `steps` calls (torch.profiler), milliseconds per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    categories = [
-        ("int8_gemm", ("_int8_gemm",)), ("int8_quantise", ("_rot_quant",)),
-        ("int8_dequantise_rotate", ("_scale_rotate",)), ("int8_upcast_grad_gemm", ("_grad_input_upcast",)),
-        ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
-        ("bf16_gemm", ("gemm", "cutlass", "sm90", "nvjet", "xmma", "cublas", "matmul")),
-        ("inductor_fused", ("triton_",)),
-    ]
-    totals: collections.Counter = collections.Counter()
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", None)
-        if us is None:
-            us = getattr(evt, "cuda_time_total", 0)
-        if not us:
-            continue
-        name = evt.key.lower()
-        cat = next((c for c, keys in categories if any(key.lower() in name for key in keys)), "other")
-        totals[cat] += us
-    return {cat: us / 1e3 / steps for cat, us in sorted(totals.items())}
+    return kernel_profile(fn, steps)["categories_ms"]
 
 
 def bench_blocks(layers: int, seq: int, device: str, iters: int, profile: bool, cfg: MossImageConfig,

@@ -1,0 +1,100 @@
+"""GPU kernel profile of a callable: time per kernel category, the busiest kernels, and the GPU's idle time.
+
+    from bench.gpu_profile import kernel_profile
+    report = kernel_profile(step, steps=3)      # milliseconds per call
+
+`torch.profiler` records the CUDA kernels of `steps` calls (after one unrecorded call). The kernels' intervals give
+the busy time (their union: overlapping streams count once) and the idle time inside the recorded span; each kernel
+name falls into the first category whose keys it contains (`CATEGORIES`, case-insensitive).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("int8_gemm", ("_int8_gemm",)),
+    ("int8_quantise", ("_rot_quant",)),
+    ("int8_dequantise_rotate", ("_scale_rotate",)),
+    ("int8_upcast_grad_gemm", ("_grad_input_upcast",)),
+    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("bf16_gemm", ("gemm", "cutlass", "sm90", "nvjet", "xmma", "cublas", "matmul", "splitk")),
+    ("copy", ("copy", "memcpy", "cat", "fill", "memset")),
+    ("reduction", ("reduce", "norm", "red_")),
+    ("inductor_fused", ("triton_",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(key.lower() in low for key in keys)), "other")
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def kernel_profile(fn: Callable[[], Any], steps: int = 3, top: int = 25) -> dict[str, Any]:
+    """GPU time of `fn` per kernel category, its `top` kernels, busy and idle time: milliseconds per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range]
+    if not kernels:
+        return {"steps": steps, "kernels": 0}
+    by_cat: collections.Counter = collections.Counter()
+    by_name: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    intervals = []
+    for e in kernels:
+        start, stop = e.time_range.start, e.time_range.end
+        intervals.append((start, stop))
+        by_cat[category(e.name)] += stop - start
+        by_name[e.name] += stop - start
+        calls[e.name] += 1
+    span = max(b for _, b in intervals) - min(a for a, _ in intervals)
+    busy = _union_us(intervals)
+    gaps = _largest_gaps(sorted(kernels, key=lambda e: e.time_range.start), top=12)
+    per = 1e3 * steps
+    return {
+        "steps": steps,
+        "kernels_per_call": round(len(kernels) / steps, 1),
+        "span_ms": round(span / per, 2),
+        "busy_ms": round(busy / per, 2),
+        "idle_ms": round((span - busy) / per, 2),
+        "categories_ms": {c: round(us / per, 2) for c, us in by_cat.most_common()},
+        "top_kernels": [{"name": n[:160], "ms": round(us / per, 3), "calls": calls[n] // steps}
+                        for n, us in by_name.most_common(top)],
+        "largest_gaps": gaps,
+    }
+
+
+def _largest_gaps(kernels: list[Any], top: int) -> list[dict[str, Any]]:
+    """The `top` longest stretches with no kernel running (over all recorded calls), with the kernels on each side:
+    where the GPU waits for the host."""
+    gaps = []
+    end, last = kernels[0].time_range.end, kernels[0].name
+    for e in kernels[1:]:
+        if e.time_range.start > end:
+            gaps.append((e.time_range.start - end, last, e.name))
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e.name
+    gaps.sort(reverse=True)
+    return [{"us": round(us, 1), "after": a[:100], "before": b[:100]} for us, a, b in gaps[:top]]
