@@ -366,6 +366,9 @@ def sweep_case(case: Case, variants: list[str], reps: int, inner: int, deadline:
                 except Exception as e:  # noqa: BLE001 - a config that fails to compile or launch is recorded
                     row["failed"] = f"{type(e).__name__}: {str(e)[:500]}"
             rows.append(row)
+            if "skipped" not in row:
+                print(f"{case.name} {v} {cfg.to_json()} {row.get('tops', row.get('failed', ''))}", file=sys.stderr,
+                      flush=True)
     r["rows"] = rows
     r.update(summarise(rows, r["references"]))
     return r
