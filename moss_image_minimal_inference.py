@@ -25,19 +25,22 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from library.errors import UserError
+from library.files.safetensors_io import discover_shards
 from library.memory.block_swap import check_block_swap_args
 from library.moss_image.loaders import fill_paths_from_snapshot
 from library.options import groups
 from library.options.checks import check_attention_args
 from library.options.implications import ATTENTION_IMPLICATIONS, apply_implications
 from library.planning.run_options import add_vram_budget_argument, apply_inference_vram_budget
-from library.runtime import phase_timer
+from library.runtime import phase_timer, startup
 from library.runtime.compile import check_compile_args
 from library.sampling.sampler import check_image_size, parse_uncond_skip_layers
 from library.text_encoder.encoding import encode_captions, text_encoder_batch_size
@@ -48,7 +51,9 @@ from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
 logger = logging.getLogger("moss_image_minimal_inference")
 
 LATENT_SUFFIX = ".safetensors"
-TIMING_KEYS = ("text_encoder_load", "encode", "dit_load", "denoise", "vae_load", "decode", "total")
+TIMING_KEYS = ("text_encoder_load", "encode", "dit_load", "denoise", "vae_load", "decode", "total", "startup",
+               "text_encoder_import", "wall")
+OVERLAP_HEADROOM_BYTES = 4 * 2**30  # beside the three models while they load together: the prompts' activations
 
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -318,43 +323,137 @@ def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], devi
 
 
 # ------------------------------------------------------------------------------------------------- main
-def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
-    """Seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything, move the DiT
-    off the GPU, then decode (untiled). The phase timings go to the log and to `phase_timer.last_run_timings()`."""
+def import_text_encoder_code() -> None:
+    """Import the third-party code the text encoder is built from (transformers' Qwen3.5 model and tokenizer, and
+    accelerate): seconds of pure-Python work, done with the collector paused (`library.runtime.startup`)."""
+    with startup.imports_without_gc():
+        import accelerate  # noqa: F401 - heavy (seconds): only a run that encodes prompts needs it
+        from transformers import AutoTokenizer, Qwen3_5TextModel  # noqa: F401 - heavy (seconds), likewise
+
+
+def _checkpoint_bytes(path: str) -> int:
+    """Bytes of the safetensors file(s) at `path`: a file (with its shards) or a folder."""
+    p = Path(path)
+    files = sorted(p.rglob("*.safetensors")) if p.is_dir() else discover_shards(p) if p.exists() else []
+    return sum(f.stat().st_size for f in files)
+
+
+def _free_memory_bytes(device: Any) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def loads_overlap(args: argparse.Namespace, device: Any, dtype: Any) -> bool:
+    """True when the DiT and the VAE may be read while the text encoder loads and encodes (seed 002's order is kept
+    otherwise): no --blocks_to_swap nor --vram_budget (both plan for one model at a time), and the free memory of
+    `device` holds the text encoder (unless it runs on the CPU beside a GPU), the DiT (at `dtype`), the VAE and
+    `OVERLAP_HEADROOM_BYTES`. The images are the same either way (tested)."""
+    import torch
+
+    if args.blocks_to_swap or args.vram_budget is not None:
+        return False
+    te_elsewhere = device.type == "cuda" and TextEncoderOptions.from_args(args).on_cpu
+    te = 0 if te_elsewhere else _checkpoint_bytes(args.text_encoder)
+    dit = _checkpoint_bytes(args.dit) * (2 if dtype == torch.float32 else 1)  # bf16 files; fp32 doubles them
+    need = te + dit + _checkpoint_bytes(args.vae) + OVERLAP_HEADROOM_BYTES
+    free = _free_memory_bytes(device)
+    logger.debug("loading together needs %.1f GiB, %.1f GiB free", need / 2**30, free / 2**30)
+    return free >= need
+
+
+def load_sampling_models(args: argparse.Namespace, device: Any, dtype: Any, num_shapes: int,
+                         with_vae: bool) -> tuple[Any, Any, dict[str, float]]:
+    """The DiT for sampling and (`with_vae`) the VAE, with their load seconds (`dit_load`, `vae_load`)."""
     timer = phase_timer.PhaseTimer(device)
-    texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
-    with timer.phase("text_encoder_load"):
-        te, tokenizer = load_text_encoder_for(args, device)
-    with timer.phase("encode"):
-        outputs = encode_texts(args, te, tokenizer, texts)
-    del te  # freed before the DiT is read
-    _free(device)
     with timer.phase("dit_load"):
-        dit = load_dit_for_sampling(args, device, dtype, num_shapes=len({(s.height, s.width) for s in all_settings}))
-    with timer.phase("denoise"):
-        results = denoise_all(dit, all_settings, outputs, device)
-    dit.to("cpu")  # the decode needs the room (seed 002: split decode)
-    del dit
-    _free(device)
-    paths = save_latent_files(args, results) if args.output_type in ("latent", "both") else []
-    if args.output_type in ("images", "both"):
+        dit = load_dit_for_sampling(args, device, dtype, num_shapes=num_shapes)
+    vae = None
+    if with_vae:
         with timer.phase("vae_load"):
             vae = load_vae_for(args, device)
+    return dit, vae, timer.seconds
+
+
+def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
+    """Encode every prompt, denoise them all, decode. When the memory holds all three models (`loads_overlap`) the
+    DiT and the VAE are read by a second thread while the text encoder's code is imported, the encoder read and the
+    prompts encoded (file reads and copies release the GIL), and the DiT stays where it is until it is freed;
+    otherwise seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything, move
+    the DiT off the GPU, then read the VAE and decode (untiled). The phase timings go to the log and to
+    `phase_timer.last_run_timings()`."""
+    started = startup.seconds_since_process_start()
+    timer = phase_timer.PhaseTimer(device)
+    texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
+    num_shapes = len({(s.height, s.width) for s in all_settings})
+    images = args.output_type in ("images", "both")
+    overlap = loads_overlap(args, device, dtype)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load") as pool:
+        if overlap:
+            logger.info("reading the DiT%s while the text encoder encodes (the memory holds them together)",
+                        " and the VAE" if images else "")
+            background = pool.submit(load_sampling_models, args, device, dtype, num_shapes, images)
+        with timer.phase("text_encoder_load"):
+            with timer.phase("text_encoder_import"):
+                import_text_encoder_code()
+            te, tokenizer = load_text_encoder_for(args, device)
+        with timer.phase("encode"):
+            outputs = encode_texts(args, te, tokenizer, texts)
+        del te  # freed before the DiT is read (or, loading together, before the denoising)
+        _free(device)
+        if overlap:
+            with timer.phase("dit_wait"):
+                dit, vae, loaded = background.result()
+            del background  # the future holds the models too
+        else:
+            dit, vae, loaded = load_sampling_models(args, device, dtype, num_shapes, with_vae=False)
+    with timer.phase("denoise"):
+        results = denoise_all(dit, all_settings, outputs, device)
+    with timer.phase("dit_free"):
+        if not overlap:
+            dit.to("cpu")  # the decode needs the room (seed 002: split decode)
+        del dit
+        _free(device)
+    paths = save_latent_files(args, results) if args.output_type in ("latent", "both") else []
+    if images:
+        if vae is None:
+            with timer.phase("vae_load"):
+                vae = load_vae_for(args, device)
         with timer.phase("decode"):
             paths += decode_and_save(args, results, vae)
         del vae
         _free(device)
-    _record_timings(timer.seconds)
+    _record_timings({**timer.seconds, **loaded}, started, overlap)
     return paths
 
 
-def _record_timings(seconds: dict[str, float]) -> None:
-    """Record the run's timings (phases not run: 0.0) and log them on one line."""
+def _record_timings(seconds: dict[str, float], started: float, overlap: bool) -> None:
+    """Record the run's timings (phases not run: 0.0) and log them on two lines: the phases, and where the seconds
+    since the process started went."""
     timings = {k: seconds.get(k, 0.0) for k in TIMING_KEYS}
     timings["total"] = timings["encode"] + timings["denoise"] + timings["decode"]
+    timings["startup"] = started
+    timings["wall"] = startup.seconds_since_process_start()
     phase_timer.set_last_run_timings(timings)
     logger.info("timings (s): text encoder load %.2f, encode %.2f, DiT load %.2f, denoise %.2f, VAE load %.2f,"
-                " decode %.2f; total after loading %.2f", *timings.values())
+                " decode %.2f; total after loading %.2f", *(timings[k] for k in TIMING_KEYS[:7]))
+    models = (f"DiT + VAE load {timings['dit_load'] + timings['vae_load']:.2f} beside it, waited"
+              f" {seconds.get('dit_wait', 0.0):.2f}" if overlap else
+              f"DiT load {timings['dit_load']:.2f}, VAE load {timings['vae_load']:.2f}")
+    logger.info("start-up (s): process start to run %.2f, text encoder import %.2f + load %.2f, encode %.2f, %s,"
+                " denoise %.2f, DiT freed %.2f, decode and save %.2f; %.2f since the process started",
+                timings["startup"], timings["text_encoder_import"],
+                timings["text_encoder_load"] - timings["text_encoder_import"], timings["encode"], models,
+                timings["denoise"], seconds.get("dit_free", 0.0), timings["decode"], timings["wall"])
 
 
 def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]:
@@ -425,9 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = setup_parser().parse_args(argv)
     try:
-        if args.vram_budget is not None and not args.latent_path:  # the planned options, before any model is read
-            apply_inference_vram_budget(args, setup_parser, planned_image_sizes(args), argv)
-        paths = run(args)
+        with startup.frozen_imports():  # the imports live to the end of the run: its collections skip them
+            if args.vram_budget is not None and not args.latent_path:  # the planned options, before any model is read
+                apply_inference_vram_budget(args, setup_parser, planned_image_sizes(args), argv)
+            paths = run(args)
     except UserError as e:
         logger.error("%s", e)
         return 2
