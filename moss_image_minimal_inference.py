@@ -244,12 +244,17 @@ def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
 def load_dit_for_sampling(args: argparse.Namespace, device: Any, dtype: Any, num_shapes: int = 1) -> Any:
     """The DiT in eval mode, its main blocks wrapped by torch.compile with --compile (`num_shapes`: how many image
     sizes the run has, for the dynamic-shape choice)."""
+    dit = load_dit(args, device, dtype).eval()
+    compile_for_sampling(args, dit, num_shapes)
+    return dit
+
+
+def compile_for_sampling(args: argparse.Namespace, dit: Any, num_shapes: int) -> None:
+    """--compile: wrap the DiT's regions (`library.runtime.compile.compile_blocks`); nothing without it."""
     from library.runtime.compile import compile_blocks
 
-    dit = load_dit(args, device, dtype).eval()
     if args.compile:
         compile_blocks(args, dit, num_shapes=num_shapes)
-    return dit
 
 
 # ------------------------------------------------------------------------------------------------- outputs
@@ -317,7 +322,7 @@ def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], devi
         t0 = time.perf_counter()
         latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None, device)
         latents = latents.cpu()  # waits for the device: the time below is the real one
-        logger.info("prompt %d denoised in %.1f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
+        logger.info("prompt %d denoised in %.2f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
         results.append((latents, s, _stem(s, i)))
     return results
 
@@ -331,10 +336,15 @@ def import_text_encoder_code() -> None:
         from transformers import AutoTokenizer, Qwen3_5TextModel  # noqa: F401 - heavy (seconds), likewise
 
 
-def _checkpoint_bytes(path: str) -> int:
-    """Bytes of the safetensors file(s) at `path`: a file (with its shards) or a folder."""
+def _checkpoint_bytes(path: str, subfolder: str) -> int:
+    """Bytes of the safetensors file(s) of a model option: a file with its shards, or a folder's files (those of its
+    `subfolder` for a snapshot root)."""
     p = Path(path)
-    files = sorted(p.rglob("*.safetensors")) if p.is_dir() else discover_shards(p) if p.exists() else []
+    if p.is_dir():
+        folder = p / subfolder if (p / subfolder).is_dir() else p
+        files = sorted(folder.glob("*.safetensors"))
+    else:
+        files = discover_shards(p) if p.exists() else []
     return sum(f.stat().st_size for f in files)
 
 
@@ -363,25 +373,36 @@ def loads_overlap(args: argparse.Namespace, device: Any, dtype: Any) -> bool:
     if args.blocks_to_swap or args.vram_budget is not None:
         return False
     te_elsewhere = device.type == "cuda" and TextEncoderOptions.from_args(args).on_cpu
-    te = 0 if te_elsewhere else _checkpoint_bytes(args.text_encoder)
-    dit = _checkpoint_bytes(args.dit) * (2 if dtype == torch.float32 else 1)  # bf16 files; fp32 doubles them
-    need = te + dit + _checkpoint_bytes(args.vae) + OVERLAP_HEADROOM_BYTES
+    te = 0 if te_elsewhere else _checkpoint_bytes(args.text_encoder, "text_encoder")
+    dit = _checkpoint_bytes(args.dit, "transformer") * (2 if dtype == torch.float32 else 1)  # bf16 files
+    need = te + dit + _checkpoint_bytes(args.vae, "vae") + OVERLAP_HEADROOM_BYTES
     free = _free_memory_bytes(device)
     logger.debug("loading together needs %.1f GiB, %.1f GiB free", need / 2**30, free / 2**30)
     return free >= need
 
 
-def load_sampling_models(args: argparse.Namespace, device: Any, dtype: Any, num_shapes: int,
+def load_sampling_models(args: argparse.Namespace, device: Any, dtype: Any,
                          with_vae: bool) -> tuple[Any, Any, dict[str, float]]:
-    """The DiT for sampling and (`with_vae`) the VAE, with their load seconds (`dit_load`, `vae_load`)."""
+    """The DiT in eval mode (not yet wrapped by --compile) and (`with_vae`) the VAE, with their load seconds
+    (`dit_load`, `vae_load`). It imports nothing that is not imported yet (`_import_for_loading`), so that it can
+    run beside the main thread's imports."""
     timer = phase_timer.PhaseTimer(device)
     with timer.phase("dit_load"):
-        dit = load_dit_for_sampling(args, device, dtype, num_shapes=num_shapes)
+        dit = load_dit(args, device, dtype).eval()
     vae = None
     if with_vae:
         with timer.phase("vae_load"):
             vae = load_vae_for(args, device)
     return dit, vae, timer.seconds
+
+
+def _import_for_loading(args: argparse.Namespace) -> None:
+    """What `load_sampling_models` imports on its way (the LoRA merge, the attention backend of --attn_mode), imported
+    here first: two threads importing one package's modules in opposite orders could deadlock."""
+    import library.lora.merge  # noqa: F401 - imported by _lora_plan
+    from library.runtime.attention import Attention
+
+    Attention(args.attn_mode, args.split_attn)  # imports the backend package (or says it is missing)
 
 
 def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
@@ -401,7 +422,8 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
         if overlap:
             logger.info("reading the DiT%s while the text encoder encodes (the memory holds them together)",
                         " and the VAE" if images else "")
-            background = pool.submit(load_sampling_models, args, device, dtype, num_shapes, images)
+            _import_for_loading(args)
+            background = pool.submit(load_sampling_models, args, device, dtype, images)
         with timer.phase("text_encoder_load"):
             with timer.phase("text_encoder_import"):
                 import_text_encoder_code()
@@ -415,7 +437,10 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
                 dit, vae, loaded = background.result()
             del background  # the future holds the models too
         else:
-            dit, vae, loaded = load_sampling_models(args, device, dtype, num_shapes, with_vae=False)
+            dit, vae, loaded = load_sampling_models(args, device, dtype, with_vae=False)
+    with timer.phase("compile_setup"):
+        compile_for_sampling(args, dit, num_shapes)  # in this thread: it imports torch._dynamo / _inductor
+    loaded["dit_load"] += timer.seconds.pop("compile_setup")
     with timer.phase("denoise"):
         results = denoise_all(dit, all_settings, outputs, device)
     with timer.phase("dit_free"):
