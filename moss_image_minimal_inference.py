@@ -6,18 +6,24 @@
         [--lora_weight my_lora.safetensors --lora_multiplier 1.0]
 
 Memory order (seed 002): the text encoder encodes every prompt first and is freed before the DiT is read; all
-prompts are denoised, the DiT leaves the GPU, then the VAE decodes (untiled: tiled decoding shifts colours).
+prompts are denoised, the DiT leaves the GPU, then the VAE decodes (untiled: tiled decoding shifts colours). When
+the free memory holds the text encoder, the DiT and the VAE together (`loads_overlap`: not with --blocks_to_swap or
+--vram_budget), a second thread reads the DiT and then the VAE while the text encoder's code is imported and the
+prompts are encoded (the model builds themselves one at a time), and the DiT is freed where it is: the same images,
+sooner.
 
 `--compile` compiles each of the DiT's main blocks with torch.compile (the trainer's `--compile_*` options, from
 `library.runtime.compile`); the compilation happens during the first prompt's denoising.
 
-Timings: a prompt or prompt-file run (`generate()`) logs one line with the seconds of each phase and records them
-for `library.runtime.phase_timer.last_run_timings()` (cleared by every `run()`; other modes leave them empty), so a
-benchmark can call `run(args)` in-process and read them. Keys (`TIMING_KEYS`): text_encoder_load, encode, dit_load
-(LoRA merge, ConvRot quantisation, block swap set-up and compile wrapping included), denoise (all prompts; the
-torch.compile time falls in the first one), vae_load and decode (decoding and PNG writing; both 0.0 with
---output_type latent), and total = encode + denoise + decode (the work after loading). CUDA is synchronised before
-each reading.
+Timings: a prompt or prompt-file run (`generate()`) logs one line with the seconds of each phase and one with where
+the seconds since the process started went, and records them for `library.runtime.phase_timer.last_run_timings()`
+(cleared by every `run()`; other modes leave them empty), so a benchmark can call `run(args)` in-process and read
+them. Keys (`TIMING_KEYS`): text_encoder_load (the import of its code included), encode, dit_load (LoRA merge,
+ConvRot quantisation, block swap set-up and compile wrapping included; in the second thread when loading together),
+denoise (all prompts; the torch.compile time falls in the first one), vae_load and decode (decoding and PNG writing;
+both 0.0 with --output_type latent), total = encode + denoise + decode (the work after loading), startup (process
+start to the start of the run: interpreter, imports, option checks), text_encoder_import (transformers' model code)
+and wall (process start to the last file written). CUDA is synchronised before each reading.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import gc
 import logging
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,6 +61,10 @@ LATENT_SUFFIX = ".safetensors"
 TIMING_KEYS = ("text_encoder_load", "encode", "dit_load", "denoise", "vae_load", "decode", "total", "startup",
                "text_encoder_import", "wall")
 OVERLAP_HEADROOM_BYTES = 4 * 2**30  # beside the three models while they load together: the prompts' activations
+# Held while a model is built and filled: the text encoder is built under accelerate's init_empty_weights, which
+# patches nn.Module.register_parameter for every thread, so a DiT or VAE filled by load_state_dict(assign=True) in
+# that window would get meta parameters. The loads run one at a time; the imports and the encoding overlap them.
+_MODEL_BUILD_LOCK = threading.Lock()
 
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -387,11 +398,11 @@ def load_sampling_models(args: argparse.Namespace, device: Any, dtype: Any,
     (`dit_load`, `vae_load`). It imports nothing that is not imported yet (`_import_for_loading`), so that it can
     run beside the main thread's imports."""
     timer = phase_timer.PhaseTimer(device)
-    with timer.phase("dit_load"):
+    with _MODEL_BUILD_LOCK, timer.phase("dit_load"):
         dit = load_dit(args, device, dtype).eval()
     vae = None
     if with_vae:
-        with timer.phase("vae_load"):
+        with _MODEL_BUILD_LOCK, timer.phase("vae_load"):
             vae = load_vae_for(args, device)
     return dit, vae, timer.seconds
 
@@ -407,8 +418,9 @@ def _import_for_loading(args: argparse.Namespace) -> None:
 
 def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
     """Encode every prompt, denoise them all, decode. When the memory holds all three models (`loads_overlap`) the
-    DiT and the VAE are read by a second thread while the text encoder's code is imported, the encoder read and the
-    prompts encoded (file reads and copies release the GIL), and the DiT stays where it is until it is freed;
+    DiT and the VAE are read by a second thread while the text encoder's code is imported and the prompts encoded
+    (file reads and copies release the GIL; the builds take `_MODEL_BUILD_LOCK` in turn), and the DiT stays where it
+    is until it is freed;
     otherwise seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything, move
     the DiT off the GPU, then read the VAE and decode (untiled). The phase timings go to the log and to
     `phase_timer.last_run_timings()`."""
@@ -424,10 +436,16 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
                         " and the VAE" if images else "")
             _import_for_loading(args)
             background = pool.submit(load_sampling_models, args, device, dtype, images)
-        with timer.phase("text_encoder_load"):
-            with timer.phase("text_encoder_import"):
-                import_text_encoder_code()
-            te, tokenizer = load_text_encoder_for(args, device)
+        with timer.phase("text_encoder_import"):
+            import_text_encoder_code()
+        with timer.phase("dit_wait"):
+            _MODEL_BUILD_LOCK.acquire()  # the DiT's load, when it is still running
+        try:
+            with timer.phase("text_encoder_load"):
+                te, tokenizer = load_text_encoder_for(args, device)
+        finally:
+            _MODEL_BUILD_LOCK.release()
+        timer.seconds["text_encoder_load"] += timer.seconds["text_encoder_import"]
         with timer.phase("encode"):
             outputs = encode_texts(args, te, tokenizer, texts)
         del te  # freed before the DiT is read (or, loading together, before the denoising)

@@ -9,6 +9,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,32 @@ def test_loading_together_gives_the_images_of_the_sequential_order(tiny_snapshot
         assert torch.equal(load_safetensors(a)["latents"], load_safetensors(b)["latents"])
     for a, b in zip(by_kind(together, ".png"), by_kind(sequential, ".png")):
         assert np.array_equal(np.asarray(Image.open(a)), np.asarray(Image.open(b)))
+
+
+def test_the_text_encoder_build_window_does_not_reach_the_models_read_beside_it(tiny_snapshot, tmp_path,
+                                                                                  monkeypatch):
+    """accelerate's init_empty_weights (the text encoder's build) patches nn.Module for every thread: a DiT filled
+    in that window would get meta parameters. The builds take turns."""
+    from accelerate import init_empty_weights
+
+    real = inf.load_text_encoder_for
+
+    def slow_build(args, device):
+        with init_empty_weights(include_buffers=False):
+            time.sleep(1.5)  # the DiT and the VAE load in well under that here
+        return real(args, device)
+
+    monkeypatch.setattr(inf, "load_text_encoder_for", slow_build)
+    seen = {}
+    real_denoise = inf.denoise_all
+
+    def denoise_all(dit, *a, **k):
+        seen["meta"] = [n for n, p in dit.named_parameters() if p.is_meta]
+        return real_denoise(dit, *a, **k)
+
+    monkeypatch.setattr(inf, "denoise_all", denoise_all)
+    assert len(_run(tiny_snapshot, tmp_path, "--prompt", "a cat")) == 2
+    assert seen["meta"] == []
 
 
 def test_when_the_models_load_together(tiny_snapshot, monkeypatch):
