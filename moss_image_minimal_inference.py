@@ -419,10 +419,9 @@ def _import_for_loading(args: argparse.Namespace) -> None:
 def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
     """Encode every prompt, denoise them all, decode. When the memory holds all three models (`loads_overlap`) the
     DiT and the VAE are read by a second thread while the text encoder's code is imported and the prompts encoded
-    (file reads and copies release the GIL; the builds take `_MODEL_BUILD_LOCK` in turn), and the DiT stays where it
-    is until it is freed;
-    otherwise seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything, move
-    the DiT off the GPU, then read the VAE and decode (untiled). The phase timings go to the log and to
+    (file reads and copies release the GIL; the builds take `_MODEL_BUILD_LOCK` in turn), and the DiT is freed where
+    it is; otherwise seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything,
+    move the DiT off the GPU, then read the VAE and decode (untiled). The phase timings go to the log and to
     `phase_timer.last_run_timings()`."""
     started = startup.seconds_since_process_start()
     timer = phase_timer.PhaseTimer(device)
