@@ -6,18 +6,24 @@
         [--lora_weight my_lora.safetensors --lora_multiplier 1.0]
 
 Memory order (seed 002): the text encoder encodes every prompt first and is freed before the DiT is read; all
-prompts are denoised, the DiT leaves the GPU, then the VAE decodes (untiled: tiled decoding shifts colours).
+prompts are denoised, the DiT leaves the GPU, then the VAE decodes (untiled: tiled decoding shifts colours). When
+the free memory holds the text encoder, the DiT and the VAE together (`loads_overlap`: not with --blocks_to_swap or
+--vram_budget), a second thread reads the DiT and then the VAE while the text encoder's code is imported and the
+prompts are encoded (the model builds themselves one at a time), and the DiT is freed where it is: the same images,
+sooner.
 
 `--compile` compiles each of the DiT's main blocks with torch.compile (the trainer's `--compile_*` options, from
 `library.runtime.compile`); the compilation happens during the first prompt's denoising.
 
-Timings: a prompt or prompt-file run (`generate()`) logs one line with the seconds of each phase and records them
-for `library.runtime.phase_timer.last_run_timings()` (cleared by every `run()`; other modes leave them empty), so a
-benchmark can call `run(args)` in-process and read them. Keys (`TIMING_KEYS`): text_encoder_load, encode, dit_load
-(LoRA merge, ConvRot quantisation, block swap set-up and compile wrapping included), denoise (all prompts; the
-torch.compile time falls in the first one), vae_load and decode (decoding and PNG writing; both 0.0 with
---output_type latent), and total = encode + denoise + decode (the work after loading). CUDA is synchronised before
-each reading.
+Timings: a prompt or prompt-file run (`generate()`) logs one line with the seconds of each phase and one with where
+the seconds since the process started went, and records them for `library.runtime.phase_timer.last_run_timings()`
+(cleared by every `run()`; other modes leave them empty), so a benchmark can call `run(args)` in-process and read
+them. Keys (`TIMING_KEYS`): text_encoder_load (the import of its code included), encode, dit_load (LoRA merge,
+ConvRot quantisation, block swap set-up and compile wrapping included; in the second thread when loading together),
+denoise (all prompts; the torch.compile time falls in the first one), vae_load and decode (decoding and PNG writing;
+both 0.0 with --output_type latent), total = encode + denoise + decode (the work after loading), startup (process
+start to the start of the run: interpreter, imports, option checks), text_encoder_import (transformers' model code)
+and wall (process start to the last file written). CUDA is synchronised before each reading.
 """
 
 from __future__ import annotations
@@ -25,19 +31,23 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from library.errors import UserError
+from library.files.safetensors_io import discover_shards
 from library.memory.block_swap import check_block_swap_args
 from library.moss_image.loaders import fill_paths_from_snapshot
 from library.options import groups
 from library.options.checks import check_attention_args
 from library.options.implications import ATTENTION_IMPLICATIONS, apply_implications
 from library.planning.run_options import add_vram_budget_argument, apply_inference_vram_budget
-from library.runtime import phase_timer
+from library.runtime import phase_timer, startup
 from library.runtime.compile import check_compile_args
 from library.sampling.sampler import check_image_size, parse_uncond_skip_layers
 from library.text_encoder.encoding import encode_captions, text_encoder_batch_size
@@ -48,7 +58,13 @@ from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
 logger = logging.getLogger("moss_image_minimal_inference")
 
 LATENT_SUFFIX = ".safetensors"
-TIMING_KEYS = ("text_encoder_load", "encode", "dit_load", "denoise", "vae_load", "decode", "total")
+TIMING_KEYS = ("text_encoder_load", "encode", "dit_load", "denoise", "vae_load", "decode", "total", "startup",
+               "text_encoder_import", "wall")
+OVERLAP_HEADROOM_BYTES = 4 * 2**30  # beside the three models while they load together: the prompts' activations
+# Held while a model is built and filled: the text encoder is built under accelerate's init_empty_weights, which
+# patches nn.Module.register_parameter for every thread, so a DiT or VAE filled by load_state_dict(assign=True) in
+# that window would get meta parameters. The loads run one at a time; the imports and the encoding overlap them.
+_MODEL_BUILD_LOCK = threading.Lock()
 
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -239,12 +255,17 @@ def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
 def load_dit_for_sampling(args: argparse.Namespace, device: Any, dtype: Any, num_shapes: int = 1) -> Any:
     """The DiT in eval mode, its main blocks wrapped by torch.compile with --compile (`num_shapes`: how many image
     sizes the run has, for the dynamic-shape choice)."""
+    dit = load_dit(args, device, dtype).eval()
+    compile_for_sampling(args, dit, num_shapes)
+    return dit
+
+
+def compile_for_sampling(args: argparse.Namespace, dit: Any, num_shapes: int) -> None:
+    """--compile: wrap the DiT's regions (`library.runtime.compile.compile_blocks`); nothing without it."""
     from library.runtime.compile import compile_blocks
 
-    dit = load_dit(args, device, dtype).eval()
     if args.compile:
         compile_blocks(args, dit, num_shapes=num_shapes)
-    return dit
 
 
 # ------------------------------------------------------------------------------------------------- outputs
@@ -312,49 +333,169 @@ def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], devi
         t0 = time.perf_counter()
         latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None, device)
         latents = latents.cpu()  # waits for the device: the time below is the real one
-        logger.info("prompt %d denoised in %.1f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
+        logger.info("prompt %d denoised in %.2f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
         results.append((latents, s, _stem(s, i)))
     return results
 
 
 # ------------------------------------------------------------------------------------------------- main
+def import_text_encoder_code() -> None:
+    """Import the third-party code the text encoder is built from (transformers' Qwen3.5 model and tokenizer, and
+    accelerate): seconds of pure-Python work, done with the collector paused (`library.runtime.startup`)."""
+    with startup.imports_without_gc():
+        import accelerate  # noqa: F401 - heavy (seconds): only a run that encodes prompts needs it
+        from transformers import AutoTokenizer, Qwen3_5TextModel  # noqa: F401 - heavy (seconds), likewise
+
+
+def _checkpoint_bytes(path: str, subfolder: str) -> int:
+    """Bytes of the safetensors file(s) of a model option: a file with its shards, or a folder's files (those of its
+    `subfolder` for a snapshot root)."""
+    p = Path(path)
+    if p.is_dir():
+        folder = p / subfolder if (p / subfolder).is_dir() else p
+        files = sorted(folder.glob("*.safetensors"))
+    else:
+        files = discover_shards(p) if p.exists() else []
+    return sum(f.stat().st_size for f in files)
+
+
+def _free_memory_bytes(device: Any) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def loads_overlap(args: argparse.Namespace, device: Any, dtype: Any) -> bool:
+    """True when the DiT and the VAE may be read while the text encoder loads and encodes (seed 002's order is kept
+    otherwise): no --blocks_to_swap nor --vram_budget (both plan for one model at a time), and the free memory of
+    `device` holds the text encoder (unless it runs on the CPU beside a GPU), the DiT (at `dtype`), the VAE and
+    `OVERLAP_HEADROOM_BYTES`. The images are the same either way (tested)."""
+    import torch
+
+    if args.blocks_to_swap or args.vram_budget is not None:
+        return False
+    te_elsewhere = device.type == "cuda" and TextEncoderOptions.from_args(args).on_cpu
+    te = 0 if te_elsewhere else _checkpoint_bytes(args.text_encoder, "text_encoder")
+    dit = _checkpoint_bytes(args.dit, "transformer") * (2 if dtype == torch.float32 else 1)  # bf16 files
+    need = te + dit + _checkpoint_bytes(args.vae, "vae") + OVERLAP_HEADROOM_BYTES
+    free = _free_memory_bytes(device)
+    logger.debug("loading together needs %.1f GiB, %.1f GiB free", need / 2**30, free / 2**30)
+    return free >= need
+
+
+def load_sampling_models(args: argparse.Namespace, device: Any, dtype: Any,
+                         with_vae: bool) -> tuple[Any, Any, dict[str, float]]:
+    """The DiT in eval mode (not yet wrapped by --compile) and (`with_vae`) the VAE, with their load seconds
+    (`dit_load`, `vae_load`). It imports nothing that is not imported yet (`_import_for_loading`), so that it can
+    run beside the main thread's imports."""
+    timer = phase_timer.PhaseTimer(device)
+    with _MODEL_BUILD_LOCK, timer.phase("dit_load"):
+        dit = load_dit(args, device, dtype).eval()
+    vae = None
+    if with_vae:
+        with _MODEL_BUILD_LOCK, timer.phase("vae_load"):
+            vae = load_vae_for(args, device)
+    return dit, vae, timer.seconds
+
+
+def _import_for_loading(args: argparse.Namespace) -> None:
+    """What `load_sampling_models` imports on its way (the LoRA merge, the attention backend of --attn_mode), imported
+    here first: two threads importing one package's modules in opposite orders could deadlock."""
+    import library.lora.merge  # noqa: F401 - imported by _lora_plan
+    from library.runtime.attention import Attention
+
+    Attention(args.attn_mode, args.split_attn)  # imports the backend package (or says it is missing)
+
+
 def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
-    """Seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything, move the DiT
-    off the GPU, then decode (untiled). The phase timings go to the log and to `phase_timer.last_run_timings()`."""
+    """Encode every prompt, denoise them all, decode. When the memory holds all three models (`loads_overlap`) the
+    DiT and the VAE are read by a second thread while the text encoder's code is imported and the prompts encoded
+    (file reads and copies release the GIL; the builds take `_MODEL_BUILD_LOCK` in turn), and the DiT is freed where
+    it is; otherwise seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything,
+    move the DiT off the GPU, then read the VAE and decode (untiled). The phase timings go to the log and to
+    `phase_timer.last_run_timings()`."""
+    started = startup.seconds_since_process_start()
     timer = phase_timer.PhaseTimer(device)
     texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
-    with timer.phase("text_encoder_load"):
-        te, tokenizer = load_text_encoder_for(args, device)
-    with timer.phase("encode"):
-        outputs = encode_texts(args, te, tokenizer, texts)
-    del te  # freed before the DiT is read
-    _free(device)
-    with timer.phase("dit_load"):
-        dit = load_dit_for_sampling(args, device, dtype, num_shapes=len({(s.height, s.width) for s in all_settings}))
+    num_shapes = len({(s.height, s.width) for s in all_settings})
+    images = args.output_type in ("images", "both")
+    overlap = loads_overlap(args, device, dtype)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load") as pool:
+        if overlap:
+            logger.info("reading the DiT%s while the text encoder encodes (the memory holds them together)",
+                        " and the VAE" if images else "")
+            _import_for_loading(args)
+            background = pool.submit(load_sampling_models, args, device, dtype, images)
+        with timer.phase("text_encoder_import"):
+            import_text_encoder_code()
+        with timer.phase("dit_wait"):
+            _MODEL_BUILD_LOCK.acquire()  # the DiT's load, when it is still running
+        try:
+            with timer.phase("text_encoder_load"):
+                te, tokenizer = load_text_encoder_for(args, device)
+        finally:
+            _MODEL_BUILD_LOCK.release()
+        timer.seconds["text_encoder_load"] += timer.seconds["text_encoder_import"]
+        with timer.phase("encode"):
+            outputs = encode_texts(args, te, tokenizer, texts)
+        del te  # freed before the DiT is read (or, loading together, before the denoising)
+        _free(device)
+        if overlap:
+            with timer.phase("dit_wait"):
+                dit, vae, loaded = background.result()
+            del background  # the future holds the models too
+        else:
+            dit, vae, loaded = load_sampling_models(args, device, dtype, with_vae=False)
+    with timer.phase("compile_setup"):
+        compile_for_sampling(args, dit, num_shapes)  # in this thread: it imports torch._dynamo / _inductor
+    loaded["dit_load"] += timer.seconds.pop("compile_setup")
     with timer.phase("denoise"):
         results = denoise_all(dit, all_settings, outputs, device)
-    dit.to("cpu")  # the decode needs the room (seed 002: split decode)
-    del dit
-    _free(device)
+    with timer.phase("dit_free"):
+        if not overlap:
+            dit.to("cpu")  # the decode needs the room (seed 002: split decode)
+        del dit
+        _free(device)
     paths = save_latent_files(args, results) if args.output_type in ("latent", "both") else []
-    if args.output_type in ("images", "both"):
-        with timer.phase("vae_load"):
-            vae = load_vae_for(args, device)
+    if images:
+        if vae is None:
+            with timer.phase("vae_load"):
+                vae = load_vae_for(args, device)
         with timer.phase("decode"):
             paths += decode_and_save(args, results, vae)
         del vae
         _free(device)
-    _record_timings(timer.seconds)
+    _record_timings({**timer.seconds, **loaded}, started, overlap)
     return paths
 
 
-def _record_timings(seconds: dict[str, float]) -> None:
-    """Record the run's timings (phases not run: 0.0) and log them on one line."""
+def _record_timings(seconds: dict[str, float], started: float, overlap: bool) -> None:
+    """Record the run's timings (phases not run: 0.0) and log them on two lines: the phases, and where the seconds
+    since the process started went."""
     timings = {k: seconds.get(k, 0.0) for k in TIMING_KEYS}
     timings["total"] = timings["encode"] + timings["denoise"] + timings["decode"]
+    timings["startup"] = started
+    timings["wall"] = startup.seconds_since_process_start()
     phase_timer.set_last_run_timings(timings)
     logger.info("timings (s): text encoder load %.2f, encode %.2f, DiT load %.2f, denoise %.2f, VAE load %.2f,"
-                " decode %.2f; total after loading %.2f", *timings.values())
+                " decode %.2f; total after loading %.2f", *(timings[k] for k in TIMING_KEYS[:7]))
+    models = (f"DiT + VAE load {timings['dit_load'] + timings['vae_load']:.2f} beside it, waited"
+              f" {seconds.get('dit_wait', 0.0):.2f}" if overlap else
+              f"DiT load {timings['dit_load']:.2f}, VAE load {timings['vae_load']:.2f}")
+    logger.info("start-up (s): process start to run %.2f, text encoder import %.2f + load %.2f, encode %.2f, %s,"
+                " denoise %.2f, DiT freed %.2f, decode and save %.2f; %.2f since the process started",
+                timings["startup"], timings["text_encoder_import"],
+                timings["text_encoder_load"] - timings["text_encoder_import"], timings["encode"], models,
+                timings["denoise"], seconds.get("dit_free", 0.0), timings["decode"], timings["wall"])
 
 
 def interactive(args: argparse.Namespace, device: Any, dtype: Any) -> list[Path]:
@@ -425,9 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = setup_parser().parse_args(argv)
     try:
-        if args.vram_budget is not None and not args.latent_path:  # the planned options, before any model is read
-            apply_inference_vram_budget(args, setup_parser, planned_image_sizes(args), argv)
-        paths = run(args)
+        with startup.frozen_imports():  # the imports live to the end of the run: its collections skip them
+            if args.vram_budget is not None and not args.latent_path:  # the planned options, before any model is read
+                apply_inference_vram_budget(args, setup_parser, planned_image_sizes(args), argv)
+            paths = run(args)
     except UserError as e:
         logger.error("%s", e)
         return 2

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -394,6 +395,20 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
         )
 
 
+def _compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compiler.disable(fn)`, made at the first call: the decorator imports torch._dynamo (seconds), which a
+    process that never runs the module (the inference script's start, `--help`) should not pay for."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return call
+
+
 class ConvRotInt8Embedding(_Int8StateMixin, nn.Embedding):
     """A frozen int8 token embedding in the rotated basis: lookup = gather rows, dequantise, rotate back."""
 
@@ -455,7 +470,7 @@ class ConvRotInt8Embedding(_Int8StateMixin, nn.Embedding):
     def reset_parameters(self) -> None:
         """Nothing to initialise: the int8 codes are frozen data (nn.Embedding's init would fail on them)."""
 
-    @torch.compiler.disable
+    @_compiler_disabled
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         return kernels.dequantize_rows(self.weight, self.weight_scale, indices, self.group_size, self.compute_dtype)
 

@@ -21,11 +21,10 @@ Inference graphs get no common-subexpression elimination from torch; `enable_ind
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
-import torch._inductor.config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from library.quant import convrot_kernels as kernels
 
@@ -195,28 +194,39 @@ def dedupe_quantize(graph: torch.fx.Graph) -> int:
     return removed
 
 
-class _DedupeQuantizePass(CustomGraphPass):
-    """`dedupe_quantize` as an inductor post-grad pass, followed by the pass that was configured before it."""
+@functools.cache
+def _dedupe_pass_type() -> type:
+    """The inductor pass class, made at the first compile: torch._inductor (with torch._dynamo, seconds to import) is
+    loaded only when something compiles."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    def __init__(self, then: Any = None):
-        self.then = then
+    class _DedupeQuantizePass(CustomGraphPass):
+        """`dedupe_quantize` as an inductor post-grad pass, followed by the pass that was configured before it."""
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        dedupe_quantize(graph)
-        if self.then is not None:
-            self.then(graph)
+        def __init__(self, then: Any = None):
+            self.then = then
 
-    def uuid(self) -> Any:
-        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else self.then
-        return ("moss_image.convrot_int8_quantize dedupe", 1, then)
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            dedupe_quantize(graph)
+            if self.then is not None:
+                self.then(graph)
+
+        def uuid(self) -> Any:
+            then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else self.then
+            return ("moss_image.convrot_int8_quantize dedupe", 1, then)
+
+    return _DedupeQuantizePass
 
 
 def enable_inductor_quantize_dedupe() -> None:
     """Install `dedupe_quantize` as inductor's ``post_grad_custom_pre_pass`` (idempotent; a pass set before runs
     after it). It touches only ``convrot_int8_quantize`` nodes, so other graphs compile as before."""
+    import torch._inductor.config as inductor_config  # heavy (torch._dynamo with it): only a compile needs it
+
+    pass_type = _dedupe_pass_type()
     current = inductor_config.post_grad_custom_pre_pass
-    if not isinstance(current, _DedupeQuantizePass):
-        inductor_config.post_grad_custom_pre_pass = _DedupeQuantizePass(current)
+    if not isinstance(current, pass_type):
+        inductor_config.post_grad_custom_pre_pass = pass_type(current)
 
 
 # --------------------------------------------------------------------------------------------------------------------
