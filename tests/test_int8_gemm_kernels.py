@@ -246,3 +246,23 @@ def test_sweep_summary_and_table_entries():
 
 if __name__ == "__main__":  # python -m tests.test_int8_gemm_kernels under TRITON_INTERPRET=1
     print(json.dumps(run_checks()))
+
+
+def test_shipped_table_keeps_small_m_on_the_pointer_kernel():
+    """The shipped table sends short sequences (single captions) to the pointer kernel, whose raw launch is cheap
+    on the host, and longer ones to the swept winners; every row parses and names a known variant."""
+    G.set_gemm_table(G.DEFAULT_GEMM_TABLE)
+    try:
+        rows = json.loads(G.DEFAULT_GEMM_TABLE.read_text(encoding="utf-8"))["entries"]
+        assert rows and all(r["variant"] in G.GEMM_VARIANTS for r in rows)
+        te_shapes = {(r["n"], r["k"]) for r in rows if r["m_bucket"] == 512}
+        assert te_shapes, "no small-M rows"
+        for gpu in (("NVIDIA H200", "sm90"), ("NVIDIA H100 80GB HBM3", "sm90")):
+            for n, k in te_shapes:
+                for m in (1, 20, 77, 300, 512):
+                    variant, _ = G.pinned_gemm(gpu, n, k, m)
+                    assert not G.GEMM_VARIANTS[variant].tma, (gpu, n, k, m, variant)
+                assert G.pinned_gemm(gpu, n, k, 2560) is not None
+        assert G.pinned_gemm(("NVIDIA A100-SXM4-80GB", "sm80"), 4096, 4096, 300) is None
+    finally:
+        G.set_gemm_table(None)
