@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
-import os
 import platform
 import statistics
 import sys
