@@ -24,9 +24,9 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("bf16_gemm", ("gemm", "cutlass", "sm90", "nvjet", "xmma", "cublas", "matmul", "splitk")),
+    ("inductor_fused", ("triton_",)),  # before "copy": inductor names its kernels after the ops they fuse (_to_copy)
     ("copy", ("copy", "memcpy", "cat", "fill", "memset")),
     ("reduction", ("reduce", "norm", "red_")),
-    ("inductor_fused", ("triton_",)),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
 ]
 
