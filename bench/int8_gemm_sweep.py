@@ -22,8 +22,13 @@ worker processes into Triton's cache (default 0: each is compiled by this proces
 skipped).
 
     python -m bench.int8_gemm_sweep --out $OUT/sweep.json --table_out $OUT/int8_gemm_table.json
+    python -m bench.int8_gemm_sweep --from_json sweep.json --table_out library/quant/int8_gemm_table.json \
+        --merge_table --capability_rows   # no GPU: the shipped table updated from a sweep's JSON
 
-The table file has the format of ``library/quant/int8_gemm_table.json`` (the winner of each case measured exact);
+The table file has the format of ``library/quant/int8_gemm_table.json``: per case the fastest configuration measured
+exact, a TMA variant only where its GPU time is at least `--tma_min_us` (80 us: a TMA launch builds its descriptors
+per call, 55-70 us of host time against about 15 us for the pointer kernel's raw launch on the H200, which shorter
+GEMMs cannot hide);
 ``MOSS_INT8_GEMM_TABLE=$OUT/int8_gemm_table.json`` makes the product use it without copying it there.
 """
 
@@ -396,23 +401,61 @@ def summarise(rows: list[dict], refs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def table_entries(results: list[dict], gpu: str) -> list[dict]:
-    """The pinned-table entries of the measured winners (one per GPU, N, K, layout and M bucket: the larger M)."""
+def table_choice(rows: list[dict], tma_min_ms: float) -> dict | None:
+    """The row a pinned table should name for a case: the fastest exact one, unless that is a TMA variant (about
+    40-55 us more host time per call: its descriptors are built per launch, no raw launch) faster than `tma_min_ms`
+    (too short to hide that host time): then the fastest pointer one."""
+    ok = sorted((r for r in rows if r.get("exact")), key=lambda r: r["ms"])
+    if ok and (not G.GEMM_VARIANTS[ok[0]["variant"]].tma or ok[0]["ms"] >= tma_min_ms):
+        return ok[0]
+    return next((r for r in ok if not G.GEMM_VARIANTS[r["variant"]].tma), None)
+
+
+def table_entries(results: list[dict], gpus: list[str], tma_min_ms: float = 0.0) -> list[dict]:
+    """The pinned-table entries of the cases' `table_choice` (one per GPU name of `gpus`, N, K, layout and M
+    bucket: the larger M)."""
     entries: dict[tuple, dict] = {}
     for r in sorted(results, key=lambda r: r["m"]):
-        if not r.get("best"):
+        pick = table_choice(r.get("rows", []), tma_min_ms)
+        if pick is None:
             continue
-        key = (r["n"], r["k"], r["b_kmajor"], G.gemm_m_bucket(r["m"]))
-        entries[key] = {"gpu": gpu, "n": r["n"], "k": r["k"], "m_bucket": key[3], "b_kmajor": r["b_kmajor"],
-                        "variant": r["best"]["variant"], "config": r["best"]["config"],
-                        "measured": {"m": r["m"], "ms": round(r["best"]["ms"], 5), "tops": round(r["best"]["tops"], 1)}}
+        for gpu in gpus:
+            key = (gpu, r["n"], r["k"], r["b_kmajor"], G.gemm_m_bucket(r["m"]))
+            entries[key] = {"gpu": gpu, "n": r["n"], "k": r["k"], "m_bucket": key[4], "b_kmajor": r["b_kmajor"],
+                            "variant": pick["variant"], "config": pick["config"],
+                            "measured": {"m": r["m"], "ms": round(pick["ms"], 5), "tops": round(pick["tops"], 1)}}
     return list(entries.values())
+
+
+def _entry_key(e: dict) -> tuple:
+    return (e["gpu"], e["n"], e["k"], e.get("b_kmajor", True), e["m_bucket"])
+
+
+def write_table(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """`--table_out` from the sweep results `res`: rows for the GPU's name (and its capability with
+    --capability_rows); with --merge_table the file's other rows (other GPUs, shapes or M buckets) are kept."""
+    gpus = [res["env"]["gpu"]]
+    if args.capability_rows:
+        gpus.append("sm{}{}".format(*res["env"]["capability"]))
+    new = table_entries(res["cases"], gpus, args.tma_min_us / 1e3)
+    out = Path(args.table_out)
+    about = json.loads(G.DEFAULT_GEMM_TABLE.read_text(encoding="utf-8")).get("about", "")
+    rows: dict[tuple, dict] = {}
+    if args.merge_table and out.is_file():
+        old = json.loads(out.read_text(encoding="utf-8"))
+        about = old.get("about", about)
+        rows = {_entry_key(e): e for e in old.get("entries", [])}
+    rows.update({_entry_key(e): e for e in new})
+    table = {"about": about, "entries": list(rows.values())}
+    G.parse_gemm_table(table, str(out))  # what is written must load
+    out.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+    return table
 
 
 # ---------------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.int8_gemm_sweep", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="the sweep's JSON")
+    ap.add_argument("--out", default=None, help="the sweep's JSON (required unless --from_json)")
     ap.add_argument("--table_out", default=None, help="also write the winners as a pinned GEMM table (JSON)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
     ap.add_argument("--variants", default=None,
@@ -421,9 +464,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget_s", type=float, default=240.0, help="stop measuring after this many seconds")
     ap.add_argument("--reps", type=int, default=20, help="timed graph replays per configuration (>= 20)")
     ap.add_argument("--inner", type=int, default=10, help="launches per captured graph")
+    ap.add_argument("--tma_min_us", type=float, default=80.0,
+                    help="table: a TMA variant only where its GPU time is at least this (its host time is higher)")
+    ap.add_argument("--capability_rows", action="store_true",
+                    help="table: repeat the rows under the GPU's compute capability (e.g. sm90: other Hopper GPUs)")
+    ap.add_argument("--merge_table", action="store_true",
+                    help="table: keep the other rows of an existing --table_out (replace only the measured ones)")
+    ap.add_argument("--from_json", default=None,
+                    help="no GPU: rewrite --table_out from this earlier sweep JSON (with this run's --tma_min_us)")
     ap.add_argument("--jobs", type=int, default=0,
                     help="processes compiling the kernels before the timing (0: compile while timing)")
     args = ap.parse_args(argv)
+    if args.from_json is None and args.out is None:
+        ap.error("--out is required (or --from_json with --table_out)")
+    if args.from_json is not None and args.table_out is None:
+        ap.error("--from_json needs --table_out")
     parts = [p for p in args.parts.split(",") if p]
     if not parts or set(parts) - set(PARTS):
         ap.error(f"--parts takes a comma-separated subset of {PARTS}, got {args.parts!r}")
@@ -454,17 +509,18 @@ def _env() -> dict[str, Any]:
 
 def write_results(res: dict[str, Any], args: argparse.Namespace, t0: float) -> None:
     """The sweep's JSON and (with --table_out) the pinned table of the cases measured so far."""
-    res["table"] = {"entries": table_entries(res["cases"], res["env"]["gpu"])}
+    res["table"] = {"entries": table_entries(res["cases"], [res["env"]["gpu"]], args.tma_min_us / 1e3)}
     res["wall_s"] = time.monotonic() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1), encoding="utf-8")
     if args.table_out:
-        about = json.loads(G.DEFAULT_GEMM_TABLE.read_text(encoding="utf-8")).get("about", "")
-        Path(args.table_out).write_text(json.dumps({"about": about, **res["table"]}, indent=1), encoding="utf-8")
+        write_table(res, args)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.from_json is not None:  # no GPU: the table of an earlier sweep, chosen again
+        return write_table(json.loads(Path(args.from_json).read_text(encoding="utf-8")), args)
     if not torch.cuda.is_available():
         sys.exit("bench.int8_gemm_sweep needs a CUDA GPU")
     t0 = time.monotonic()

@@ -544,10 +544,15 @@ def parse_gemm_table(data: dict[str, Any], source: str) -> dict[tuple, list[tupl
 
 def set_gemm_table(path: str | Path | None) -> None:
     """Read the pinned per-shape table from `path` (None: the env var ``MOSS_INT8_GEMM_TABLE`` or the shipped
-    `DEFAULT_GEMM_TABLE`); shapes already launched keep their plans until `clear_gemm_plans`."""
+    `DEFAULT_GEMM_TABLE`; "none": no table, every shape autotuned); shapes already launched keep their plans until
+    `clear_gemm_plans`."""
     path = Path(path) if path is not None else Path(os.environ.get(GEMM_TABLE_ENV) or DEFAULT_GEMM_TABLE)
+    if str(path) == "none":
+        _TABLE["rows"], _TABLE["path"] = {}, None
+        _CHOICES.clear()
+        return
     try:
-        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read the int8 GEMM table {path} ({err}); fix the file or unset"
                         f" {GEMM_TABLE_ENV}") from err
@@ -599,10 +604,10 @@ def set_gemm_kernel(name: str) -> None:
     """Choose the forward int8 GEMM on CUDA: "auto" (default: the pinned table's variant and configuration for this
     GPU and shape, else "ptr" autotuned), or force one of `GEMM_VARIANTS` (autotuned on a shape's first call unless
     the table pinned that variant for it): "ptr" (pointer loads pipelined with cp.async, lowest host cost), "tma"
-    (tensor-descriptor loads on Hopper+, about 30 us more host time per call), "ptr_persistent", "tma_persistent"
-    "tma_persistent_ws" and "tma_split_tail" (persistent grids; with Triton's warp specialisation; with the last
-    partial wave split along K). TMA variants fall back
-    to their pointer counterparts where descriptors cannot be used; the env var ``MOSS_INT8_GEMM`` sets the same."""
+    (tensor-descriptor loads on Hopper+, 55-70 us of host time per call against about 15 for "ptr" on the H200),
+    "ptr_persistent", "tma_persistent", "tma_persistent_ws" and "tma_split_tail" (persistent grids; with Triton's
+    warp specialisation; with the last partial wave split along K). TMA variants fall back to their pointer
+    counterparts where descriptors cannot be used; the env var ``MOSS_INT8_GEMM`` sets the same."""
     if name not in GEMM_KERNELS:
         raise ValueError(f"unknown ConvRot GEMM kernel {name!r}; choose one of {GEMM_KERNELS}")
     if name != "auto" and name not in available_gemm_variants():
