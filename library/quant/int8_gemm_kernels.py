@@ -515,8 +515,9 @@ def gemm_m_bucket(m: int) -> int:
 
 # (gpu, N, K, B K-major) -> [(M bucket, variant, config)] sorted by bucket; None until first read
 _TABLE: dict[str, Any] = {"rows": None, "path": None}
-# (kernel setting, M, N, K, B K-major, device) -> (variant, pinned config or None): decided on a shape's first call
-_CHOICES: dict[tuple, tuple[GemmVariant, GemmConfig | None]] = {}
+# (kernel setting, M, N, K, B K-major, device) -> (variant, pinned config or None, its (constexprs, launch options),
+# persistent grid size or None): decided on a shape's first call
+_CHOICES: dict[tuple, tuple] = {}
 
 
 def parse_gemm_table(data: dict[str, Any], source: str) -> dict[tuple, list[tuple[int, str, GemmConfig]]]:
@@ -760,10 +761,10 @@ def _int8_gemm_triton(
     choice_key = (_TUNING["gemm"], m, n, k, stride_bk == 1, device)
     choice = _CHOICES.get(choice_key)
     if choice is None:
-        choice = _CHOICES[choice_key] = _choose(a.device, m, n, k, stride_bk == 1)
-    variant, config = choice
-    pinned = None if config is None else (config.meta(variant), config.options())
-    programs = _num_sms(a.device) if variant.persistent else None
+        variant, config = _choose(a.device, m, n, k, stride_bk == 1)
+        choice = _CHOICES[choice_key] = (variant, config, None if config is None else (
+            config.meta(variant), config.options()), _num_sms(a.device) if variant.persistent else None)
+    variant, config, pinned, programs = choice
     if variant.tma and _tma_ok(a, b, stride_bn, stride_bk, k):
         # the split-tail workspace is sized for any configuration's tiles (programs // 2 tiles of 256 x 256)
         ws = _split_tail_workspace(a.device, 0, programs, 256, 256) if variant.split_tail else None
