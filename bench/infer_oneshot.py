@@ -4,7 +4,7 @@ on a snapshot folder; the wall time from process start to the saved PNG and wher
 repository root:
 
     python -m bench.infer_oneshot --snapshot /tmp/full --out $OUT [--runs eager,eager,compile] [--steps 50]
-        [--image_size 1024 1024] [--device cuda] [--extra "--attn_mode sdpa"]
+        [--image_size 1024 1024] [--device cuda] [--extra "--attn_mode flash --split_attn"]
 
 Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes two (a two-line prompt file),
 so that the second image's denoising is the steady state per image (`per_image_s` = its denoising plus the encode
