@@ -52,7 +52,7 @@ from library.runtime.compile import check_compile_args
 from library.sampling.sampler import check_image_size, parse_uncond_skip_layers
 from library.text_encoder.encoding import encode_captions, text_encoder_batch_size
 from library.text_encoder.loading import TextEncoderOptions, load_text_encoder
-from library.text_encoder.quant import check_text_encoder_memory_args
+from library.text_encoder.quant import check_text_encoder_memory_args, free_vram
 from library.text_encoder.qwen35 import check_max_token_length, load_tokenizer
 
 logger = logging.getLogger("moss_image_minimal_inference")
@@ -360,10 +360,9 @@ def _checkpoint_bytes(path: str, subfolder: str) -> int:
 
 
 def _free_memory_bytes(device: Any) -> int:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    free = free_vram(device)
+    if free is not None:
+        return free
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:

@@ -187,8 +187,11 @@ def _syncs_per_step(trainer: Any, run: RunState, batch: dict[str, Any], steps: i
 
     def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         # the sync debug mode's own reset at the end of `_sync_debug` reports once: not the step's
-        if "synchroniz" in str(message) and not any(f.name == "_sync_debug" for f in traceback.extract_stack()):
-            caught.append(_call_chain(filename, lineno))
+        if "synchroniz" not in str(message):
+            return
+        stack = traceback.extract_stack()[:-1]  # without this function's frame
+        if not any(f.name == "_sync_debug" for f in stack):
+            caught.append(_call_chain(filename, lineno, stack))
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -205,10 +208,10 @@ def _short(filename: str) -> str:
     return os.path.relpath(filename, REPO) if filename.startswith(str(REPO)) else filename
 
 
-def _call_chain(filename: str, lineno: int, depth: int = 6) -> str:
+def _call_chain(filename: str, lineno: int, stack: list[traceback.FrameSummary], depth: int = 6) -> str:
     """The warned line and the project's frames that led to it (innermost first), e.g. to find which call of ours
     ends in a synchronising torch function."""
-    frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(str(REPO))]
+    frames = [f for f in stack if f.filename.startswith(str(REPO))]
     chain = [f"{_short(filename)}:{lineno}"] + [f"{_short(f.filename)}:{f.lineno}" for f in reversed(frames)]
     return " <- ".join(dict.fromkeys(chain[: depth + 1]))
 

@@ -41,24 +41,14 @@ import torch
 
 from library.errors import UserError
 from library.quant import convrot_quant_kernels as _qk
-from library.quant.convrot_quant_kernels import _TUNING, _next_pow2
+
+# triton is optional: the quantiser module's import of it decides for both (None and False without it)
+from library.quant.convrot_quant_kernels import _INTERPRET, _TRITON_IMPORTED, _TUNING, _next_pow2, tl, triton
 from library.quant.convrot_quant_kernels import log4 as _log4
 from library.quant.triton_launch import DirectLauncher
 
 # how the "bf16" backward runs on CUDA (`set_backward_kernel`)
 BACKWARD_KERNELS: tuple[str, ...] = ("dequant", "upcast")
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-try:  # triton is optional: without it nothing here is defined beyond the host-side helpers
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORTED = True
-except Exception:  # noqa: BLE001 - any import failure (missing package, broken install) means "no triton"
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    _TRITON_IMPORTED = False
 
 if _TRITON_IMPORTED:
     _cast_rne = _qk._cast_rne  # the jit helpers the GEMM kernels call
@@ -119,42 +109,25 @@ if _TRITON_IMPORTED:
                            HAS_SB, HAS_BIAS)
 
     @triton.jit
-    def _int8_gemm_tma_kernel(
-        a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET, stride_cm, stride_cn,
-        HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        """The forward GEMM with tensor-memory-accelerator loads (Hopper+): A [M, K] and W [N, K], both K-major,
-        out-of-range tiles zero-filled by the copy engine."""
-        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
+    def _tma_tile_acc(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        """int32 sum over the K tiles [k_lo, k_hi) of the output tile at (off_m, off_n), by TMA loads of A [M, K] and
+        W [N, K] (K-major, out-of-range tiles zero-filled)."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for kk in range(tl.cdiv(K, BLOCK_K)):
+        for kk in range(k_lo, k_hi):
             a = a_desc.load([off_m, kk * BLOCK_K])
             b = b_desc.load([off_n, kk * BLOCK_K])
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        _gemm_epilogue(
-            acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS
-        )
+        return acc
 
     @triton.jit
-    def _int8_gemm_kernel(
-        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET,
-        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        """C = epilogue(A @ B) with int8 A [M, K], B [K, N] (any strides), int32 accumulation.
-
-        Epilogue: c = T_out(fp32(acc) * (sa[m] * sb[n])), then T_out(c + bias[n]) (bias already in T_out)."""
-        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_am = offs_m % M  # wrap-around rows/columns: loads stay in bounds, the store is masked
-        offs_bn = offs_n % N
+    def _ptr_tile_acc(a_ptr, b_ptr, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """int32 sum over K of the output tile (pid_m, pid_n), by pointer loads of A [M, K] and B [K, N] (any
+        strides); rows and columns past M and N wrap around so that the loads stay in bounds (the store is
+        masked)."""
+        offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_bn[None, :].to(tl.int64) * stride_bn
@@ -170,10 +143,37 @@ if _TRITON_IMPORTED:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
+        return acc
 
-        _gemm_epilogue(
-            acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, HAS_SB, HAS_BIAS
-        )
+    @triton.jit
+    def _int8_gemm_tma_kernel(
+        a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET, stride_cm, stride_cn,
+        HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """The forward GEMM with tensor-memory-accelerator loads (Hopper+): A [M, K] and W [N, K], both K-major,
+        out-of-range tiles zero-filled by the copy engine."""
+        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _tma_tile_acc(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, tl.cdiv(K, BLOCK_K), BLOCK_M,
+                            BLOCK_N, BLOCK_K)
+        _gemm_epilogue_tile(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
+                            stride_cn, HAS_SB, HAS_BIAS, BLOCK_M, BLOCK_N, False)
+
+    @triton.jit
+    def _int8_gemm_kernel(
+        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+        HAS_SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """C = epilogue(A @ B) with int8 A [M, K], B [K, N] (any strides), int32 accumulation.
+
+        Epilogue: c = T_out(fp32(acc) * (sa[m] * sb[n])), then T_out(c + bias[n]) (bias already in T_out)."""
+        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _ptr_tile_acc(a_ptr, b_ptr, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, EVEN_K,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
+        _gemm_epilogue_tile(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
+                            stride_cn, HAS_SB, HAS_BIAS, BLOCK_M, BLOCK_N, False)
 
     @triton.jit
     def _int8_gemm_persistent_kernel(
@@ -188,26 +188,11 @@ if _TRITON_IMPORTED:
         software pipeliner overlap one tile's epilogue with the next tile's loads."""
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
         for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
                                 warp_specialize=WARP_SPEC):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # wrap-around: in-bounds loads, masked store
-            offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-            a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-            b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_bn[None, :].to(tl.int64) * stride_bn
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-            for kk in range(tl.cdiv(K, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
-                else:
-                    k_left = K - kk * BLOCK_K
-                    a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-                    b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
-                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-                a_ptrs += BLOCK_K * stride_ak
-                b_ptrs += BLOCK_K * stride_bk
+            acc = _ptr_tile_acc(a_ptr, b_ptr, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                                EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
             _gemm_epilogue_tile(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
                                 stride_cm, stride_cn, HAS_SB, HAS_BIAS, BLOCK_M, BLOCK_N, EPI_SUBTILE)
 
@@ -225,26 +210,10 @@ if _TRITON_IMPORTED:
         for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
                                 warp_specialize=WARP_SPEC):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-            for kk in range(tl.cdiv(K, BLOCK_K)):
-                a = a_desc.load([off_m, kk * BLOCK_K])
-                b = b_desc.load([off_n, kk * BLOCK_K])
-                acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-            _gemm_epilogue_tile(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn,
-                                HAS_SB, HAS_BIAS, BLOCK_M, BLOCK_N, EPI_SUBTILE)
-
-    @triton.jit
-    def _tma_tile_acc(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-        """int32 sum over the K tiles [k_lo, k_hi) of one output tile."""
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for kk in range(k_lo, k_hi):
-            a = a_desc.load([off_m, kk * BLOCK_K])
-            b = b_desc.load([off_n, kk * BLOCK_K])
-            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-        return acc
+            acc = _tma_tile_acc(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, tl.cdiv(K, BLOCK_K), BLOCK_M,
+                                BLOCK_N, BLOCK_K)
+            _gemm_epilogue_tile(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                                stride_cm, stride_cn, HAS_SB, HAS_BIAS, BLOCK_M, BLOCK_N, EPI_SUBTILE)
 
     @triton.jit
     def _int8_gemm_tma_split_tail_kernel(
