@@ -41,6 +41,7 @@ import torch
 
 import moss_image_train_network as trainer_script
 from bench.gpu_profile import kernel_profile
+from bench.host_profile import host_profile
 from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState, StepGarbageCollector
 from library.training.run_options import RunOptions
@@ -56,6 +57,10 @@ CONFIGS: dict[str, list[str]] = {
     "gc_full_compile_int8": [*GC, "--compile", "--convrot_int8"],
     "no_gc_compile_int8": ["--compile", "--convrot_int8"],
     "no_gc_compile_reduce_overhead": ["--compile", "--compile_mode", "reduce-overhead"],
+    "no_gc_compile_int8_reduce_overhead": ["--compile", "--convrot_int8", "--compile_mode", "reduce-overhead"],
+    "gc_full_compile_reduce_overhead": [*GC, "--compile", "--compile_mode", "reduce-overhead"],
+    "gc_full_compile_int8_reduce_overhead": [*GC, "--compile", "--convrot_int8", "--compile_mode", "reduce-overhead"],
+    "gc_full_eager_int8": [*GC, "--convrot_int8"],
     "gc_selective_compile_max_autotune": [*SELECTIVE, "--compile", "--compile_mode", "max-autotune-no-cudagraphs"],
     "gc_full_compile": [*GC, "--compile"],
     "gc_selective_compile": [*SELECTIVE, "--compile"],
@@ -76,10 +81,10 @@ class Shape(SimpleNamespace):
 
 
 FULL = Shape(image=1024, text_tokens=256, rank=16, device="cuda", precision="bf16", backend="inductor", steps=20,
-             warmup=3, profile=False)
+             warmup=3, profile=False, host_profile=False)
 # fp32 on the CPU (bf16 matmuls there are slow) and dynamo without code generation: a smoke run in seconds
 TINY = Shape(image=64, text_tokens=8, rank=4, device="cpu", precision="no", backend="eager", steps=3, warmup=1,
-             profile=False)
+             profile=False, host_profile=False)
 
 
 class _OneBucket:
@@ -246,9 +251,13 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
             peak = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()) if device.type == "cuda" \
                 else (0, 0)
             syncs, sync_sites = _syncs_per_step(trainer, run, batch, 3, loop)
+            losses = list(run.loss_history)  # the profiled steps below train on: their losses are not compared
             profile = None
             if shape.profile and device.type == "cuda":
                 profile = kernel_profile(lambda: trainer._run_epoch(run, iter([batch]), _Progress(), *loop), steps=3)
+            host = None
+            if shape.host_profile:
+                host = host_profile(lambda: trainer._run_epoch(run, iter([batch]), _Progress(), *loop), steps=3)
     result: dict[str, Any] = {
         "config": name, "flags": flags, "ok": True, "steps": shape.steps, "warmup": shape.warmup,
         "step_ms_median": round(statistics.median(times), 1), "step_ms": [round(t, 1) for t in times],
@@ -256,9 +265,9 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
         "peak_reserved_gib": round(peak[0] / GIB, 2), "peak_allocated_gib": round(peak[1] / GIB, 2),
         "peak_reserved_with_load_gib": round(max(with_load, peak[0]) / GIB, 2),
         "host_syncs_per_step": syncs, "host_sync_sites": sync_sites, **({"profile": profile} if profile else {}),
-        "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
+        **({"host_profile": host} if host else {}), "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
         "checkpointing": run.unet.checkpoint_mode, "policy": run.unet.checkpoint_policy,
-        "losses": list(run.loss_history),
+        "losses": losses,
     }
     if "--compile" in flags:
         from torch._dynamo.utils import counters
@@ -278,7 +287,8 @@ def compare(results: list[dict[str, Any]]) -> None:
 
 def _child(name: str, ns: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.checkpointing", "--single", name, "--snapshot", str(ns.snapshot),
-           "--steps", str(ns.steps), "--warmup", str(ns.warmup), *(["--profile"] if ns.profile else [])]
+           "--steps", str(ns.steps), "--warmup", str(ns.warmup), *(["--profile"] if ns.profile else []),
+           *(["--host_profile"] if ns.host_profile else [])]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ns.timeout_s, check=False)
@@ -322,6 +332,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout_s", type=float, default=480, help="limit per configuration (its own process)")
     p.add_argument("--profile", action="store_true",
                    help="also record 3 steps with torch.profiler: GPU time per kernel category, top kernels, idle time")
+    p.add_argument("--host_profile", action="store_true",
+                   help="also run 3 steps under cProfile: the Python functions with the most own and total time")
     p.add_argument("--single", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -333,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     shape.steps = ns.steps or shape.steps
     shape.warmup = ns.warmup if ns.warmup is not None else shape.warmup
     shape.profile = ns.profile
+    shape.host_profile = ns.host_profile
     ns.steps, ns.warmup = shape.steps, shape.warmup
     names = [n.strip() for n in (ns.configs or ",".join(CONFIGS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]

@@ -479,7 +479,10 @@ def bench_te_linears(ms: tuple, device: str, iters: int, layers: int = 32, shrin
             for i, o, _ in unit]
     int8 = [U.ConvRotInt8Linear.from_linear(lin, G) for lin in bf16]
     units = layers // 4
-    r: dict = {"layers": layers, "linears_per_caption": len(unit) * units, "shrink": shrink, "rows": []}
+    r: dict = {"layers": layers, "linears_per_caption": len(unit) * units, "shrink": shrink, "rows": [],
+               # a registered Triton launch hook (a profiler) sends every launch through Triton's own path
+               "launch_hooks_idle": triton_launch._launch_hooks_idle(),
+               "raw_launch_usable": triton_launch.raw_launch_enabled()}
     for m in ms:
         groups = {g: torch.randn(m, i, device=device, dtype=torch.bfloat16) for i, _, g in unit}
 

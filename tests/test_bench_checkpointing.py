@@ -11,7 +11,8 @@ from bench import checkpointing as bench
 def test_tiny_bench_runs_the_trainer_step_per_configuration(tiny_snapshot, tmp_path):
     out = tmp_path / "tiny.json"
     names = ["gc_full_eager", "gc_selective_eager", "gc_full_compile", "swap20_h2d_selective_compile"]
-    argv = ["--tiny", "--snapshot", str(tiny_snapshot), "--configs", ",".join(names), "--steps", "2", "--warmup", "1"]
+    argv = ["--tiny", "--snapshot", str(tiny_snapshot), "--configs", ",".join(names), "--steps", "2", "--warmup", "1",
+            "--host_profile"]
     assert bench.main([*argv, "--out", str(out)]) == 0
     payload = json.loads(out.read_text())
     assert payload["image"] == 64 and payload["device"] == "cpu"
@@ -26,4 +27,8 @@ def test_tiny_bench_runs_the_trainer_step_per_configuration(tiny_snapshot, tmp_p
     ref = results["gc_full_compile"]["losses"]
     for name in ("gc_full_eager", "gc_selective_eager"):
         assert results[name]["max_rel_loss_diff"] < 1e-6, results[name]["losses"]
+    # --host_profile: cProfile of 3 steps names the trainer's step among the functions with the most total time
+    host = results["gc_full_eager"]["host_profile"]
+    assert host["steps"] == 3 and host["wall_ms_per_call"] > 0
+    assert any("_run_epoch" in row["where"] and row["calls"] == 1 for row in host["by_total_time"]), host
     assert all(v > 0 for v in ref) and results["gc_full_compile"]["dynamo_stats"]["unique_graphs"] >= 1

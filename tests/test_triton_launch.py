@@ -252,3 +252,92 @@ def test_the_v36_layout_needs_a_known_triton_version(fake_driver, monkeypatch):
     launch((7, 1, 1), (x, 3))
     assert log == [("raw", (7, 1, 1, 777, 99, False, True, None, None, (8, 1, 512), None, None, None, x, 3, 64,
                             True))]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TmaLauncher: raw launches of kernels that take host tensor descriptors (Triton 3.5-3.6 layout)
+# ---------------------------------------------------------------------------------------------------------------
+class _V36TmaLauncher(CudaLauncher):
+    """Triton 3.6's CudaLauncher of a TMA kernel: `launch` is a Python wrapper closing over the C function."""
+
+    def __init__(self, log: list, scratch: int = 0):
+        super().__init__(log, scratch=scratch)
+        launcher = _CLaunch(log, False)
+
+        def inner(*args):  # Triton's wrapper; the raw path must bypass it
+            raise AssertionError(f"the wrapper around {launcher} must not be called")
+
+        self.launch = inner
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        raise AssertionError("not called")
+
+
+_V36TmaLauncher.__name__ = "CudaLauncher"
+_TMA_SIGNATURE = {"a_desc": "tensordesc<i8[64, 128]>", "b_desc": "tensordesc<i8[128, 128]>", "c_ptr": "*bf16",
+                  "M": "i32", "BLOCK": "constexpr"}
+
+
+def _tma_kernel(log: list, signature: dict = _TMA_SIGNATURE, metas: object = "two", scratch: int = 0):
+    metas = [{"swizzle": 3}, {"swizzle": 3}] if metas == "two" else metas
+    return types.SimpleNamespace(run=_V36TmaLauncher(log, scratch), function=42, packed_metadata=(8, 1, 0),
+                                 src=types.SimpleNamespace(signature=signature),
+                                 metadata=types.SimpleNamespace(tensordesc_meta=metas))
+
+
+@pytest.fixture
+def tma_driver(fake_driver, monkeypatch):
+    """Triton 3.6 with a descriptor encoder that records what it encodes."""
+    monkeypatch.setattr(TL.triton, "__version__", "3.6.0")
+    encoded: list = []
+
+    def expand(desc, meta):
+        encoded.append((desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape)))
+        return [("map", len(encoded)), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(TL, "_tensordesc_expander", lambda: expand)
+    return encoded
+
+
+def test_tma_raw_launch_encodes_each_operand_once_and_calls_the_c_function(tma_driver):
+    log: list = []
+    tma = TL.TmaLauncher.of(_tma_kernel(log), (64,), ([64, 128], [128, 128]))
+    assert tma is not None
+    a, b, c = torch.zeros(32, 256, dtype=torch.int8), torch.zeros(48, 256, dtype=torch.int8), torch.zeros(4)
+    descs = ((a, (32, 256), (256, 1)), (b, (48, 256), (256, 1)))
+    tma((3, 1, 1), descs, (c, 32))
+    tma((3, 1, 1), descs, (c, 32))
+    assert [e[0] for e in tma_driver] == [a.data_ptr(), b.data_ptr()]  # encoded once each
+    assert tma_driver[0][3] == (64, 128) and tma_driver[1][3] == (128, 128)
+    expected = (3, 1, 1, 777, 42, False, True, None, None, (8, 1, 0), None, None, None,
+                ("map", 1), 32, 256, 256, 1, ("map", 2), 48, 256, 256, 1, c, 32, 64)
+    assert log == [("raw", expected), ("raw", expected)]
+    a2 = torch.zeros(32, 512, dtype=torch.int8)[:, :256]  # another base and row stride: a new encoding for A only
+    tma((3, 1, 1), ((a2, (32, 256), (512, 1)), descs[1]), (c, 32))
+    assert len(tma_driver) == 3 and tma_driver[2][:3] == (a2.data_ptr(), (32, 256), (512, 1))
+
+
+def test_tma_raw_launch_cache_is_bounded(tma_driver, monkeypatch):
+    monkeypatch.setattr(TL, "_TMA_CACHE_LIMIT", 2)
+    tma = TL.TmaLauncher.of(_tma_kernel([]), (64,), ([64, 128], [128, 128]))
+    b = torch.zeros(48, 256, dtype=torch.int8)
+    for rows in (8, 16, 24):
+        a = torch.zeros(rows, 256, dtype=torch.int8)
+        tma((1, 1, 1), ((a, (rows, 256), (256, 1)), (b, (48, 256), (256, 1))), (b, rows))
+    assert len(tma.cache) <= 2
+
+
+@pytest.mark.parametrize("case", ["not_first", "no_meta", "scratch", "version", "no_wrapper"])
+def test_tma_raw_launch_is_refused_where_the_layout_is_not_known(tma_driver, monkeypatch, case):
+    kernel = {
+        "not_first": lambda: _tma_kernel([], {"c_ptr": "*bf16", **_TMA_SIGNATURE}),
+        "no_meta": lambda: _tma_kernel([], metas=None),
+        "scratch": lambda: _tma_kernel([], scratch=64),
+        "version": lambda: _tma_kernel([]),
+        "no_wrapper": lambda: _tma_kernel([]),
+    }[case]()
+    if case == "version":
+        monkeypatch.setattr(TL.triton, "__version__", "3.9.0")
+    if case == "no_wrapper":
+        kernel.run.launch = _CLaunch([], False)  # no Python wrapper to look under: not the 3.6 TMA layout
+    assert TL.TmaLauncher.of(kernel, (64,), ([64, 128], [128, 128])) is None

@@ -45,7 +45,8 @@ from library.quant import convrot_quant_kernels as _qk
 # triton is optional: the quantiser module's import of it decides for both (None and False without it)
 from library.quant.convrot_quant_kernels import _INTERPRET, _TRITON_IMPORTED, _TUNING, _next_pow2, tl, triton
 from library.quant.convrot_quant_kernels import log4 as _log4
-from library.quant.triton_launch import DirectLauncher
+from library.quant.triton_launch import DirectLauncher, TmaLauncher, constexpr_tail, raw_launch_enabled
+from library.quant.triton_launch import _launch_hooks_idle
 
 # how the "bf16" backward runs on CUDA (`set_backward_kernel`)
 BACKWARD_KERNELS: tuple[str, ...] = ("dequant", "upcast")
@@ -608,11 +609,20 @@ def backward_kernel(name: str) -> Iterator[None]:
 
 
 
+_HOPPER: dict[int, bool] = {}
+
+
+def _is_hopper_or_newer(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _HOPPER[index]
+
+
 def _tma_ok(a: torch.Tensor, b: torch.Tensor, stride_bn: int, stride_bk: int, k: int) -> bool:
     """TMA descriptors need K-major operands with 16-byte aligned bases and row strides (and a Hopper GPU)."""
     return (
-        _TensorDescriptor is not None and not _INTERPRET and a.is_cuda
-        and torch.cuda.get_device_capability(a.device) >= (9, 0)
+        _TensorDescriptor is not None and not _INTERPRET and a.is_cuda and _is_hopper_or_newer(a.device)
         and stride_bk == 1 and a.stride(1) == 1 and k % 16 == 0 and a.stride(0) % 16 == 0 and stride_bn % 16 == 0
         and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
     )
@@ -737,10 +747,20 @@ def _int8_gemm_triton(
     if variant.tma and _tma_ok(a, b, stride_bn, stride_bk, k):
         # the split-tail workspace is sized for any configuration's tiles (programs // 2 tiles of 256 x 256)
         ws = _split_tail_workspace(a.device, 0, programs, 256, 256) if variant.split_tail else None
-        tma_args, descs = _tma_args(args, a, b, stride_bn, n, ws)
         key = (variant.name, m, n, k, has_sb, has_bias, out_dtype, device)
+        # the plan fixes the sizes and dtypes and c is new: the alignments of the scales and the bias decide the rest
+        tma_key = (sa.data_ptr() & 15, 0 if sb is None else sb.data_ptr() & 15,
+                   0 if bias is None else bias.data_ptr() & 15)
+        plan = _GEMM_PLANS.get(key)
+        tma = plan[5].get(tma_key) if plan is not None else None
+        if tma is not None and raw_launch_enabled() and _launch_hooks_idle():
+            tma(plan[4], ((a, (m, k), (a.stride(0), 1)), (b, (n, k), (stride_bn, 1))),
+                (*args[2:6], *(ws or ()), *args[6:10], args[14], args[15]))
+            return c
+        tma_args, descs = _tma_args(args, a, b, stride_bn, n, ws)
         _launch_tuned(_TUNED_GEMMS[variant.name], _RAW_GEMMS[variant.name], key, m, n, tma_args,
-                      {"HAS_SB": has_sb, "HAS_BIAS": has_bias}, descs, pinned=pinned, programs=programs)
+                      {"HAS_SB": has_sb, "HAS_BIAS": has_bias}, descs, pinned=pinned, programs=programs,
+                      tma_key=tma_key)
         return c
     name = "ptr_persistent" if variant.persistent else "ptr"
     if variant.warp_specialize and pinned is not None:  # the pointer kernel without the warp specialisation
@@ -783,12 +803,14 @@ def _grad_input_upcast_triton(
 def _launch_tuned(
     tuned: Any, raw: Any, key: tuple, m: int, n: int, args: tuple, flags: dict, descs: tuple | None,
     direct_key: tuple | None = None, pinned: tuple[dict, dict] | None = None, programs: int | None = None,
+    tma_key: tuple | None = None,
 ) -> None:
     """Autotune on the first call of a shape (or take the `pinned` (constexprs, launch options) of the table), then
     launch the plain kernel with the chosen config, its grid and keywords kept per shape (the autotuner's per-call
     bookkeeping is a noticeable share of the host time): directly (`DirectLauncher`, with `direct_key` as its
-    specialisation key when given) unless TMA descriptors are used. `programs` caps the grid of a persistent
-    kernel."""
+    specialisation key when given) unless TMA descriptors are used; a TMA kernel's first launch of a `tma_key`
+    through Triton also yields its `TmaLauncher` (plan[5]), which the caller uses from then on. `programs` caps the
+    grid of a persistent kernel."""
     plan = _GEMM_PLANS.get(key)
     if plan is None:
         def grid(meta: dict) -> tuple[int]:
@@ -804,16 +826,21 @@ def _launch_tuned(
             meta, options = pinned
         # the pointer kernels launch directly from now on; the TMA kernel's descriptors change per call
         direct = DirectLauncher(raw, {**flags, **meta}, options) if descs is None else None
-        plan = _GEMM_PLANS[key] = (raw[grid(meta)], meta, {**flags, **meta, **options}, direct, (*grid(meta), 1, 1))
+        plan = _GEMM_PLANS[key] = (raw[grid(meta)], meta, {**flags, **meta, **options}, direct, (*grid(meta), 1, 1),
+                                   {})
         if pinned is None:  # the tuner ran this call already
             return
-    launch, meta, keywords, direct, grid3 = plan
+    launch, meta, keywords, direct, grid3, tma_launchers = plan
     if direct is not None:
         direct(grid3, args, direct_key)
         return
-    descs[0].block_shape = [meta["BLOCK_M"], meta["BLOCK_K"]]
-    descs[1].block_shape = [meta["BLOCK_N"], meta["BLOCK_K"]]
-    launch(*args, **keywords)
+    blocks = ([meta["BLOCK_M"], meta["BLOCK_K"]], [meta["BLOCK_N"], meta["BLOCK_K"]])
+    descs[0].block_shape, descs[1].block_shape = blocks
+    kernel = launch(*args, **keywords)
+    if tma_key is not None and tma_key not in tma_launchers:
+        constexprs = {k: v for k, v in keywords.items() if k not in ("num_warps", "num_stages")}
+        tma_launchers[tma_key] = (TmaLauncher.of(kernel, constexpr_tail(raw, constexprs), blocks)
+                                  if kernel is not None and hasattr(type(kernel), "__getitem__") else None)
 
 
 if os.environ.get(GEMM_KERNEL_ENV):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -161,20 +161,26 @@ def raw_launcher(kernel: Any, tail: tuple) -> Callable[[tuple, tuple], None] | N
     return launch_generic
 
 
+def constexpr_tail(fn: Any, constexprs: dict[str, Any]) -> tuple:
+    """The values of `constexprs` in the parameter order of the @triton.jit `fn`, whose trailing parameters they
+    must be (what a raw launch passes after the runtime arguments)."""
+    names = list(fn.arg_names)
+    first = len(names) - len(constexprs)
+    if sorted(names[first:]) != sorted(constexprs):
+        raise ValueError(f"the constexprs {sorted(constexprs)} must be the trailing parameters of {names}")
+    return tuple(constexprs[n] for n in names[first:])
+
+
 class DirectLauncher:
     """One @triton.jit kernel with fixed constexprs (its trailing parameters) and launch options."""
 
     __slots__ = ("compiled", "constexprs", "fn", "options", "raw", "tail")
 
     def __init__(self, fn: Any, constexprs: dict[str, Any], options: dict[str, Any]):
-        names = list(fn.arg_names)
-        first = len(names) - len(constexprs)
-        if sorted(names[first:]) != sorted(constexprs):
-            raise ValueError(f"the constexprs {sorted(constexprs)} must be the trailing parameters of {names}")
         self.fn = fn
         self.constexprs = dict(constexprs)
         self.options = dict(options)
-        self.tail = tuple(constexprs[n] for n in names[first:])
+        self.tail = constexpr_tail(fn, constexprs)
         # specialisation key -> the compiled kernel, or None where it must go through Triton
         self.compiled: dict[tuple, Any] = {}
         # specialisation key -> its raw launch function (`raw_launcher`), where there is one
@@ -219,3 +225,112 @@ class DirectLauncher:
             state["failed"] = True
             logger.info("direct Triton launches are not usable with this Triton (%s); using kernel[grid]", e)
             self.fn[grid](*args, **self.constexprs, **self.options)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Raw launches of kernels that take host tensor descriptors (TMA)
+# --------------------------------------------------------------------------------------------------------------------
+# A Triton launch of a TMA kernel builds a TensorDescriptor per operand (its checks), specialises on it, and
+# encodes a CUtensorMap for it (``cuTensorMapEncodeTiled``) in a Python wrapper around the C launch function: about
+# 40-55 us of host time per call on the H200, against about 15 us for a raw pointer-kernel launch. A CUtensorMap is
+# determined by the operand's base address, shape and strides (and the kernel's block, swizzle and element type, fixed
+# per compiled kernel), so `TmaLauncher` encodes each once and keeps the expansion the C function takes.
+_TMA_CACHE_LIMIT = 4096  # encoded descriptors kept per launcher (weights: one per Linear; activations: a few)
+
+
+def _c_launch_under_tensordesc_wrapper(launcher: Any) -> Any:
+    """The C launch function that Triton 3.5-3.6's tensor-descriptor wrapper (a closure over ``launcher``) calls,
+    or None where the launcher is not laid out that way."""
+    inner = getattr(launcher, "launch", None)
+    if not inspect.isfunction(inner) or inner.__closure__ is None:
+        return None
+    names = inner.__code__.co_freevars
+    if "launcher" not in names:
+        return None
+    c_launch = inner.__closure__[names.index("launcher")].cell_contents
+    return None if inspect.isfunction(c_launch) or inspect.ismethod(c_launch) else c_launch
+
+
+def _tensordesc_expander() -> Callable[[Any, dict], list] | None:
+    """The NVIDIA backend's ``make_tensordesc_arg(descriptor, metadata)`` (Triton 3.5-3.6), or None."""
+    try:
+        from triton.backends.nvidia import driver as nvidia_driver
+    except Exception:  # noqa: BLE001 - no NVIDIA backend: no TMA raw launches
+        return None
+    fn = getattr(nvidia_driver, "make_tensordesc_arg", None)
+    if fn is None:
+        return None
+    try:
+        if len(inspect.signature(fn).parameters) != 2:
+            return None
+    except (TypeError, ValueError):
+        return None
+    return fn
+
+
+class TmaLauncher:
+    """Raw launches of one compiled kernel whose first parameters are host tensor descriptors (`n_desc` of them):
+    ``launch(grid3, descs, args)`` with `descs` as (tensor, shape, strides) per descriptor and `args` the other
+    runtime arguments; the kernel's constexprs (`tail`) follow. Build with `TmaLauncher.of`, which returns None
+    where this Triton or kernel does not allow it (then launch through Triton)."""
+
+    __slots__ = ("blocks", "c_launch", "cache", "coop", "expand", "function", "metas", "packed", "pdl", "tail")
+
+    def __init__(self, c_launch: Any, kernel: Any, launcher: Any, metas: list[dict], blocks: list[list[int]],
+                 tail: tuple, expand: Callable[[Any, dict], list]):
+        self.c_launch = c_launch
+        self.function = kernel.function
+        self.packed = kernel.packed_metadata
+        self.coop, self.pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+        self.metas, self.blocks, self.tail, self.expand = metas, blocks, tail, expand
+        self.cache: dict[tuple, tuple] = {}
+
+    @classmethod
+    def of(cls, kernel: Any, tail: tuple, blocks: Sequence[Sequence[int]]) -> TmaLauncher | None:
+        """For the compiled `kernel` (returned by its first launch through Triton), whose first ``len(blocks)``
+        parameters are tensor descriptors with those block shapes; None where raw launches are not possible."""
+        if triton is None or _TensorDescriptor is None:
+            return None
+        try:
+            launcher = kernel.run
+            function = kernel.function  # noqa: F841 - loaded by kernel.run; its absence means no raw launch
+            signature = list(kernel.src.signature.values())
+            metas = list(getattr(kernel.metadata, "tensordesc_meta", None) or [])
+        except Exception as e:  # noqa: BLE001 - whatever this Triton lacks means the normal launch
+            logger.debug("no raw TMA launch for %r: %s", kernel, e)
+            return None
+        n = len(blocks)
+        descs = [i for i, s in enumerate(signature) if isinstance(s, str) and s.startswith("tensordesc")]
+        expand = _tensordesc_expander()
+        c_launch = _c_launch_under_tensordesc_wrapper(launcher)
+        if (_launcher_layout(launcher) != "v36" or c_launch is None or expand is None or descs != list(range(n))
+                or len(metas) != n or any(not isinstance(m, dict) for m in metas)
+                or launcher.global_scratch_size or launcher.profile_scratch_size
+                or getattr(launcher, "gsan_enabled", False)):
+            logger.debug("no raw TMA launch for %s", getattr(kernel, "name", kernel))
+            return None
+        return cls(c_launch, kernel, launcher, metas, [list(b) for b in blocks], tail, expand)
+
+    def _encoded(self, i: int, tensor: torch.Tensor, shape: tuple, strides: tuple) -> tuple:
+        key = (i, tensor.data_ptr(), shape, strides)
+        enc = self.cache.get(key)
+        if enc is None:
+            if len(self.cache) >= _TMA_CACHE_LIMIT:
+                self.cache.clear()
+            desc = _TensorDescriptor(tensor, list(shape), list(strides), self.blocks[i])
+            enc = self.cache[key] = tuple(self.expand(desc, self.metas[i]))
+        return enc
+
+    def __call__(self, grid: tuple, descs: Sequence[tuple], args: tuple) -> None:
+        expanded: list = []
+        for i, (tensor, shape, strides) in enumerate(descs):
+            expanded.extend(self._encoded(i, tensor, shape, strides))
+        drv = triton.runtime.driver.active
+        self.c_launch(grid[0], grid[1], grid[2], drv.get_current_stream(drv.get_current_device()), self.function,
+                      self.coop, self.pdl, None, None, self.packed, None, None, None, *expanded, *args, *self.tail)
+
+
+try:  # the host descriptor type of the TMA kernels (Triton 3.3+)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except Exception:  # noqa: BLE001 - no descriptors: no TMA raw launches
+    _TensorDescriptor = None  # type: ignore[assignment,misc]
