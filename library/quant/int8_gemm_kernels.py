@@ -45,8 +45,13 @@ from library.quant import convrot_quant_kernels as _qk
 # triton is optional: the quantiser module's import of it decides for both (None and False without it)
 from library.quant.convrot_quant_kernels import _INTERPRET, _TRITON_IMPORTED, _TUNING, _next_pow2, tl, triton
 from library.quant.convrot_quant_kernels import log4 as _log4
-from library.quant.triton_launch import DirectLauncher, TmaLauncher, constexpr_tail, raw_launch_enabled
-from library.quant.triton_launch import _launch_hooks_idle
+from library.quant.triton_launch import (
+    DirectLauncher,
+    TmaLauncher,
+    _launch_hooks_idle,
+    constexpr_tail,
+    raw_launch_enabled,
+)
 
 # how the "bf16" backward runs on CUDA (`set_backward_kernel`)
 BACKWARD_KERNELS: tuple[str, ...] = ("dequant", "upcast")
