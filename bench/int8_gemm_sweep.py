@@ -26,9 +26,9 @@ skipped).
         --merge_table --capability_rows   # no GPU: the shipped table updated from a sweep's JSON
 
 The table file has the format of ``library/quant/int8_gemm_table.json``: per case the fastest configuration measured
-exact, a TMA variant only where its GPU time is at least `--tma_min_us` (80 us: a TMA launch builds its descriptors
-per call, 55-70 us of host time against about 15 us for the pointer kernel's raw launch on the H200, which shorter
-GEMMs cannot hide);
+exact, a TMA variant only where its GPU time is at least `--tma_min_us` (default 0: since TMA kernels launch raw, with
+their descriptors encoded once per operand, their host time per call matches the pointer kernel's, about 15-20 us
+on the H200; before, 55-70 us per call kept TMA off GEMMs under 80 us);
 ``MOSS_INT8_GEMM_TABLE=$OUT/int8_gemm_table.json`` makes the product use it without copying it there.
 """
 
@@ -464,8 +464,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget_s", type=float, default=240.0, help="stop measuring after this many seconds")
     ap.add_argument("--reps", type=int, default=20, help="timed graph replays per configuration (>= 20)")
     ap.add_argument("--inner", type=int, default=10, help="launches per captured graph")
-    ap.add_argument("--tma_min_us", type=float, default=80.0,
-                    help="table: a TMA variant only where its GPU time is at least this (its host time is higher)")
+    ap.add_argument("--tma_min_us", type=float, default=0.0,
+                    help="table: a TMA variant only where its GPU time is at least this (where its host time is"
+                         " higher: a Triton without raw TMA launches)")
     ap.add_argument("--capability_rows", action="store_true",
                     help="table: repeat the rows under the GPU's compute capability (e.g. sm90: other Hopper GPUs)")
     ap.add_argument("--merge_table", action="store_true",

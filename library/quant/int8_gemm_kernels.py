@@ -580,7 +580,8 @@ def set_gemm_kernel(name: str) -> None:
     """Choose the forward int8 GEMM on CUDA: "auto" (default: the pinned table's variant and configuration for this
     GPU and shape, else "ptr" autotuned), or force one of `GEMM_VARIANTS` (autotuned on a shape's first call unless
     the table pinned that variant for it): "ptr" (pointer loads pipelined with cp.async, lowest host cost), "tma"
-    (tensor-descriptor loads on Hopper+, 55-70 us of host time per call against about 15 for "ptr" on the H200),
+    (tensor-descriptor loads on Hopper+; launched raw with its descriptors encoded once per operand where Triton is
+    3.5-3.6, about the host time of "ptr", else 55-70 us of host time per call against about 15 for "ptr"),
     "ptr_persistent", "tma_persistent", "tma_persistent_ws" and "tma_split_tail" (persistent grids; with Triton's
     warp specialisation; with the last partial wave split along K). TMA variants fall back to their pointer
     counterparts where descriptors cannot be used; the env var ``MOSS_INT8_GEMM`` sets the same."""
