@@ -62,6 +62,8 @@ CONFIGS: dict[str, list[str]] = {
     "gc_full_compile_int8_reduce_overhead": [*GC, "--compile", "--convrot_int8", "--compile_mode", "reduce-overhead"],
     "gc_full_eager_int8": [*GC, "--convrot_int8"],
     "gc_selective_compile_int8": [*SELECTIVE, "--compile", "--convrot_int8"],
+    "gc_selective_compile_int8_skip10": [*SELECTIVE, "--checkpointing_skip_blocks", "10", "--compile", "--convrot_int8"],
+    "gc_selective_compile_int8_skip13": [*SELECTIVE, "--checkpointing_skip_blocks", "13", "--compile", "--convrot_int8"],
     "gc_selective_compile_max_autotune": [*SELECTIVE, "--compile", "--compile_mode", "max-autotune-no-cudagraphs"],
     "gc_full_compile": [*GC, "--compile"],
     "gc_selective_compile": [*SELECTIVE, "--compile"],

@@ -285,3 +285,54 @@ def test_selective_without_compile_warns(caplog):
     with caplog.at_level(logging.WARNING):
         check_checkpointing_args(_args(checkpointing_policy="selective", gradient_checkpointing=True, compile=True))
     assert not caplog.text
+
+
+# --------------------------------------------------------------------------------- --checkpointing_skip_blocks
+def test_skip_blocks_leaves_the_last_blocks_uncheckpointed_with_the_same_gradients(tiny_snapshot):
+    """The last N main blocks keep their activations (their attention is not run again in backward), the others
+    are checkpointed; the gradients are those of no checkpointing, bitwise, with and without block swap."""
+    ref = loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, None))
+    for policy in ("full", "selective"):
+        model, network = tiny_dit_with_lora(tiny_snapshot, None)
+        model.enable_gradient_checkpointing(policy=policy, skip_blocks=5)
+        assert [b.checkpointing for b in model.layers] == [policy] * (TINY_LAYERS - 5) + [None] * 5
+        assert {b.checkpointing for b in model.text_embedder.blocks} == {policy}
+        counter = OpCounter()
+        assert_same(loss_and_grads(model, network, counter=counter), ref, rtol=0, atol=0)
+        recomputed = TINY_LAYERS - 5 if policy == "full" else 0  # as full: the main blocks (see above)
+        assert counter.attention_forwards() == recomputed
+    model, network = tiny_dit_with_lora(tiny_snapshot, None, swap=14)
+    model.enable_gradient_checkpointing(skip_blocks=TINY_LAYERS)  # every main block kept, the refiner checkpointed
+    for seed in (0, 1):
+        assert_same(loss_and_grads(model, network, seed), loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, None),
+                                                                          seed), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="between 0 and the 24 DiT blocks"):
+        model.enable_gradient_checkpointing(skip_blocks=TINY_LAYERS + 1)
+    with pytest.raises(ValueError, match="plain checkpointing mode only"):
+        model.enable_gradient_checkpointing(cpu_offload=True, skip_blocks=1)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"checkpointing_skip_blocks": -1}, "must be 0 or more"),
+    ({"checkpointing_skip_blocks": 2}, "needs --gradient_checkpointing"),
+    ({"checkpointing_skip_blocks": 2, "gradient_checkpointing": True, "unsloth_offload_checkpointing": True},
+     "cannot be used with --unsloth_offload_checkpointing"),
+    ({"checkpointing_skip_blocks": 2, "gradient_checkpointing": True, "vram_budget": 12.0},
+     "cannot be used with --vram_budget"),
+])
+def test_skip_blocks_refusals(kw, message):
+    with pytest.raises(UserError, match=message):
+        check_checkpointing_args(_args(**kw))
+    check_checkpointing_args(_args(checkpointing_skip_blocks=2, gradient_checkpointing=True))
+
+
+def test_trainer_skip_blocks(tiny_snapshot, tmp_path):
+    from tests.test_trainer import base_args, make_toy_dataset, train
+
+    data = make_toy_dataset(tmp_path / "data", n=2)
+    run = train(base_args(tiny_snapshot, data, tmp_path / "out", "--max_train_steps", "1", "--gradient_checkpointing",
+                          "--checkpointing_skip_blocks", "3"))
+    assert [b.checkpointing for b in run.unet.layers][-4:] == ["full", None, None, None]
+    with pytest.raises(UserError, match="--checkpointing_skip_blocks 99 is more than the DiT's 24 blocks"):
+        train(base_args(tiny_snapshot, data, tmp_path / "out2", "--max_train_steps", "1", "--gradient_checkpointing",
+                        "--checkpointing_skip_blocks", "99"))

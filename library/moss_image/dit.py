@@ -402,11 +402,16 @@ class MossImage(nn.Module):
 
     # ------------------------------------------------------------------------------------- checkpointing switch
     def enable_gradient_checkpointing(self, cpu_offload: bool = False, unsloth_offload: bool = False,
-                                      policy: str = DEFAULT_CHECKPOINTING_POLICY) -> None:
+                                      policy: str = DEFAULT_CHECKPOINTING_POLICY, skip_blocks: int = 0) -> None:
         """Recompute each block in backward. `policy` ("full" or "selective", `library.runtime.checkpointing`) says
         what a block keeps; the block checkpoints itself, so a compiled block compiles its checkpoint. `cpu_offload`
         keeps the saved block inputs in host memory; `unsloth_offload` parks each block input in host memory
-        asynchronously and recomputes the block. Both keep only the block inputs (policy "full")."""
+        asynchronously and recomputes the block. Both keep only the block inputs (policy "full"). `skip_blocks`
+        (plain mode): the last that many main blocks are not checkpointed (they keep every activation)."""
+        if not 0 <= skip_blocks <= len(self.layers):
+            raise ValueError(f"skip_blocks {skip_blocks} must be between 0 and the {len(self.layers)} DiT blocks")
+        if skip_blocks and (cpu_offload or unsloth_offload):
+            raise ValueError("skip_blocks applies to the plain checkpointing mode only")
         if cpu_offload and unsloth_offload:
             raise ValueError("cpu_offload and unsloth_offload are exclusive")
         if policy not in CHECKPOINTING_POLICIES:
@@ -416,9 +421,12 @@ class MossImage(nn.Module):
         self.gradient_checkpointing = True
         self.checkpoint_mode = "unsloth" if unsloth_offload else "cpu_offload" if cpu_offload else "plain"
         self.checkpoint_policy = policy
+        kept = set(map(id, self.layers[len(self.layers) - skip_blocks:])) if skip_blocks else set()
         for block in self._blocks():
-            block.checkpointing = policy if self.checkpoint_mode == "plain" else None
+            block.checkpointing = policy if self.checkpoint_mode == "plain" and id(block) not in kept else None
         shown = self.checkpoint_mode if policy == DEFAULT_CHECKPOINTING_POLICY else f"{self.checkpoint_mode} ({policy})"
+        if skip_blocks:
+            shown += f", the last {skip_blocks} of {len(self.layers)} blocks not checkpointed"
         logger.info("DiT gradient checkpointing: %s", shown)
 
     def disable_gradient_checkpointing(self) -> None:

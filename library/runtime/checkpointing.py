@@ -97,9 +97,31 @@ def checkpointed(fn: Callable[..., torch.Tensor], policy: str, *args: Any) -> to
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
 
 
+def _check_skip_blocks(args: argparse.Namespace) -> None:
+    """--checkpointing_skip_blocks: a count, for the plain checkpointing mode (the block count is checked once the
+    DiT is loaded)."""
+    skip = getattr(args, "checkpointing_skip_blocks", 0) or 0
+    if skip < 0:
+        raise UserError(f"--checkpointing_skip_blocks {skip} must be 0 or more (the number of DiT blocks, counted"
+                        " from the last, that are not checkpointed).")
+    if not skip:
+        return
+    if not getattr(args, "gradient_checkpointing", False):
+        raise UserError(f"--checkpointing_skip_blocks {skip} needs --gradient_checkpointing: without it no block is"
+                        " checkpointed.")
+    for flag in ("cpu_offload_checkpointing", "unsloth_offload_checkpointing"):
+        if getattr(args, flag, False):
+            raise UserError(f"--checkpointing_skip_blocks cannot be used with --{flag}: that mode offloads every"
+                            " block's input; use plain --gradient_checkpointing.")
+    if getattr(args, "vram_budget", None):
+        raise UserError("--checkpointing_skip_blocks cannot be used with --vram_budget: the memory planner does not"
+                        " model blocks left out of checkpointing; drop one of them.")
+
+
 def check_checkpointing_args(args: argparse.Namespace) -> None:
     """--checkpointing_policy (after `library.options.implications`, which turns --gradient_checkpointing on for
     `selective`): the offloaded modes keep only the block inputs (in host memory), so they take `full` only."""
+    _check_skip_blocks(args)
     policy = args.checkpointing_policy
     if policy not in CHECKPOINTING_POLICIES:
         raise UserError(f"--checkpointing_policy {policy!r} is not known: choose one of"

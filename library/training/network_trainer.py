@@ -445,9 +445,14 @@ class NetworkTrainer(abc.ABC):
 
     def enable_gradient_checkpointing(self, run: RunState) -> None:
         args = run.args
+        skip = getattr(args, "checkpointing_skip_blocks", 0) or 0
+        blocks = len(getattr(run.unet, "layers", ()))
+        if skip > blocks:
+            raise UserError(f"--checkpointing_skip_blocks {skip} is more than the DiT's {blocks} blocks; give at most"
+                            f" {blocks}.")
         run.unet.enable_gradient_checkpointing(
             cpu_offload=args.cpu_offload_checkpointing, unsloth_offload=args.unsloth_offload_checkpointing,
-            policy=args.checkpointing_policy,
+            policy=args.checkpointing_policy, **({"skip_blocks": skip} if skip else {}),
         )
         if run.train_text_encoder:
             for te in run.text_encoders:  # newer transformers renamed the switch (and its keyword)
