@@ -80,20 +80,6 @@ def test_selective_policy_keeps_every_attention_kernel_and_recomputes_unknown_op
     assert selective_policy(None, custom, _meta(8, 64), _meta(16, 64)) is CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def test_selective_policy_keeps_narrowing_convrot_int8_linears():
-    """The registered ConvRot INT8 Linear follows the products' rule on its weight [N, K]: the FFN down-projection
-    (K = 8192 -> N = 3072) is kept, q/k/v/o and the up-projection are recomputed."""
-    from library.quant import convrot_ops
-
-    def int8_args(n: int, k: int) -> tuple:
-        return (_meta(4352, k), _meta(4352, k), _meta(4352), _meta(n, k), _meta(n), None, 256, "bf16")
-
-    assert selective_policy(None, convrot_ops.LINEAR, *int8_args(3072, 8192)) is CheckpointPolicy.MUST_SAVE
-    for n, k in ((3072, 3072), (16384, 3072)):
-        assert selective_policy(None, convrot_ops.LINEAR, *int8_args(n, k)) is CheckpointPolicy.PREFER_RECOMPUTE
-    assert selective_policy(None, convrot_ops.QUANTIZE, _meta(4352, 8192), 256) is CheckpointPolicy.PREFER_RECOMPUTE
-
-
 # ------------------------------------------------------------------------------------------- the tiny DiT + LoRA
 def tiny_dit_with_lora(tiny_snapshot, policy: str | None, int8: bool = False, swap: int | None = None,
                        h2d_only: bool = True):
@@ -189,9 +175,8 @@ def test_selective_inside_compiled_blocks_with_block_swap(tiny_snapshot):
 
 
 def test_selective_with_convrot_int8_layers(tiny_snapshot):
-    """Eager, the int8 Linears run their kernels without dispatching the registered op (recomputed); attention is
-    still kept. Compiled (dynamo with the eager backend: the int8 ops inside the traced checkpoint, the narrowing
-    ones kept), the results stay exact."""
+    """The int8 Linears are registered ops the policy does not know (recomputed); attention is still kept. Compiled
+    (dynamo with the eager backend: the int8 ops inside the traced checkpoint), the results stay exact."""
     ref = loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, "full", int8=True))
     counter = OpCounter()
     assert_same(loss_and_grads(*tiny_dit_with_lora(tiny_snapshot, "selective", int8=True), counter=counter), ref,

@@ -17,9 +17,8 @@ docs/benchmarks.md (training-step table, run A: 36.29 GiB allocated) is met with
 - full (`--gradient_checkpointing`): each block's input (e W per token), plus one block's full set while it is
   recomputed in backward;
 - selective (`--checkpointing_policy selective`): full, plus the outputs the policy saves per block
-  (`selective_saved_widths`: the attention output and the FFN down-projection output, each e W per token, the
-  log-sum-exp and the LoRA down outputs; an eager ConvRot INT8 down-projection runs its kernels without dispatching
-  the registered op, so it is recomputed there);
+  (`SELECTIVE_SAVED_WIDTHS`: the attention output and the FFN down-projection output, each e W per token, the
+  log-sum-exp and the LoRA down outputs; with ConvRot INT8 the down-projection is a custom op and is recomputed);
 - unsloth / cpu_offload: the block inputs go to host memory; a measured share of them stays on the GPU
   (`OFFLOAD_GPU_SHARE`).
 On top: a backward workspace (`BACKWARD_WORKSPACE_WIDE_TENSORS` tensors as wide as the FFN up-projection output), the
@@ -41,15 +40,8 @@ WIDTH_ACTIVATIONS = 6
 FFN_ACTIVATIONS = 4
 LORA_TARGETS_PER_BLOCK = 6
 # saved per block by --checkpointing_policy selective, in e*W tensors per token: the attention output and the FFN
-# down-projection output (the narrowing product); an eager ConvRot INT8 Linear dispatches no op, so its
-# down-projection is recomputed (the compiled one dispatches the registered op, which the policy keeps)
-SELECTIVE_SAVED_WIDTHS = 2
-SELECTIVE_SAVED_WIDTHS_INT8_EAGER = 1
-
-
-def selective_saved_widths(precision: str, compiled: bool) -> int:
-    """e*W tensors per token that --checkpointing_policy selective keeps per block (see SELECTIVE_SAVED_WIDTHS)."""
-    return SELECTIVE_SAVED_WIDTHS_INT8_EAGER if precision == "int8" and not compiled else SELECTIVE_SAVED_WIDTHS
+# down-projection output (the narrowing product; recomputed under ConvRot INT8, whose Linear is a custom op)
+SELECTIVE_SAVED_WIDTHS = {"bf16": 2, "int8": 1}
 # torch.compile keeps this share of the eager activations (fused RMSNorm/RoPE/modulation recompute their inputs):
 # e2e run A "no checkpointing, --compile" (bf16: 28.58 GiB allocated at 4096 + 90 tokens)
 COMPILED_ACTIVATION_SHARE = 0.734
@@ -209,10 +201,9 @@ def block_kept_bytes_per_token(dit: DitSizes, e: int, rank: int) -> int:
             + LORA_TARGETS_PER_BLOCK * e * rank)
 
 
-def selective_kept_bytes_per_token(dit: DitSizes, precision: str, e: int, rank: int, compiled: bool) -> int:
+def selective_kept_bytes_per_token(dit: DitSizes, precision: str, e: int, rank: int) -> int:
     c = dit.config
-    return (selective_saved_widths(precision, compiled) * e * c.hidden_size + 4 * c.num_heads
-            + LORA_TARGETS_PER_BLOCK * e * rank)
+    return SELECTIVE_SAVED_WIDTHS[precision] * e * c.hidden_size + 4 * c.num_heads + LORA_TARGETS_PER_BLOCK * e * rank
 
 
 def step_activation_bytes(dit: DitSizes, w: Workload, setup: Setup) -> int:
@@ -231,7 +222,7 @@ def step_activation_bytes(dit: DitSizes, w: Workload, setup: Setup) -> int:
     else:
         kept = inputs
         if setup.checkpointing == "selective":
-            kept += selective_kept_bytes_per_token(dit, setup.dit, e, w.lora_rank, w.compile)
+            kept += selective_kept_bytes_per_token(dit, setup.dit, e, w.lora_rank)
         elif setup.checkpointing in ("unsloth", "cpu_offload"):
             kept = inputs * OFFLOAD_GPU_SHARE
         per_token_main = n * kept + block * share

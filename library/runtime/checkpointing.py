@@ -11,14 +11,9 @@
   in bf16 (2.2 GiB for the 42 blocks at batch 1), where keeping every product and attention output would take about
   23 GiB (12 GiB for the base products and attention alone).
 
-The ConvRot INT8 Linear (the registered op ``moss_image::convrot_int8_linear``, which a compiled block dispatches)
-follows the same rule on its weight [N, K]: the FFN down-projection's output is kept, so that neither its int8 GEMM
-nor its activation quantiser runs again in backward.
-
-The policy works on the operators a block dispatches (`torch.utils.checkpoint` selective checkpointing), so it
+The policy works on the aten operators a block dispatches (`torch.utils.checkpoint` selective checkpointing), so it
 behaves the same in eager mode and inside a `torch.compile`d block (where the partitioner reads the same tags). Any
-operator it does not know (other custom ops, other attention backends) is recomputed; so is the ConvRot INT8
-Linear in eager mode, which runs its kernels without dispatching the registered op.
+operator it does not know (custom ops such as the ConvRot INT8 Linear, other attention backends) is recomputed.
 """
 
 from __future__ import annotations
@@ -56,9 +51,6 @@ _MATMUL_OPERANDS = {
     torch.ops.aten.baddbmm.default: (1, 2),
 }
 NARROWING_RATIO = 2  # a product is kept when K >= NARROWING_RATIO * N
-# the ConvRot INT8 Linear's registered op (library.quant.convrot_ops): (x, x_q, x_scale, weight [N, K], ...)
-_INT8_LINEAR_OP = "moss_image::convrot_int8_linear"
-_INT8_WEIGHT_ARG = 3
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -70,10 +62,6 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
     operands = _MATMUL_OPERANDS.get(op)
     if operands is not None:
         k, n = args[operands[0]].shape[-1], args[operands[1]].shape[-1]
-        if isinstance(k, int) and isinstance(n, int) and k >= NARROWING_RATIO * n:
-            return CheckpointPolicy.MUST_SAVE
-    elif isinstance(op, torch._ops.OpOverload) and op.name() == _INT8_LINEAR_OP and len(args) > _INT8_WEIGHT_ARG:
-        n, k = args[_INT8_WEIGHT_ARG].shape
         if isinstance(k, int) and isinstance(n, int) and k >= NARROWING_RATIO * n:
             return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
