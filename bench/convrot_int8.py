@@ -371,6 +371,11 @@ def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep
         r["rows_mma_vs_eager_q_mismatch"] = int((q_m != q_e).sum())
         r["rows_mma_vs_eager_s_mismatch"] = int((s_m != s_e.view(-1)).sum())
         r["rows_mma_vs_rows_q_mismatch"] = int((q_m != q_r).sum())
+        q_t, s_t = K._quantize_rows_triton(xs[0], G, kernel="tiles_mma")
+        r["tiles_mma_vs_eager_q_mismatch"] = int((q_t != q_e).sum())
+        r["tiles_mma_vs_eager_s_mismatch"] = int((s_t != s_e.view(-1)).sum())
+        r["tiles_mma_vs_rows_q_mismatch"] = int((q_t != q_r).sum())
+        r["tiles_mma_vs_rows_s_mismatch"] = int((s_t != s_r).sum())
         for kernel in K.QUANTISERS:
             t = time_ms(lambda kernel=kernel, nx=nx: K._quantize_rows_triton(nx(), G, kernel=kernel), device, iters)
             r[kernel] = {**t, "TBps": nbytes / (t["median_ms"] * 1e-3) / 1e12}
@@ -378,6 +383,7 @@ def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep
         r["copy"] = {**t, "TBps": 2 * m * k * 2 / (t["median_ms"] * 1e-3) / 1e12}
         r["rows_over_stream"] = r["stream"]["median_ms"] / r["rows"]["median_ms"]
         r["rows_mma_over_rows"] = r["rows"]["median_ms"] / r["rows_mma"]["median_ms"]
+        r["tiles_mma_over_rows"] = r["rows"]["median_ms"] / r["tiles_mma"]["median_ms"]
         if sweep:
             saved = dict(K._TUNING)
             r["rows_sweep"] = []
@@ -391,7 +397,19 @@ def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep
                     except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
                         entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                     r["rows_sweep"].append(entry)
-            K.set_row_tuning(rows_elems=saved["rows_elems"], rows_ept=saved["rows_ept"])
+            r["tiles_sweep"] = []
+            for bm in (16, 32, 64):
+                for warps in (4, 8):
+                    K.set_row_tuning(tiles_bm=bm, tiles_warps=warps)
+                    entry = {"tiles_bm": bm, "tiles_warps": warps}
+                    try:
+                        t = time_ms(lambda nx=nx: K._quantize_rows_triton(nx(), G, kernel="tiles_mma"), device, iters)
+                        entry.update(ms=t["median_ms"], TBps=nbytes / (t["median_ms"] * 1e-3) / 1e12)
+                    except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
+                        entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    r["tiles_sweep"].append(entry)
+            K.set_row_tuning(rows_elems=saved["rows_elems"], rows_ept=saved["rows_ept"], tiles_bm=saved["tiles_bm"],
+                             tiles_warps=saved["tiles_warps"])
         out.append(r)
     return out
 

@@ -39,6 +39,7 @@ def run_checks(device: str) -> dict:
             q_t, s_t = K._quantize_rows_triton(x.reshape(-1, k), g)  # the default one-pass "rows" kernel
             q_st, s_st = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="stream")
             q_mm, s_mm = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="rows_mma")  # tensor-core rotation
+            q_tm, s_tm = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="tiles_mma")  # two passes, 64-blocks
             q_e, s_e = K.quantize_rowwise(K.rotate_activation(x, g).reshape(-1, k) if g else x.reshape(-1, k))
             y_t = K.int8_linear(x, q, s, bias, g, backend="triton")
             y_e = K.int8_linear(x, q, s, bias, g, backend="eager")
@@ -48,6 +49,8 @@ def run_checks(device: str) -> dict:
                 "rows_vs_stream_q_mismatch": int((q_t != q_st).sum()),
                 "rows_vs_stream_s_mismatch": int((s_t != s_st).sum()),
                 "mma_q_mismatch": int((q_mm != q_e).sum()), "mma_s_mismatch": int((s_mm != s_e.reshape(-1)).sum()),
+                "tiles_mma_q_mismatch": int((q_tm != q_e).sum()),
+                "tiles_mma_s_mismatch": int((s_tm != s_e.reshape(-1)).sum()),
                 "y_mismatch": int((y_t != y_e).sum()), "y_dtype_ok": y_t.dtype == dt and y_t.shape == (2, m, n),
                 "y_relerr": float((y_t.float() - y_e.float()).norm() / y_e.float().norm()),
             }
@@ -152,6 +155,9 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
             assert c["rows_vs_stream_q_mismatch"] <= 0.01 * 2 * c["shape"][0] * c["shape"][1], c
         if exact:  # the tensor-core rotation ("rows_mma"; other shapes and dtypes run "rows") equals eager as well
             assert c["mma_q_mismatch"] == 0 and c["mma_s_mismatch"] <= (max(2, 0.1 * c["shape"][0]) if on_cuda else 0), c
+            # the same for the two-pass tensor-core quantiser ("tiles_mma"; other groups and dtypes run "rows")
+            assert c["tiles_mma_q_mismatch"] == 0, c
+            assert c["tiles_mma_s_mismatch"] <= (max(2, 0.1 * c["shape"][0]) if on_cuda else 0), c
         if exact and on_cuda:  # Triton's fp32 division on the GPU is not IEEE: a scale may differ in its last bit
             # (a few rows), the int8 codes may not; the outputs then follow those scales
             assert c["q_mismatch"] == 0 and c["s_mismatch"] <= max(2, 0.1 * c["shape"][0]), c

@@ -193,6 +193,72 @@ if _TRITON_IMPORTED:
             tl.store(q_ptr + offs_q, v, mask=mask)
 
     @triton.jit
+    def _rotate256_tile(x_ptr, rows64, row_ok, k0, stride_xm, h, BM: tl.constexpr, GATHER: tl.constexpr):
+        """One 256-group of BM rows, rotated (H_256 = H_4 (x) H_64), in fp32, as its four 64-column blocks: each
+        block times H_64 on the tensor cores (products exact, fp32 sums), then the radix-4 stage of the high
+        digit across the four blocks in registers (out_j = 0.5 * sum_i z_i - z_(3-j)): no reshape, no shuffle."""
+        d = tl.arange(0, 64)
+        base = x_ptr + rows64[:, None] * stride_xm + (k0 + d)[None, :]
+        mask = row_ok[:, None]
+        if GATHER:  # the interpreter: fp32 products, IEEE
+            z0 = tl.dot(tl.load(base, mask=mask, other=0.0).to(tl.float32), h.to(tl.float32), input_precision="ieee")
+            z1 = tl.dot(tl.load(base + 64, mask=mask, other=0.0).to(tl.float32), h.to(tl.float32),
+                        input_precision="ieee")
+            z2 = tl.dot(tl.load(base + 128, mask=mask, other=0.0).to(tl.float32), h.to(tl.float32),
+                        input_precision="ieee")
+            z3 = tl.dot(tl.load(base + 192, mask=mask, other=0.0).to(tl.float32), h.to(tl.float32),
+                        input_precision="ieee")
+        else:
+            z0 = tl.dot(tl.load(base, mask=mask, other=0.0), h, out_dtype=tl.float32)
+            z1 = tl.dot(tl.load(base + 64, mask=mask, other=0.0), h, out_dtype=tl.float32)
+            z2 = tl.dot(tl.load(base + 128, mask=mask, other=0.0), h, out_dtype=tl.float32)
+            z3 = tl.dot(tl.load(base + 192, mask=mask, other=0.0), h, out_dtype=tl.float32)
+        half = 0.5 * (((z0 + z1) + z2) + z3)
+        return half - z3, half - z2, half - z1, half - z0
+
+    @triton.jit
+    def _quantize_block(y, s_t, T_CODE: tl.constexpr):
+        """int8 codes of rotated values y (rounded to T) with the per-row scale s_t (in T): the eager numerics."""
+        v = _round_to_dtype(tl.math.div_rn(y, s_t), T_CODE)
+        v = (v + 12582912.0) - 12582912.0  # round half to even (|v| <= 2^22)
+        return tl.minimum(tl.maximum(v, -128.0), 127.0).to(tl.int8)
+
+    @triton.jit
+    def _rot_quant_tiles_mma_kernel(
+        x_ptr, q_ptr, s_ptr, h_ptr, M, K, stride_xm, stride_qm,
+        T_CODE: tl.constexpr, TINY: tl.constexpr, BM: tl.constexpr, GATHER: tl.constexpr,
+    ):
+        """Rotate (256-groups) and quantise BM rows of bf16/fp16 activations in two passes over the groups: the
+        first takes each row's absmax, the second rotates again (its reads hit L2) and writes the codes. The
+        rotation is `_rotate256_tile` on the tensor cores, so neither pass is bound by the transform's arithmetic;
+        K is a multiple of 256 (no column masks, no padding)."""
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        rows64 = rows.to(tl.int64)
+        d = tl.arange(0, 64)
+        h = tl.load(h_ptr + d[:, None] * 64 + d[None, :])
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in range(0, K, 256):
+            y0, y1, y2, y3 = _rotate256_tile(x_ptr, rows64, row_ok, k0, stride_xm, h, BM, GATHER)
+            m01 = tl.maximum(tl.max(tl.abs(_round_to_dtype(y0, T_CODE)), axis=1),
+                             tl.max(tl.abs(_round_to_dtype(y1, T_CODE)), axis=1))
+            m23 = tl.maximum(tl.max(tl.abs(_round_to_dtype(y2, T_CODE)), axis=1),
+                             tl.max(tl.abs(_round_to_dtype(y3, T_CODE)), axis=1))
+            amax = tl.maximum(amax, tl.maximum(m01, m23))
+        s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
+        tl.store(s_ptr + rows, s, mask=row_ok)
+        s_t = _round_to_dtype(s, T_CODE)
+        s_t = tl.broadcast_to(tl.where(s_t == 0.0, TINY, s_t)[:, None], (BM, 64))
+        q_base = q_ptr + rows64[:, None] * stride_qm + d[None, :]
+        mask = row_ok[:, None]
+        for k0 in range(0, K, 256):
+            y0, y1, y2, y3 = _rotate256_tile(x_ptr, rows64, row_ok, k0, stride_xm, h, BM, GATHER)
+            tl.store(q_base + k0, _quantize_block(_round_to_dtype(y0, T_CODE), s_t, T_CODE), mask=mask)
+            tl.store(q_base + k0 + 64, _quantize_block(_round_to_dtype(y1, T_CODE), s_t, T_CODE), mask=mask)
+            tl.store(q_base + k0 + 128, _quantize_block(_round_to_dtype(y2, T_CODE), s_t, T_CODE), mask=mask)
+            tl.store(q_base + k0 + 192, _quantize_block(_round_to_dtype(y3, T_CODE), s_t, T_CODE), mask=mask)
+
+    @triton.jit
     def _scale_rotate_kernel(
         x_ptr, y_ptr, rs_ptr, M, K, stride_xm, stride_ym,
         HAS_RS: tl.constexpr, LOG4G: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, GATHER: tl.constexpr,
@@ -221,8 +287,9 @@ _TINY = {dt: float(torch.finfo(dt).tiny) for dt in _FLOAT_DTYPES}
 # thread per program; "stream": two passes over column tiles), and, for `library.quant.convrot_kernels`, the forward
 # GEMM kernel ("auto", or a variant of `library.quant.int8_gemm_kernels.GEMM_VARIANTS`) and the backward.
 _TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "quantiser": "rows", "rows_max": 16384,
-                 "rows_elems": 2048, "rows_ept": 16, "gemm": "auto", "backward": "dequant"}
-QUANTISERS: tuple[str, ...] = ("rows", "stream", "rows_mma")
+                 "rows_elems": 2048, "rows_ept": 16, "tiles_bm": 32, "tiles_warps": 4, "gemm": "auto",
+                 "backward": "dequant"}
+QUANTISERS: tuple[str, ...] = ("rows", "stream", "rows_mma", "tiles_mma")
 # (device, dtype) -> H_64 (normalised, exact in bf16/fp16) for the "rows_mma" quantiser
 _H64: dict[tuple, torch.Tensor] = {}
 # (kernel, K, group size, dtype, has column scale, device) -> launch plan of the rotate + quantise kernel
@@ -231,18 +298,23 @@ _QUANT_PLANS: dict[tuple, tuple] = {}
 
 def set_quantiser(name: str) -> None:
     """Choose the activation quantiser kernel: "rows" (default; one pass, whole rows in registers, rows wider than
-    ``_TUNING["rows_max"]`` fall back to "stream"), "stream" (two passes over column tiles) or "rows_mma" ("rows"
-    with the 256-group rotation of bf16/fp16 rows on the tensor cores; other rows as "rows")."""
+    ``_TUNING["rows_max"]`` fall back to "stream"), "stream" (two passes over column tiles), "rows_mma" ("rows"
+    with the 256-group rotation of bf16/fp16 rows on the tensor cores; other rows as "rows") or "tiles_mma" (two
+    passes over 256-groups of bf16/fp16 rows, each group rotated as four 64-column blocks on the tensor cores and
+    one radix-4 stage in registers; other rows as "rows")."""
     if name not in QUANTISERS:
         raise ValueError(f"unknown ConvRot quantiser {name!r}; choose one of {QUANTISERS}")
     _TUNING["quantiser"] = name
 
 def set_row_tuning(row_elems: int | None = None, elems_per_thread: int | None = None, tile_k: int | None = None,
-                   rows_elems: int | None = None, rows_ept: int | None = None, rows_max: int | None = None) -> None:
+                   rows_elems: int | None = None, rows_ept: int | None = None, rows_max: int | None = None,
+                   tiles_bm: int | None = None, tiles_warps: int | None = None) -> None:
     """Override the tile shapes of the row kernels (benchmark sweeps): the streaming rotate + quantise and scale +
-    rotate kernels (`row_elems`, `elems_per_thread`, `tile_k`) and the one-pass quantiser (`rows_*`)."""
+    rotate kernels (`row_elems`, `elems_per_thread`, `tile_k`), the one-pass quantiser (`rows_*`) and the
+    "tiles_mma" quantiser (`tiles_bm` rows a program, at least 16; `tiles_warps`)."""
     for name, value in (("row_elems", row_elems), ("elems_per_thread", elems_per_thread), ("tile_k", tile_k),
-                        ("rows_elems", rows_elems), ("rows_ept", rows_ept), ("rows_max", rows_max)):
+                        ("rows_elems", rows_elems), ("rows_ept", rows_ept), ("rows_max", rows_max),
+                        ("tiles_bm", tiles_bm), ("tiles_warps", tiles_warps)):
         if value is not None:
             _TUNING[name] = int(value)
     _QUANT_PLANS.clear()
@@ -288,13 +360,22 @@ def _h64(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _quant_plan(k: int, group_size: int, dtype: torch.dtype, has_cs: bool, device: int, kernel: str) -> tuple:
-    """("rows" | "stream", rows a program, the kernel's DirectLauncher, whether K fills the row tile) for a shape."""
+    """(kernel name: "rows", "rows_mma", "tiles_mma" or "stream"; rows a program; its DirectLaunchers (masked, and
+    for whole tiles); whether K fills the row tile) for a shape."""
     key = (kernel, k, group_size, dtype, has_cs, device)
     plan = _QUANT_PLANS.get(key)
     if plan is not None:
         return plan
     log4g = log4(group_size) if group_size else 0
-    rows = _rows_launch(k, group_size) if kernel in ("rows", "rows_mma") and not has_cs else None
+    if (kernel == "tiles_mma" and group_size == 256 and k % 256 == 0 and not has_cs
+            and dtype in (torch.bfloat16, torch.float16)):
+        bm = max(16, _next_pow2(_TUNING["tiles_bm"]))
+        launcher = DirectLauncher(_rot_quant_tiles_mma_kernel,
+                                  {"T_CODE": _T_CODE[dtype], "TINY": _TINY[dtype], "BM": bm, "GATHER": _INTERPRET},
+                                  {"num_warps": _TUNING["tiles_warps"]})
+        plan = _QUANT_PLANS[key] = ("tiles_mma", bm, (launcher, launcher), False)
+        return plan
+    rows = _rows_launch(k, group_size) if kernel in ("rows", "rows_mma", "tiles_mma") and not has_cs else None
     if rows is not None:
         bm, nch, ch, warps = rows
         mma = (kernel == "rows_mma" and group_size == 256 and ch == 256 and bm * nch >= 4
@@ -348,7 +429,7 @@ def _quantize_rows_triton(
     if name != "stream":
         # the plan fixes K and the dtypes, q and s are new (aligned): x2's alignment and stride and M's value decide
         key = (x2.data_ptr() & 15, stride_xm, m == 1, m & 15)
-        h = _h64(x2.device, dtype) if name == "rows_mma" else s
+        h = _h64(x2.device, dtype) if name in ("rows_mma", "tiles_mma") else s
         launchers[even_k and m % bm == 0](grid, (x2, q, s, h, m, k, stride_xm, k), key)
     else:
         cs = col_scale.to(torch.float32).contiguous() if col_scale is not None else s

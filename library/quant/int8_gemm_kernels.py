@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -52,6 +53,8 @@ from library.quant.triton_launch import (
     constexpr_tail,
     raw_launch_enabled,
 )
+
+logger = logging.getLogger(__name__)
 
 # how the "bf16" backward runs on CUDA (`set_backward_kernel`)
 BACKWARD_KERNELS: tuple[str, ...] = ("dequant", "upcast")
@@ -760,9 +763,13 @@ def _int8_gemm_triton(
         plan = _GEMM_PLANS.get(key)
         tma = plan[5].get(tma_key) if plan is not None else None
         if tma is not None and raw_launch_enabled() and _launch_hooks_idle():
-            tma(plan[4], ((a, (m, k), (a.stride(0), 1)), (b, (n, k), (stride_bn, 1))),
-                (*args[2:6], *(ws or ()), *args[6:10], args[14], args[15]))
-            return c
+            try:
+                tma(plan[4], ((a, (m, k), (a.stride(0), 1)), (b, (n, k), (stride_bn, 1))),
+                    (*args[2:6], *(ws or ()), *args[6:10], args[14], args[15]))
+                return c
+            except TypeError as e:  # this Triton's C launch wants other arguments: Triton's own launch from now on
+                plan[5][tma_key] = None
+                logger.info("raw TMA launches are not usable with this Triton (%s); launching through Triton", e)
         tma_args, descs = _tma_args(args, a, b, stride_bn, n, ws)
         _launch_tuned(_TUNED_GEMMS[variant.name], _RAW_GEMMS[variant.name], key, m, n, tma_args,
                       {"HAS_SB": has_sb, "HAS_BIAS": has_bias}, descs, pinned=pinned, programs=programs,
