@@ -5,7 +5,10 @@
   + fp32 scales, with comfy-kitchen's eager numerics. Two kernels: "rows" (default) loads each row once, holds it in
   registers as chunks of whole groups, rotates it once, takes its absmax and writes codes and scale; "stream" (rows
   wider than "rows" holds, and the column-scaled quantisation of the int8 backward) streams over column tiles in two
-  passes. `set_quantiser` chooses, `set_row_tuning` overrides their launch shapes (benchmark sweeps).
+  passes. Two more for 256-groups of bf16/fp16 rows rotate on the tensor cores: "rows_mma" (measured slower than
+  "rows") and "tiles_mma" (two passes over the groups, each as four 64-column blocks times H_64 and one radix-4
+  stage in registers; bit-identical to eager under the interpreter, not yet timed on a GPU).
+  `set_quantiser` chooses, `set_row_tuning` overrides their launch shapes (benchmark sweeps).
 - `_scale_rotate_triton`: rotate(fp32(x) * row scale) per row (dequantisation, the int8 backward's output).
 - the shared @triton.jit helpers: `_fwht_rows` (the radix-4 transform), `_round_to_dtype`, `_cast_rne`.
 
