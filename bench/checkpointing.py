@@ -65,6 +65,8 @@ CONFIGS: dict[str, list[str]] = {
     "gc_selective_compile_int8_skip10": [*SELECTIVE, "--checkpointing_skip_blocks", "10", "--compile", "--convrot_int8"],
     "gc_selective_compile_int8_skip13": [*SELECTIVE, "--checkpointing_skip_blocks", "13", "--compile", "--convrot_int8"],
     "gc_selective_compile_int8_skip16": [*SELECTIVE, "--checkpointing_skip_blocks", "16", "--compile", "--convrot_int8"],
+    "gc_selective_compile_int8_skip16_expandable": [*SELECTIVE, "--checkpointing_skip_blocks", "16", "--compile",
+                                                    "--convrot_int8", "--cuda_expandable_segments"],
     "gc_selective_compile_max_autotune": [*SELECTIVE, "--compile", "--compile_mode", "max-autotune-no-cudagraphs"],
     "gc_full_compile": [*GC, "--compile"],
     "gc_selective_compile": [*SELECTIVE, "--compile"],
