@@ -114,10 +114,12 @@ def test_a_bitsandbytes_encoder_read_at_startup_counts_in_the_latent_caching(wit
 
 
 @pytest.mark.parametrize("budget, expected", [
-    (8, ("bf16", "selective", 37, "none", False)),  # compiled INT8 is slower than bf16 + a long swap
-    (12, ("bf16", "selective", 19, "convrot_int8", True)),
-    (16, ("bf16", "selective", 1, "convrot_int8", True)),
-    (24, ("bf16", "selective", 0, "none", True)),
+    # compiled, ConvRot INT8 measured about as fast as bf16 with full checkpointing and 8 % faster with the
+    # selective policy (the H200's fourth run): INT8 + selective wins wherever bf16 does not run without it
+    (8, ("int8", "selective", 24, "none", False)),
+    (12, ("int8", "selective", 0, "convrot_int8", True)),
+    (16, ("int8", "selective", 0, "convrot_int8", True)),
+    (24, ("int8", "selective", 0, "none", True)),
 ])
 def test_choices_with_selective_checkpointing_compiled(no_bitsandbytes, budget, expected):
     plan, values, _ = training_plan(["--vram_budget", str(budget), *RUN, "--compile"], selective=True)

@@ -6,7 +6,7 @@ Training: 1.00 is the bf16 DiT with `--gradient_checkpointing` and no block swap
     checkpointing factor x DiT precision factor x (1 + per-block swap cost x blocks swapped) + text encoder in the step
 
 The figures compare rows of one run (one machine, one session), as the benchmark notes ask, except those marked as
-estimates: INT8 with the selective policy, and the offload modes under --compile.
+estimates: eager INT8 with the selective policy, compiled INT8 inference, and the offload modes under --compile.
 
 Inference: 1.00 is the bf16 DiT's denoising without block swap. Block swap streams S + 2 blocks per forward at the
 measured host-to-device rate, behind the compute of one forward; what does not hide adds up.
@@ -24,12 +24,12 @@ COMPILED_CHECKPOINTING = {"none": 0.665, "full": 1.0, "unsloth": 1.181, "cpu_off
 # --checkpointing_policy selective against full, (--compile, DiT precision) -> factor. bf16: bench.checkpointing in
 # one H200 run (docs/benchmarks.md, 2026-12-01): compiled 332.7 vs 352.3 ms, eager 746.8 vs 557.6 ms (eager selective
 # checkpointing is slower than full, and the trainer warns). INT8 eager: --vram_budget 12 on the H200 (1.05 s per
-# step against 534 ms for INT8 gc in e2e run A: different runs, so an estimate). INT8 compiled: not measured, taken
-# as bf16's.
-SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.339, (True, "int8"): 0.944, (False, "int8"): 1.99}
-# ConvRot INT8 DiT against bf16: eager, e2e run A gc 534 vs 539 ms; compiled, 4 full-width blocks with the int8
-# Linear as a registered op (one graph per block), training step 7.87 vs 6.14 ms per block (2026-12-01)
-INT8_FACTOR = {False: 0.991, True: 1.282}
+# step against 534 ms for INT8 gc in e2e run A: different runs, so an estimate). INT8 compiled: bench.checkpointing,
+# fourth run (2026-12-01, one call): selective 323.6 vs full 353.1 ms.
+SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.339, (True, "int8"): 0.916, (False, "int8"): 1.99}
+# ConvRot INT8 DiT against bf16, gc, bench.checkpointing, fourth run (2026-12-01, each pair in one call): eager 541.4
+# vs 549.6 ms, compiled 334.5 vs 339.1 ms (the TMA GEMMs launched raw)
+INT8_FACTOR = {False: 0.985, True: 0.986}
 # --block_swap_h2d_only, per swapped block: e2e run A INT8 rows, gc 534 ms, swap 20 551 ms, swap 36 607 ms
 # (least squares through zero; the bf16 rows of the training-step table hide the copies entirely)
 SWAP_H2D_PER_BLOCK = 0.0033
@@ -38,9 +38,10 @@ TE_LORA_STEP = {"none": 0.779, "convrot_int8": 1.294}
 # a frozen text encoder in every step (no --cache_text_encoder_outputs): forward only, estimated as a third
 TE_FROZEN_SHARE = 1 / 3
 
-# inference, e2e (run C bf16, run B INT8): denoising 50 steps with CFG = 100 forwards of 4096 + 90 tokens
+# inference, e2e (run C bf16, run B INT8): denoising 50 steps with CFG = 100 forwards of 4096 + 90 tokens; INT8
+# compiled: bench.infer_oneshot, fourth run (2026-12-01, two calls: an estimate), the second image 7.31 vs 8.34 s
 DENOISE_S = {False: 13.65, True: 8.63}  # bf16, eager / --compile
-INT8_DENOISE_FACTOR = {False: 15.79 / 13.65, True: 12.52 / 8.63}
+INT8_DENOISE_FACTOR = {False: 15.79 / 13.65, True: 7.31 / 8.34}
 DENOISE_FORWARDS = 100
 DENOISE_TOKENS = 4096 + 90
 H2D_BYTES_PER_S = 55e9  # training-step table: host-to-device copies from the pinned arena at 55 GB/s
