@@ -43,7 +43,8 @@ import moss_image_train_network as trainer_script
 from bench.gpu_profile import kernel_profile
 from bench.host_profile import host_profile
 from library.training import lr_schedulers, nonfinite
-from library.training.network_trainer import RunState, StepGarbageCollector
+from library.training.network_trainer import RunState
+from library.training.step_loop import StepGarbageCollector
 from library.training.run_options import RunOptions
 
 logger = logging.getLogger("bench.checkpointing")
@@ -291,19 +292,27 @@ def compare(results: list[dict[str, Any]]) -> None:
             r["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
 
 
+def run_child(cmd: list[str], timeout_s: float) -> tuple[dict[str, Any] | None, str]:
+    """Run `cmd` from the repository root: the JSON of its last ``RESULT <json>`` line, or None and why not (its
+    time limit, or the end of its stderr)."""
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return None, f"timeout after {timeout_s} s"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return None, proc.stderr[-2000:]
+    return json.loads(lines[-1][len("RESULT "):]), ""
+
+
 def _child(name: str, ns: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.checkpointing", "--single", name, "--snapshot", str(ns.snapshot),
            "--steps", str(ns.steps), "--warmup", str(ns.warmup), *(["--profile"] if ns.profile else []),
            *(["--host_profile"] if ns.host_profile else [])]
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ns.timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return {"config": name, "flags": CONFIGS[name], "ok": False, "error": f"timeout after {ns.timeout_s} s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"config": name, "flags": CONFIGS[name], "ok": False, "error": proc.stderr[-2000:]}
-    result = json.loads(lines[-1][len("RESULT "):])
+    result, error = run_child(cmd, ns.timeout_s)
+    if result is None:
+        return {"config": name, "flags": CONFIGS[name], "ok": False, "error": error}
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     return result
 

@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.gpu_profile import kernel_profile
+from bench.host_profile import host_profile
 from library.moss_image.dit import MossImage, MossImageConfig, rope_cos_sin
 from library.moss_image.loaders import quantize_dit
 from library.quant import convrot as U
@@ -347,6 +348,23 @@ def _quant_bytes(m: int, k: int) -> int:
     return m * k * 3 + m * 4  # bf16 in, int8 codes + fp32 scales out
 
 
+def _tuning_sweep(kernel: str, settings: list[dict], nx: Callable[[], torch.Tensor], nbytes: int, device: str,
+                  iters: int, describe: Callable[[], dict] | None = None) -> list[dict]:
+    """The quantiser `kernel` timed under each `set_row_tuning` setting (`describe`: more fields once it is set);
+    a launch shape that does not compile is recorded with its error."""
+    rows = []
+    for setting in settings:
+        K.set_row_tuning(**setting)
+        entry = {**setting, **(describe() if describe else {})}
+        try:
+            t = time_ms(lambda: K._quantize_rows_triton(nx(), G, kernel=kernel), device, iters)
+            entry.update(ms=t["median_ms"], TBps=nbytes / (t["median_ms"] * 1e-3) / 1e12)
+        except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
+            entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(entry)
+    return rows
+
+
 def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep: bool = True) -> list[dict]:
     """The activation quantiser at M x K (bf16 -> int8 + scale, rotation included): the one-pass "rows" kernel
     (default) against the two-pass "stream" kernel (the previous default) and the copy rate of x; codes and scales
@@ -386,30 +404,13 @@ def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep
         r["tiles_mma_over_rows"] = r["rows"]["median_ms"] / r["tiles_mma"]["median_ms"]
         if sweep:
             saved = dict(K._TUNING)
-            r["rows_sweep"] = []
-            for rows_elems in (1024, 8192):
-                for ept in (8, 16, 32):
-                    K.set_row_tuning(rows_elems=rows_elems, rows_ept=ept)
-                    entry = {"rows_elems": rows_elems, "rows_ept": ept, "plan": str(K._rows_launch(k, G))}
-                    try:
-                        t = time_ms(lambda nx=nx: K._quantize_rows_triton(nx(), G, kernel="rows"), device, iters)
-                        entry.update(ms=t["median_ms"], TBps=nbytes / (t["median_ms"] * 1e-3) / 1e12)
-                    except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
-                        entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    r["rows_sweep"].append(entry)
-            r["tiles_sweep"] = []
-            for bm in (16, 32, 64):
-                for warps in (4, 8):
-                    K.set_row_tuning(tiles_bm=bm, tiles_warps=warps)
-                    entry = {"tiles_bm": bm, "tiles_warps": warps}
-                    try:
-                        t = time_ms(lambda nx=nx: K._quantize_rows_triton(nx(), G, kernel="tiles_mma"), device, iters)
-                        entry.update(ms=t["median_ms"], TBps=nbytes / (t["median_ms"] * 1e-3) / 1e12)
-                    except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is a result too
-                        entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    r["tiles_sweep"].append(entry)
-            K.set_row_tuning(rows_elems=saved["rows_elems"], rows_ept=saved["rows_ept"], tiles_bm=saved["tiles_bm"],
-                             tiles_warps=saved["tiles_warps"])
+            r["rows_sweep"] = _tuning_sweep(
+                "rows", [{"rows_elems": e, "rows_ept": t} for e in (1024, 8192) for t in (8, 16, 32)], nx, nbytes,
+                device, iters, lambda k=k: {"plan": str(K._rows_launch(k, G))})
+            r["tiles_sweep"] = _tuning_sweep(
+                "tiles_mma", [{"tiles_bm": bm, "tiles_warps": w} for bm in (16, 32, 64) for w in (4, 8)], nx, nbytes,
+                device, iters)
+            K.set_row_tuning(**{name: saved[name] for name in ("rows_elems", "rows_ept", "tiles_bm", "tiles_warps")})
         out.append(r)
     return out
 
@@ -430,19 +431,10 @@ def _per_call_us(fn: Callable[[], Any], device: str, calls: int) -> float:
 
 
 def _host_profile(fn: Callable[[], Any], calls: int = 300, top: int = 18) -> list[str]:
-    """The functions with the most own time over `calls` calls (cProfile), one line each."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    st = pstats.Stats(prof)
-    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [f"{tt / calls * 1e6:7.2f} us own {ct / calls * 1e6:7.2f} us cum {nc / calls:4.1f}x "
-            f"{Path(f).name}:{line} {name}" for (f, line, name), (_, nc, tt, ct, _) in rows]
+    """The functions with the most own time over `calls` calls (`bench.host_profile`), one line each."""
+    rows = host_profile(fn, steps=calls, top=top)["by_own_time"]
+    return [f"{r['own_ms'] * 1e3:7.2f} us own {r['total_ms'] * 1e3:7.2f} us cum {r['calls']:4.1f}x {r['where']}"
+            for r in rows]
 
 
 def bench_overhead(m: int, k: int, n: int, device: str, calls: int) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,8 +28,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench import checkpointing as ckpt
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def record(name: str, snapshot: Path, shape: Any, steps: int, out: Path) -> dict[str, Any]:
@@ -79,11 +76,8 @@ def compare(ref_dir: Path, other_dir: Path, steps: int, top: int = 8) -> list[di
 def _child(name: str, ns: argparse.Namespace, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.grad_compare", "--single", name, "--grads", str(out), "--steps", str(ns.steps),
            *(["--tiny"] if ns.tiny else []), *(["--snapshot", str(ns.snapshot)] if ns.snapshot else [])]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ns.timeout_s, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"config": name, "error": proc.stderr[-2000:]}
-    return json.loads(lines[-1][len("RESULT "):])
+    result, error = ckpt.run_child(cmd, ns.timeout_s)
+    return result if result is not None else {"config": name, "error": error}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,8 +50,8 @@ def host_profile(fn: Callable[[], Any], steps: int = 3, top: int = 30) -> dict[s
 
     def rows(sort_index: int) -> list[dict[str, Any]]:
         ranked = sorted(stats.items(), key=lambda kv: -kv[1][sort_index])[:top]
-        return [{"where": _where(key), "calls": round(nc / steps, 1), "own_ms": round(tt * 1000 / steps, 3),
-                 "total_ms": round(ct * 1000 / steps, 3)} for key, (_, nc, tt, ct, _) in ranked]
+        return [{"where": _where(key), "calls": round(nc / steps, 1), "own_ms": round(tt * 1000 / steps, 4),
+                 "total_ms": round(ct * 1000 / steps, 4)} for key, (_, nc, tt, ct, _) in ranked]
 
     own_total = sum(v[2] for v in stats.values()) * 1000 / steps
     return {"steps": steps, "wall_ms_per_call": round(wall_ms, 2), "profiled_own_ms_per_call": round(own_total, 2),

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from library.training.network_trainer import all_reduce_mean_bucketed
+from library.training.grad_reduce import all_reduce_mean_bucketed
 
 
 def _grads(rank: int) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from bench import int8_gemm_sweep as S
 from library.errors import UserError
 from library.quant import int8_gemm_kernels as G
 from library.quant.int8_gemm_kernels import GemmConfig
+from tests.test_convrot_int8_triton import _interpreter_runs_int8_dots
 
 ROOT = Path(__file__).resolve().parents[1]
 # (M, N, K): ragged everything (K a multiple of 16 for the descriptors, not of the 32-wide K block), exact tiles
@@ -89,16 +90,6 @@ def _check_pinned_plan(a, sa, w, sb, ref) -> bool:
         outs.append(c)
     G._GEMM_PLANS.pop(key, None)
     return all(torch.equal(c, ref) for c in outs)
-
-
-def _interpreter_runs_int8_dots() -> bool:
-    """Triton's CPU interpreter runs these kernels from 3.9 on (3.6 fails inside its loop-bound handling)."""
-    try:
-        import triton
-
-        return tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
-    except Exception:  # noqa: BLE001
-        return False
 
 
 @pytest.mark.skipif(not _interpreter_runs_int8_dots(), reason="needs triton >= 3.9 for the CPU interpreter")

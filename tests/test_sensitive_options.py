@@ -10,7 +10,7 @@ import pytest
 
 import moss_image_train_network as trainer
 from library.errors import UserError
-from library.training import network_trainer
+from library.training import trackers
 from library.training.args import write_config_file
 from library.training.sensitive_options import (
     MASK,
@@ -120,9 +120,9 @@ def test_wandb_runs_see_a_masked_command_line(tmp_path, monkeypatch):
     argv = ["train.py", "--wandb_api_key", "sekrit", "--output_dir", str(tmp_path), "--learning_rate", "1e-4"]
     args = _parsed(tmp_path)
     monkeypatch.setattr(sys, "argv", list(argv))
-    network_trainer._hide_private_values_from_tracker(args, "tensorboard")
+    trackers.hide_private_values(args, "tensorboard")
     assert sys.argv == argv  # TensorBoard does not record the command line: left as it is
     for log_with in ("wandb", "all"):
         monkeypatch.setattr(sys, "argv", list(argv))
-        network_trainer._hide_private_values_from_tracker(args, log_with)
+        trackers.hide_private_values(args, log_with)
         assert sys.argv == ["train.py", "--wandb_api_key", MASK, "--output_dir", MASK, "--learning_rate", "1e-4"]

@@ -106,6 +106,15 @@ def _check_skip_blocks(args: argparse.Namespace) -> None:
                         " model blocks left out of checkpointing; drop one of them.")
 
 
+def skip_blocks(args: argparse.Namespace, num_blocks: int) -> int:
+    """--checkpointing_skip_blocks checked against the loaded DiT's `num_blocks` main blocks."""
+    skip = getattr(args, "checkpointing_skip_blocks", 0) or 0
+    if skip > num_blocks:
+        raise UserError(f"--checkpointing_skip_blocks {skip} is more than the DiT's {num_blocks} blocks; give at most"
+                        f" {num_blocks}.")
+    return skip
+
+
 def check_checkpointing_args(args: argparse.Namespace) -> None:
     """--checkpointing_policy (after `library.options.implications`, which turns --gradient_checkpointing on for
     `selective`): the offloaded modes keep only the block inputs (in host memory), so they take `full` only."""

@@ -14,13 +14,11 @@ from __future__ import annotations
 import abc
 import argparse
 import contextlib
-import gc
 import importlib
 import logging
 import math
 import os
 import random
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,12 +31,14 @@ from library.errors import UserError
 from library.files import base_model_hash, model_spec
 from library.options.implications import TRAINING_IMPLICATIONS, apply_implications
 from library.runtime.compile import apply_cuda_backend_options
-from library.runtime.checkpointing import check_checkpointing_args
+from library.runtime.checkpointing import check_checkpointing_args, skip_blocks
 from library.training import checkpoints as train_checkpoints
 from library.training import flow_matching
-from library.training import nonfinite, run_checks, sensitive_options, state_io
+from library.training import nonfinite, run_checks, sensitive_options, state_io, trackers
 from library.training.args import check_sd_scripts_options
+from library.training.grad_reduce import all_reduce_mean_bucketed
 from library.training.run_options import RunOptions
+from library.training.step_loop import HostScalar, StepGarbageCollector, StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -445,11 +445,7 @@ class NetworkTrainer(abc.ABC):
 
     def enable_gradient_checkpointing(self, run: RunState) -> None:
         args = run.args
-        skip = getattr(args, "checkpointing_skip_blocks", 0) or 0
-        blocks = len(getattr(run.unet, "layers", ()))
-        if skip > blocks:
-            raise UserError(f"--checkpointing_skip_blocks {skip} is more than the DiT's {blocks} blocks; give at most"
-                            f" {blocks}.")
+        skip = skip_blocks(args, len(getattr(run.unet, "layers", ())))
         run.unet.enable_gradient_checkpointing(
             cpu_offload=args.cpu_offload_checkpointing, unsloth_offload=args.unsloth_offload_checkpointing,
             policy=args.checkpointing_policy, **({"skip_blocks": skip} if skip else {}),
@@ -520,9 +516,10 @@ class NetworkTrainer(abc.ABC):
 
         args, acc = run.args, run.accelerator
         if run.options.log_with:
-            _hide_private_values_from_tracker(args, run.options.log_with)
+            trackers.hide_private_values(args, run.options.log_with)
             acc.init_trackers(args.log_tracker_name or "network_train",
-                              config=_tracker_config(args) if args.log_config else {}, init_kwargs=_tracker_kwargs(args))
+                              config=sensitive_options.tracker_config(args) if args.log_config else {},
+                              init_kwargs=trackers.init_kwargs(args))
         logger.info(
             "training: %d steps, %d epochs, %d batches per epoch (per process), batch sizes %s, gradient accumulation %d",
             run.max_train_steps, run.num_train_epochs, len(run.train_dataloader),
@@ -560,7 +557,7 @@ class NetworkTrainer(abc.ABC):
         see it first; the values and the step numbers logged are those of the step itself."""
         acc = run.accelerator
         epoch_losses: list[float] = []
-        pending: _StepLog | None = None
+        pending: StepLog | None = None
         for batch in dataloader:
             with _step_hooks_entered():
                 loss = self._train_step(run, batch)
@@ -570,7 +567,7 @@ class NetworkTrainer(abc.ABC):
             progress.update(1)
             if pending is not None:
                 self._log_step(run, progress, pending, epoch_losses, loss_guard)
-            pending = _StepLog(run.global_step, _HostScalar(loss), self._learning_rates(run))
+            pending = StepLog(run.global_step, HostScalar(loss), self._learning_rates(run))
             if self._step_has_work(run):
                 self._log_step(run, progress, pending, epoch_losses, loss_guard)
                 pending = None
@@ -649,7 +646,7 @@ class NetworkTrainer(abc.ABC):
             logs[f"lr/{name}"] = group["lr"]
         return logs
 
-    def _log_step(self, run: RunState, progress: Any, entry: _StepLog, epoch_losses: list[float],
+    def _log_step(self, run: RunState, progress: Any, entry: StepLog, epoch_losses: list[float],
                   loss_guard: nonfinite.NonFiniteLossGuard) -> None:
         """A step's loss into the histories and the non-finite guard, the progress bar and the trackers (at that
         step's number)."""
@@ -841,114 +838,3 @@ class NetworkTrainer(abc.ABC):
                                          else run.epoch + 1, final=True)
         acc.end_training()
         logger.info("training finished: %d steps", run.global_step)
-
-
-class _HostScalar:
-    """A device scalar on its way to the host: the copy is queued behind the step's work (into pinned memory) and
-    read later, so reading it does not drain the queue. On other devices it is read when asked for."""
-
-    def __init__(self, value: torch.Tensor):
-        self._event = None
-        self._value = value
-        if value.device.type == "cuda":
-            self._value = value.to("cpu", non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def get(self) -> float:
-        if self._event is not None:
-            self._event.synchronize()  # the step that made the value, not the steps queued after it
-        return float(self._value)
-
-
-@dataclass
-class _StepLog:
-    step: int
-    loss: _HostScalar
-    learning_rates: dict[str, float]
-
-
-class StepGarbageCollector:
-    """Python's cyclic garbage collector kept out of the steps: on entry everything alive (models, datasets, caches)
-    is frozen, so no collection scans it again, and automatic collection is off; the young generations are collected
-    at every step boundary, while the queued GPU work runs, and everything every FULL_EVERY steps. On exit the
-    collector is as before."""
-
-    FULL_EVERY = 100
-
-    def __enter__(self) -> StepGarbageCollector:
-        self._was_enabled = gc.isenabled()
-        gc.collect()
-        gc.freeze()
-        gc.disable()
-        return self
-
-    def step(self, step: int) -> None:
-        gc.collect(2 if step % self.FULL_EVERY == 0 else 1)
-
-    def __exit__(self, *exc: object) -> None:
-        gc.unfreeze()
-        if self._was_enabled:
-            gc.enable()
-
-
-GRAD_BUCKET_BYTES = 64 * 1024 * 1024
-
-
-def all_reduce_mean_bucketed(grads: list[torch.Tensor], world_size: int, bucket_bytes: int = GRAD_BUCKET_BYTES) -> int:
-    """Average `grads` across the processes in place, in as few collectives as possible: tensors of one dtype and
-    device are flattened into buckets of about `bucket_bytes` (one all-reduce each instead of one per LoRA tensor,
-    about 500 for the DiT LoRA). Every process must pass the same tensors in the same order. Returns the number of
-    collectives."""
-    import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.dtype, g.device), []).append(g)
-    calls = 0
-    for tensors in groups.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for i, g in enumerate(tensors):
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-            if size >= bucket_bytes or i == len(tensors) - 1:
-                flat = _flatten_dense_tensors(bucket)
-                dist.all_reduce(flat)
-                flat.div_(world_size)
-                for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    dst.copy_(src)
-                calls += 1
-                bucket, size = [], 0
-    return calls
-
-
-def _tracker_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """--log_tracker_config (TOML: one table per tracker), --wandb_run_name, --wandb_api_key."""
-    kwargs: dict[str, Any] = {}
-    if args.log_tracker_config:
-        import tomllib
-
-        try:
-            kwargs = tomllib.loads(Path(args.log_tracker_config).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise UserError(f"--log_tracker_config '{args.log_tracker_config}' cannot be read as TOML ({e}).") from e
-    if args.wandb_run_name:
-        kwargs.setdefault("wandb", {})["name"] = args.wandb_run_name
-    if args.wandb_api_key:
-        os.environ["WANDB_API_KEY"] = args.wandb_api_key
-    return kwargs
-
-
-def _tracker_config(args: argparse.Namespace) -> dict[str, Any]:
-    """`--log_config`: the options without secrets and local paths (`library.training.sensitive_options`)."""
-    return sensitive_options.tracker_config(args)
-
-
-def _hide_private_values_from_tracker(args: argparse.Namespace, log_with: str | None) -> None:
-    """wandb uploads the command line with the run: the values of secret and path options are masked in `sys.argv`
-    before the tracker starts (nothing reads the command line after parsing)."""
-    if log_with in ("wandb", "all"):
-        sys.argv[1:] = sensitive_options.mask_command_line(sys.argv[1:], vars(args))
-
