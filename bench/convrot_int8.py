@@ -210,8 +210,39 @@ def bench_host(m: int, k: int, n: int, device: str, calls: int) -> dict:
     for name in list(v):
         ref = "F_linear_autograd" if name.endswith("autograd") else "F_linear"
         v[name]["x_of_F_linear"] = v[name]["us_per_call"] / v[ref]["us_per_call"]
+    r["op_dispatch"] = bench_op_dispatch(qlin, xs[0], device, calls)
     torch.set_num_threads(threads)
     return r
+
+
+def bench_op_dispatch(qlin: U.ConvRotInt8Linear, x: torch.Tensor, device: str, calls: int) -> dict:
+    """What one call of the registered ops costs on the host with the kernels replaced by no-ops: the dispatcher,
+    the ops' Python and (for `linear_grad`) the autograd node. This is the part a compiled graph pays per call on
+    top of the launches, and it is the same on the CPU as on a GPU host."""
+    x_q, x_s = K.quantize_activation(x, G)
+    y = torch.empty(x.shape[0], qlin.out_features, device=x.device, dtype=x.dtype)
+    stubs = {"quantize_activation": lambda *a, **k: (x_q, x_s), "int8_gemm": lambda *a, **k: y,
+             "int8_linear_grad_input": lambda *a, **k: x}
+    saved = {name: getattr(K, name) for name in stubs}
+    args = (qlin.weight, qlin.weight_scale, None, G, "bf16")
+    xg = x.clone().requires_grad_(True)
+    variants = {
+        "linear_op": lambda: convrot_ops.LINEAR(x, x_q, x_s, *args),
+        "quantize_op": lambda: convrot_ops.QUANTIZE(x, G),
+        "linear_no_grad": lambda: convrot_ops.linear(x, *args),
+        "linear_grad": lambda: convrot_ops.linear(xg, *args),
+    }
+    out: dict = {}
+    try:
+        for name, value in stubs.items():
+            setattr(K, name, value)
+        for name, fn in variants.items():
+            with torch.set_grad_enabled(name == "linear_grad"):
+                out[name] = {"us_per_call": 1e6 / calls_per_second(fn, device, calls)}
+    finally:
+        for name, value in saved.items():
+            setattr(K, name, value)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -146,14 +146,15 @@ def test_inductor_fullgraph_matches_eager(tiny_snapshot, quant_calls):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_registered_ops_pass_opcheck(bias):
-    """Schema, fake (meta) implementations, autograd registration and the dispatcher's view of the ops."""
+    """Schema, fake (meta) implementations and the dispatcher's view of the ops (which carry no autograd registration:
+    `ops.linear` differentiates them, see test_op_path_equals_the_eager_path_with_gradients)."""
     torch.manual_seed(0)
     w = torch.randn(24, 64)
     q, s = K.quantize_convrot_weight(w, 16)
-    x = torch.randn(2, 3, 64, dtype=torch.bfloat16, requires_grad=True)
-    b = torch.randn(24, dtype=torch.bfloat16, requires_grad=True) if bias else None
-    x_q, x_s = ops.QUANTIZE(x.detach().reshape(-1, 64), 16)
-    torch.library.opcheck(ops.QUANTIZE, (x.detach().reshape(-1, 64), 16))
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    b = torch.randn(24, dtype=torch.bfloat16) if bias else None
+    x_q, x_s = ops.QUANTIZE(x.reshape(-1, 64), 16)
+    torch.library.opcheck(ops.QUANTIZE, (x.reshape(-1, 64), 16))
     torch.library.opcheck(ops.LINEAR, (x, x_q, x_s, q, s, b, 16, "bf16"))
     torch.library.opcheck(ops.LINEAR_GRAD_INPUT, (torch.randn(2, 3, 24, dtype=torch.bfloat16), q, s, 16, "int8"))
     torch.library.opcheck(ops.DEQUANTIZE, (q, s, 16, torch.bfloat16))

@@ -6,9 +6,9 @@ eager torch numerics, any device) and a CUDA one (the Triton kernels where usabl
 
 - ``convrot_int8_quantize(x2, group_size) -> (x_q int8 [M, K], x_scale fp32 [M])``: rotate + quantise rows;
 - ``convrot_int8_linear(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd) -> y [..., N]``: the int32
-  GEMM and the dequantisation epilogue of `x`'s quantised rows (output dtype x.dtype). It is differentiable in `x`
-  (and `bias`): the gradient goes through the frozen int8 weight, and nothing of `x` is saved for it. Its forward
-  reads only the quantised rows, so the q, k and v projections of one input share one ``convrot_int8_quantize``
+  GEMM and the dequantisation epilogue of `x`'s quantised rows (output dtype x.dtype). `linear` makes it
+  differentiable in `x` (and `bias`) with an autograd.Function: the gradient goes through the frozen int8 weight, and
+  nothing of `x` is saved for it. It reads only the quantised rows, so the q, k and v projections of one input share one ``convrot_int8_quantize``
   node, which the compiled training graph keeps once (common-subexpression elimination of the joint graph);
 - ``convrot_int8_linear_grad_input(grad, weight, weight_scale, group_size, bwd) -> grad_x [..., K]``;
 - ``convrot_int8_dequantize(weight, weight_scale, group_size, dtype) -> W`` (layers flagged full precision).
@@ -117,28 +117,6 @@ _define("convrot_int8_linear_grad_input",
 
 def _bias_grad(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return grad.reshape(-1, grad.shape[-1]).float().sum(0).to(dtype)
-
-
-def _linear_setup_context(ctx, inputs, output) -> None:
-    _, _, _, weight, weight_scale, bias, group_size, bwd = inputs
-    ctx.save_for_backward(weight, weight_scale)
-    ctx.group_size = group_size
-    ctx.bwd = bwd
-    ctx.bias_dtype = bias.dtype if bias is not None else None
-
-
-def _linear_backward(ctx, grad):
-    weight, weight_scale = ctx.saved_tensors
-    grad_x = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        grad_x = LINEAR_GRAD_INPUT(grad, weight, weight_scale, ctx.group_size, ctx.bwd)
-    if ctx.needs_input_grad[5]:
-        grad_bias = _bias_grad(grad, ctx.bias_dtype)
-    return grad_x, None, None, None, None, grad_bias, None, None
-
-
-torch.library.register_autograd("moss_image::convrot_int8_linear", _linear_backward,
-                                setup_context=_linear_setup_context, lib=_LIB)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -250,26 +228,65 @@ def enable_inductor_quantize_dedupe() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # Entry points for the modules
 # --------------------------------------------------------------------------------------------------------------------
+class _OpLinear(torch.autograd.Function):
+    """The autograd formula around the registered ops (traced by torch.compile into the joint graph): grad_x through
+    the frozen int8 weight by ``convrot_int8_linear_grad_input``, grad_bias only if the bias is trainable.
+
+    The ops themselves carry no autograd registration on purpose: ``torch.library.register_autograd`` puts a Python
+    kernel in front of the op that runs on every call of a compiled graph, with or without grad (about 10 us of host
+    time against 2-3 us for the bare op, on this project's CPU measurements), and a compiled ConvRot INT8 training
+    step calls the linear about 460 times. Inside a compiled graph the forward and the backward ops run under
+    no_grad, through the dispatcher's C++ fallback."""
+
+    @staticmethod
+    def forward(ctx, x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd):  # type: ignore[override]
+        _save_for_backward(ctx, weight, weight_scale, bias, group_size, bwd)
+        return LINEAR(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        weight, weight_scale = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = LINEAR_GRAD_INPUT(grad, weight, weight_scale, ctx.group_size, ctx.bwd)
+        if ctx.needs_input_grad[5]:
+            grad_bias = _bias_grad(grad, ctx.bias_dtype)
+        return grad_x, None, None, None, None, grad_bias, None, None
+
+
+def _save_for_backward(ctx: Any, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                       group_size: int, bwd: str) -> None:
+    """What both autograd formulae keep: the frozen weight and its scales (nothing of the input)."""
+    ctx.save_for_backward(weight, weight_scale)
+    ctx.group_size = group_size
+    ctx.bwd = bwd
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _needs_grad(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, group_size: int,
     bwd: str,
 ) -> torch.Tensor:
-    """The int8 linear through the registered ops (what torch.compile traces). The quantisation is not
-    differentiable; its input is detached so that autograd sees only the linear's formula."""
+    """The int8 linear through the registered ops (what torch.compile traces), differentiable in `x` and `bias`.
+    The quantisation is not differentiable; its input is detached so that autograd sees only the linear's
+    formula."""
     x_q, x_scale = QUANTIZE(x.detach().reshape(-1, x.shape[-1]), group_size)
+    if _needs_grad(x, bias):
+        return _OpLinear.apply(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd)
     return LINEAR(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd)
 
 
 class _EagerLinear(torch.autograd.Function):
-    """The eager autograd formula (the same as the registered op's): grad_x through the frozen int8 weight, and
+    """The eager autograd formula (the same as `_OpLinear`'s, without the dispatcher): grad_x through the frozen int8 weight, and
     grad_bias only if someone made the bias trainable."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_scale, bias, group_size, bwd):  # type: ignore[override]
-        ctx.save_for_backward(weight, weight_scale)
-        ctx.group_size = group_size
-        ctx.bwd = bwd
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        _save_for_backward(ctx, weight, weight_scale, bias, group_size, bwd)
         return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
 
     @staticmethod
@@ -288,7 +305,7 @@ def linear_eager(
     bwd: str,
 ) -> torch.Tensor:
     """The int8 linear in eager mode: an autograd node only when a gradient can flow (x or the bias needs one)."""
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+    if _needs_grad(x, bias):
         return _EagerLinear.apply(x, weight, weight_scale, bias, group_size, bwd)
     return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
 
