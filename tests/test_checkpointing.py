@@ -302,8 +302,6 @@ def test_skip_blocks_leaves_the_last_blocks_uncheckpointed_with_the_same_gradien
     ({"checkpointing_skip_blocks": 2}, "needs --gradient_checkpointing"),
     ({"checkpointing_skip_blocks": 2, "gradient_checkpointing": True, "unsloth_offload_checkpointing": True},
      "cannot be used with --unsloth_offload_checkpointing"),
-    ({"checkpointing_skip_blocks": 2, "gradient_checkpointing": True, "vram_budget": 12.0},
-     "cannot be used with --vram_budget"),
 ])
 def test_skip_blocks_refusals(kw, message):
     with pytest.raises(UserError, match=message):

@@ -175,6 +175,30 @@ def test_explicit_options_are_kept(no_bitsandbytes, tmp_path):
     assert plan.chosen.setup.dit == "int8"
 
 
+def test_skip_blocks_given_are_planned_around(no_bitsandbytes):
+    """--checkpointing_skip_blocks is kept, never planned: only full/selective candidates, each with the blocks'
+    activations in its peak (the memory model's rows for it: tests/test_planning_model.py) and less recomputation."""
+    argv = ["--vram_budget", "16", *RUN, "--compile"]
+    base, _, _ = training_plan(argv, selective=True)
+    plan, values, _ = training_plan([*argv, "--checkpointing_skip_blocks", "13"], selective=True)
+    check_invariants(plan)
+    assert {c.setup.checkpointing for c in plan.candidates} == {"full", "selective"}
+    assert {c.setup.skip_blocks for c in plan.candidates} == {13}
+    assert values["gradient_checkpointing"] is True and "checkpointing_skip_blocks" not in values
+    assert "last 13 blocks not checkpointed" in plan.label(plan.chosen)
+    assert "--checkpointing_skip_blocks 13" in plan.choices.fixed
+    unswapped = {(c.setup.dit, c.setup.checkpointing): c for c in base.candidates if not c.setup.blocks_to_swap}
+    for c in plan.candidates:
+        if c.setup.blocks_to_swap == 0 and (c.setup.dit, c.setup.checkpointing) in unswapped:
+            same = unswapped[(c.setup.dit, c.setup.checkpointing)]
+            assert c.reserved > same.reserved + 12 * 0.3 * 2**30 and c.step < same.step
+    with pytest.raises(UserError, match="need full or selective checkpointing"):
+        training_plan(["--vram_budget", "16", "--unsloth_offload_checkpointing", "--checkpointing_skip_blocks", "3",
+                       *RUN])
+    with pytest.raises(UserError, match="--checkpointing_skip_blocks 43 is more than the DiT's 42 blocks"):
+        training_plan(["--vram_budget", "16", "--checkpointing_skip_blocks", "43", *RUN])
+
+
 def test_a_plan_that_cannot_fit_gives_the_smallest_budget(no_bitsandbytes):
     with pytest.raises(UserError) as e:
         training_plan(["--vram_budget", "3", *RUN])

@@ -19,6 +19,8 @@ docs/benchmarks.md (training-step table, run A: 36.29 GiB allocated) is met with
 - selective (`--checkpointing_policy selective`): full, plus the outputs the policy saves per block
   (`SELECTIVE_SAVED_WIDTHS`: the attention output and the FFN down-projection output, each e W per token, the
   log-sum-exp and the LoRA down outputs; with ConvRot INT8 the down-projection is a custom op and is recomputed);
+- full or selective with `--checkpointing_skip_blocks S`: the last S blocks keep their full set instead; backward
+  starts with those S sets alive, which then outgrow the one recomputed block (S >= 1 replaces it);
 - unsloth / cpu_offload: the block inputs go to host memory; a measured share of them stays on the GPU
   (`OFFLOAD_GPU_SHARE`).
 On top: a backward workspace (`BACKWARD_WORKSPACE_WIDE_TENSORS` tensors as wide as the FFN up-projection output), the
@@ -137,6 +139,7 @@ class Setup:
     blocks_to_swap: int = 0
     te_variant: str = "none"  # none | convrot_int8 | bnb_int8 | bnb_nf4
     te_on_gpu: bool = True
+    skip_blocks: int = 0  # --checkpointing_skip_blocks: the last blocks left out of full/selective checkpointing
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,8 @@ def step_activation_bytes(dit: DitSizes, w: Workload, setup: Setup) -> int:
             kept += selective_kept_bytes_per_token(dit, setup.dit, e, w.lora_rank)
         elif setup.checkpointing in ("unsloth", "cpu_offload"):
             kept = inputs * OFFLOAD_GPU_SHARE
-        per_token_main = n * kept + block * share
+        skip = min(setup.skip_blocks, n) if setup.checkpointing in ("full", "selective") else 0
+        per_token_main = (n - skip) * kept + max(skip, 1) * block * share
         text = refiners * inputs * w.text_tokens
     final = 4 * hidden * w.image_tokens
     return int(b * (per_token_main * w.tokens + workspace * w.tokens + text + final))

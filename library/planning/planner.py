@@ -49,6 +49,7 @@ CHECKPOINTING_LABELS = {
 TE_LABELS = {"none": "bf16", "convrot_int8": "ConvRot INT8", "bnb_int8": "int8 (bitsandbytes)",
              "bnb_nf4": "nf4 (bitsandbytes)"}
 SWAPPABLE = ("full", "selective")  # block swap in training needs recomputation in backward
+SKIPPABLE = ("full", "selective")  # --checkpointing_skip_blocks applies to the plain checkpointing modes
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Choices:
     te_planned: bool = True  # False: decided at load time (--te_quant auto), assumed to fit
     te_int8_source: str = "at load"
     fixed: tuple[str, ...] = ()  # the explicit options, for the messages
+    skip_blocks: int = 0  # --checkpointing_skip_blocks as given (never planned): full/selective candidates only
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,8 @@ class Plan:
     def to_dict(self) -> dict:
         def row(c: Candidate) -> dict:
             return {"candidate": self.label(c), "dit": c.setup.dit, "checkpointing": c.setup.checkpointing,
-                    "blocks_to_swap": c.setup.blocks_to_swap, "te_variant": c.setup.te_variant,
+                    "blocks_to_swap": c.setup.blocks_to_swap, "skip_blocks": c.setup.skip_blocks,
+                    "te_variant": c.setup.te_variant,
                     "te_on_gpu": c.setup.te_on_gpu, "predicted_reserved_gib": round(c.reserved / GIB, 3),
                     "predicted_allocated_gib": round(c.estimate.allocated / GIB, 3),
                     "peak_phase": c.estimate.peak_phase.name, "needs_gib": round(c.needs / GIB, 3),
@@ -158,6 +161,8 @@ def candidate_label(setup: Setup, choices: Choices, kind: str, with_te: bool = F
     parts = [dit]
     if kind == "training":
         parts.append(CHECKPOINTING_LABELS[setup.checkpointing])
+        if setup.skip_blocks:
+            parts.append(f"last {setup.skip_blocks} blocks not checkpointed")
     if setup.blocks_to_swap:
         parts.append(f"swap {setup.blocks_to_swap}" + (" (h2d)" if kind == "training" else ""))
     if with_te:
@@ -253,7 +258,7 @@ def plan_training(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workload, c
 
     def candidate(setup: Setup) -> Candidate:
         est = evaluate(setup)
-        return Candidate(setup, est, training_step_factor(setup, w), overheads.needs(est.reserved))
+        return Candidate(setup, est, training_step_factor(setup, w, dit.num_layers), overheads.needs(est.reserved))
 
     if w.text_encoder_in_step:
         te_options = list(choices.te)
@@ -266,9 +271,12 @@ def plan_training(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workload, c
     for variant, on_gpu in te_options:
         for precision in choices.dit:
             for mode in choices.checkpointing:
+                if choices.skip_blocks and mode not in SKIPPABLE:
+                    continue
+
                 def make(s: int, precision: str = precision, mode: str = mode, variant: str = variant,
                          on_gpu: bool = on_gpu) -> Candidate:
-                    return candidate(Setup(precision, mode, s, variant, on_gpu))
+                    return candidate(Setup(precision, mode, s, variant, on_gpu, choices.skip_blocks))
 
                 if choices.blocks_to_swap is not None:
                     if choices.blocks_to_swap and mode not in SWAPPABLE:
@@ -285,7 +293,8 @@ def _finish(kind: str, rows: list[Candidate], choices: Choices, budget: int, hea
             te_in_rows: bool) -> Plan:
     if not rows:
         raise UserError(f"The options given ({', '.join(choices.fixed)}) cannot be combined, so there is nothing to"
-                        " plan: drop one of them (block swap needs full or selective checkpointing).")
+                        " plan: drop one of them (block swap and --checkpointing_skip_blocks need full or selective"
+                        " checkpointing).")
     fitting = [c for c in rows if c.fits(budget)]
     if not fitting:
         raise _cannot_fit(budget, min(rows, key=lambda c: c.needs), choices, kind)

@@ -5,7 +5,8 @@ An option counts as given explicitly when its value differs from the parser's ow
 counts) or when it appears on the command line (`--te_quant none` too). The planned options are:
 - training: `--convrot_int8`, `--gradient_checkpointing` (+ `--checkpointing_policy` where the trainer has it),
   `--unsloth_offload_checkpointing`, `--blocks_to_swap` with `--block_swap_h2d_only`, `--convrot_int8_text_encoder`,
-  `--te_quant`, `--te_device`;
+  `--te_quant`, `--te_device`; a given `--checkpointing_skip_blocks` is kept and modelled (full or selective
+  checkpointing only), never planned;
 - inference: `--convrot_int8`, `--blocks_to_swap`, `--convrot_int8_text_encoder`, `--te_quant`, `--text_encoder_cpu`.
 
 The workload: the largest image of the run (training: the resolution of each dataset of the dataset config or of
@@ -205,12 +206,18 @@ def training_choices(args: argparse.Namespace, explicit: frozenset[str], models:
     swap = None
     if "blocks_to_swap" in explicit:
         swap = args.blocks_to_swap or 0
+    skip = getattr(args, "checkpointing_skip_blocks", 0) or 0
+    if skip:
+        fixed.append(f"--checkpointing_skip_blocks {skip}")
+        if skip > models.dit.num_layers:
+            raise UserError(f"--checkpointing_skip_blocks {skip} is more than the DiT's {models.dit.num_layers}"
+                            f" blocks; give at most {models.dit.num_layers}.")
     te, te_planned = _te_choices(args, explicit, models.te_prequantised, work.train_text_encoder,
                                  allow_cpu=not work.text_encoder_in_step)
     if models.te_prequantised:
         fixed.append("a pre-quantised text-encoder file")
     return Choices(tuple(dit), source, tuple(modes), swap, max_blocks_to_swap(models.dit.num_layers), te, te_planned,
-                   "file" if models.te_prequantised else "at load", tuple(fixed))
+                   "file" if models.te_prequantised else "at load", tuple(fixed), skip_blocks=skip)
 
 
 # ------------------------------------------------------------------------------------------------- applying a plan

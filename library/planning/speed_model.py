@@ -5,6 +5,11 @@ Training: 1.00 is the bf16 DiT with `--gradient_checkpointing` and no block swap
 
     checkpointing factor x DiT precision factor x (1 + per-block swap cost x blocks swapped) + text encoder in the step
 
+With `--checkpointing_skip_blocks S` the checkpointing factor moves linearly from its mode's figure towards "none"
+by S / blocks (each skipped block saves its recomputation). An estimate: the fourth H200 run measured 295.3 and
+307.5 ms at S = 13 (INT8, selective + compile) against 310.1-323.6 ms at S = 0, about what the line predicts, but
+322.4 ms at S = 10 and an unsteady 366.8 ms at S = 16.
+
 The figures compare rows of one run (one machine, one session), as the benchmark notes ask, except those marked as
 estimates: eager INT8 with the selective policy, compiled INT8 inference (see INT8_DENOISE_FACTOR), and the offload
 modes under --compile.
@@ -51,12 +56,14 @@ H2D_BYTES_PER_S = 55e9  # training-step table: host-to-device copies from the pi
 RING_SLOTS = 2
 
 
-def training_step_factor(setup: Setup, w: Workload) -> float:
+def training_step_factor(setup: Setup, w: Workload, num_blocks: int = 42) -> float:
     table = COMPILED_CHECKPOINTING if w.compile else EAGER_CHECKPOINTING
     if setup.checkpointing == "selective":
         factor = SELECTIVE_FACTOR[(w.compile, setup.dit)]
     else:
         factor = table[setup.checkpointing]
+    if setup.skip_blocks and setup.checkpointing in ("full", "selective"):
+        factor -= (factor - table["none"]) * min(setup.skip_blocks, num_blocks) / num_blocks
     if setup.dit == "int8":
         factor *= INT8_FACTOR[w.compile]
     factor *= 1 + SWAP_H2D_PER_BLOCK * setup.blocks_to_swap

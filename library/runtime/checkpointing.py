@@ -101,9 +101,6 @@ def _check_skip_blocks(args: argparse.Namespace) -> None:
         if getattr(args, flag, False):
             raise UserError(f"--checkpointing_skip_blocks cannot be used with --{flag}: that mode offloads every"
                             " block's input; use plain --gradient_checkpointing.")
-    if getattr(args, "vram_budget", None):
-        raise UserError("--checkpointing_skip_blocks cannot be used with --vram_budget: the memory planner does not"
-                        " model blocks left out of checkpointing; drop one of them.")
 
 
 def skip_blocks(args: argparse.Namespace, num_blocks: int) -> int:
