@@ -12,11 +12,14 @@ A step is the trainer's `process_batch` and the accelerator's backward, then (ex
 optimizer and scheduler steps exactly as `_train_step` does them; the gradients are read between the backward and the
 optimizer step. bf16 rounding aside, two configurations that compute the same thing agree to about 1e-2 in the
 gradients' relative norm difference; a larger figure at one step while the earlier ones agree points at that step.
+Each step also records a digest of the global CPU generator's state before it (the timesteps are drawn there): two
+configurations whose digests part at a step draw other timesteps from it on, whatever their gradients.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -38,8 +41,9 @@ def record(name: str, snapshot: Path, shape: Any, steps: int, out: Path) -> dict
         trainer, run, batch = ckpt.build(snapshot, ckpt.CONFIGS[name], shape, Path(tmp), steps + 1)
         run.train_dataloader = [batch]
         params = dict(run.network.named_parameters())
-        losses = []
+        losses, cpu_rng = [], []
         for step in range(steps):
+            cpu_rng.append(hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:12])
             run.train_group.set_current_step(run.global_step)
             with run.accelerator.accumulate():
                 loss = trainer.process_batch(run, batch, is_train=True)
@@ -54,7 +58,7 @@ def record(name: str, snapshot: Path, shape: Any, steps: int, out: Path) -> dict
                     run.lr_scheduler.step()
                     run.optimizer.zero_grad(set_to_none=True)
             run.global_step += 1
-    return {"config": name, "losses": losses}
+    return {"config": name, "losses": losses, "cpu_rng_before_step": cpu_rng}
 
 
 def compare(ref_dir: Path, other_dir: Path, steps: int, top: int = 8) -> list[dict[str, Any]]:
@@ -131,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             if "error" not in r and "error" not in ref and r is not ref:
                 entry["steps"] = compare(ref["folder"], r["folder"], ns.steps)
                 entry["loss_diff"] = [b - a for a, b in zip(ref["losses"], r["losses"])]
+                entry["same_cpu_rng_before_step"] = [a == b for a, b in zip(ref["cpu_rng_before_step"],
+                                                                            r["cpu_rng_before_step"])]
             payload["results"].append(entry)
     tmp_out = ns.out.with_name(f".{ns.out.name}.tmp")
     tmp_out.write_text(json.dumps(payload, indent=1))

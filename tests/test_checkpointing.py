@@ -319,3 +319,18 @@ def test_trainer_skip_blocks(tiny_snapshot, tmp_path):
     with pytest.raises(UserError, match="--checkpointing_skip_blocks 99 is more than the DiT's 24 blocks"):
         train(base_args(tiny_snapshot, data, tmp_path / "out2", "--max_train_steps", "1", "--gradient_checkpointing",
                         "--checkpointing_skip_blocks", "99"))
+
+
+@pytest.mark.parametrize("mode, graphsafe", [("default", False), ("max-autotune-no-cudagraphs", False),
+                                              ("reduce-overhead", True), ("max-autotune", True)])
+def test_compile_keeps_the_cpu_random_stream(mode, graphsafe):
+    """The graph-safe RNG functionalisation seeds its generators with torch.randint on the global CPU generator (where
+    the timesteps come from) at the first run of each compiled graph that recomputes attention on CUDA; --compile
+    turns it off except where CUDA graphs need it."""
+    import torch._functorch.config as functorch_config
+
+    from library.runtime.compile import keep_cpu_random_stream
+
+    with functorch_config.patch(graphsafe_rng_functionalization=True):  # restored afterwards
+        keep_cpu_random_stream(mode)
+        assert functorch_config.graphsafe_rng_functionalization is graphsafe

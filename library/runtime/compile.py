@@ -95,6 +95,7 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
     from library.quant.convrot_ops import enable_inductor_quantize_dedupe  # torch and triton: loaded when compiling
 
     enable_inductor_quantize_dedupe()  # INT8 inference graphs: q, k and v share one quantised input
+    keep_cpu_random_stream(args.compile_mode)
     dynamic = {"true": True, "false": False}.get(args.compile_dynamic, None)
     if dynamic is None:
         dynamic = True if num_shapes > 1 else None
@@ -106,6 +107,26 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
                 torch._dynamo.config.cache_size_limit)
     dit.compile_regions(backend=args.compile_backend, mode=args.compile_mode, dynamic=dynamic,
                         fullgraph=args.compile_fullgraph)
+
+
+# modes whose compiled graphs run as CUDA graphs (torch.compile's mode presets)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def keep_cpu_random_stream(mode: str) -> None:
+    """Keep the compiled training step from drawing on the global CPU generator, which draws the timesteps.
+
+    With full checkpointing inside a compiled block, attention (an op torch tags as random, for its dropout) is
+    recomputed in backward. On CUDA, AOTAutograd's "graph-safe" RNG functionalisation then seeds a private generator
+    for each such op at the first run of each compiled graph, with `torch.randint` on the CPU: every later step of the
+    run drew other timesteps than eager or selective checkpointing would (seen on the H200 as another loss sequence
+    from the second step), and a resumed run, which compiles again, other ones than the uninterrupted run. The older
+    functionalisation saves and restores the CUDA generator's state around the op instead and draws nothing; only
+    CUDA-graph modes need the graph-safe one, so they keep it."""
+    import torch._functorch.config as functorch_config
+
+    if mode not in CUDA_GRAPH_MODES:
+        functorch_config.graphsafe_rng_functionalization = False
 
 
 def enable_expandable_segments() -> None:
