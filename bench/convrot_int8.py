@@ -504,6 +504,14 @@ def bench_overhead(m: int, k: int, n: int, device: str, calls: int) -> dict:
         r["raw_launch_layouts"] = sorted({str(v) for v in triton_launch._LAYOUT.values()})
         r["int8_over_F_linear"] = r["int8_module_us_raw"] / r["F_linear_us"]
         r["int8_over_F_linear_direct"] = r["int8_module_us_direct"] / r["F_linear_us"]
+        # the one-kernel forward (rotation, quantisation, GEMM and epilogue in one launch), which is off by default
+        K.set_fused_linear(m)
+        try:
+            r["int8_module_us_fused"] = _per_call_us(lambda: qlin(nx()), device, calls)
+            r["fused_vs_two_kernels_mismatch"] = int((qlin(xs[0].clone()) != outs["raw"]).sum())
+        finally:
+            K.set_fused_linear(0)
+        r["int8_fused_over_F_linear"] = r["int8_module_us_fused"] / r["F_linear_us"]
         if m <= 256:
             r["host_profile_int8_module"] = _host_profile(lambda: qlin(nx()), calls=min(calls, 300))
     return r
@@ -541,10 +549,17 @@ def bench_te_linears(ms: tuple, device: str, iters: int, layers: int = 32, shrin
                 tqd = time_ms(lambda: run(int8), device, iters, warmup=3)
             finally:
                 triton_launch.set_raw_launch(True)
+            K.set_fused_linear(m)  # the one-kernel forward for these rows (off by default)
+            try:
+                tqf = time_ms(lambda: run(int8), device, iters, warmup=3)
+            finally:
+                K.set_fused_linear(0)
         r["rows"].append({"M": m, "bf16_ms_per_caption": tb["median_ms"], "int8_ms_per_caption": tq["median_ms"],
                           "int8_over_bf16": tq["median_ms"] / tb["median_ms"],
                           "int8_no_raw_launch_ms_per_caption": tqd["median_ms"],
-                          "int8_no_raw_launch_over_bf16": tqd["median_ms"] / tb["median_ms"]})
+                          "int8_no_raw_launch_over_bf16": tqd["median_ms"] / tb["median_ms"],
+                          "int8_fused_ms_per_caption": tqf["median_ms"],
+                          "int8_fused_over_bf16": tqf["median_ms"] / tb["median_ms"]})
     return r
 
 

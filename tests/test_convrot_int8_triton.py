@@ -54,6 +54,15 @@ def run_checks(device: str) -> dict:
                 "y_mismatch": int((y_t != y_e).sum()), "y_dtype_ok": y_t.dtype == dt and y_t.shape == (2, m, n),
                 "y_relerr": float((y_t.float() - y_e.float()).norm() / y_e.float().norm()),
             }
+            if g == 256 and k % 256 == 0 and dt != torch.float32:  # the one-kernel forward of few rows
+                K.set_fused_linear(64)
+                try:
+                    y_f = K.linear_forward(x, q, s, bias, g)
+                finally:
+                    K.set_fused_linear(0)
+                case["fused_y_mismatch"] = int((y_f != y_e).sum())
+                case["fused_y_relerr"] = float((y_f.float() - y_e.float()).norm() / y_e.float().norm())
+                case["fused_y_ok"] = y_f.dtype == dt and y_f.shape == (2, m, n)
             if g:
                 d_t = K.dequantize_weight(q, s, g, dt, backend="triton")
                 d_e = K.dequantize_weight(q, s, g, dt, backend="eager")
@@ -158,6 +167,9 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
             # the same for the two-pass tensor-core quantiser ("tiles_mma"; other groups and dtypes run "rows")
             assert c["tiles_mma_q_mismatch"] == 0, c
             assert c["tiles_mma_s_mismatch"] <= (max(2, 0.1 * c["shape"][0]) if on_cuda else 0), c
+        if "fused_y_mismatch" in c:  # the one-kernel forward: the codes and sums of the two-kernel path
+            assert c["fused_y_ok"], c
+            assert c["fused_y_relerr"] < 1e-3 if on_cuda else c["fused_y_mismatch"] == 0, c
         if exact and on_cuda:  # Triton's fp32 division on the GPU is not IEEE: a scale may differ in its last bit
             # (a few rows), the int8 codes may not; the outputs then follow those scales
             assert c["q_mismatch"] == 0 and c["s_mismatch"] <= max(2, 0.1 * c["shape"][0]), c

@@ -51,6 +51,7 @@ from library.quant.convrot_quant_kernels import (  # noqa: F401 - QUANTISERS, se
     _QUANT_PLANS,
     _TUNING,
     QUANTISERS,
+    _h64,
     _next_pow2,
     _quantize_rows_triton,
     _rows_launch,
@@ -59,6 +60,7 @@ from library.quant.convrot_quant_kernels import (  # noqa: F401 - QUANTISERS, se
     set_row_tuning,
 )
 from library.quant.int8_gemm_kernels import (  # noqa: F401 - set_*, backward_kernel, *_KERNELS: re-exported
+    _FUSED,
     _GEMM_PLANS,
     BACKWARD_KERNELS,
     GEMM_KERNELS,
@@ -66,7 +68,10 @@ from library.quant.int8_gemm_kernels import (  # noqa: F401 - set_*, backward_ke
     _int8_gemm_triton,
     _launch_tuned,
     backward_kernel,
+    fused_linear_ok,
+    fused_linear_triton,
     set_backward_kernel,
+    set_fused_linear,
     set_gemm_kernel,
 )
 
@@ -579,6 +584,11 @@ def linear_forward(
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"input features {x.shape[-1]} do not match the weight's {k}")
+    if _FUSED["max_m"] and HAS_TRITON and (x.is_cuda or (_INTERPRET and x.device.type == "cpu")):
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        if fused_linear_ok(x2, weight, group_size):  # few rows: one launch (`set_fused_linear`)
+            out = fused_linear_triton(x2, weight, weight_scale, bias, _h64(x.device, x.dtype))
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
     q_x, s_x = cached_quantized_activation(x, group_size)
     out = int8_gemm(q_x, s_x, weight, weight_scale, bias, x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
