@@ -19,6 +19,8 @@ pinned per-shape table.
   autotunes in a training step; a GPU or shape without an entry gets "ptr", autotuned on its first call.
 - `_grad_input_upcast_triton`: grad_x = grad_y @ W with the int8 codes upcast inside the GEMM and the inverse
   rotation applied to the output tile (`set_backward_kernel("upcast")`).
+- `fused_linear_triton`: the whole forward of a few rows (rotation, quantisation, GEMM, epilogue) in one launch, the
+  same output as the two kernels; off until `set_fused_linear` allows it (not yet timed on a GPU).
 
 The choice, configuration, grid and launch keywords are kept per shape (`_GEMM_PLANS`) after the first call, and
 the pointer kernels launch through `library.quant.triton_launch.DirectLauncher`. `launch_gemm_variant` launches one

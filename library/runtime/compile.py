@@ -118,11 +118,12 @@ def keep_cpu_random_stream(mode: str) -> None:
 
     With full checkpointing inside a compiled block, attention (an op torch tags as random, for its dropout) is
     recomputed in backward. On CUDA, AOTAutograd's "graph-safe" RNG functionalisation then seeds a private generator
-    for each such op at the first run of each compiled graph, with `torch.randint` on the CPU: every later step of the
-    run drew other timesteps than eager or selective checkpointing would (seen on the H200 as another loss sequence
-    from the second step), and a resumed run, which compiles again, other ones than the uninterrupted run. The older
-    functionalisation saves and restores the CUDA generator's state around the op instead and draws nothing; only
-    CUDA-graph modes need the graph-safe one, so they keep it."""
+    for each such op at the first run of each compiled graph, with `torch.randint` on the CPU: the later steps of the
+    run draw other timesteps than eager or selective checkpointing would (the likely cause of the other loss
+    sequence of full checkpointing + compile on the H200, docs/benchmarks.md), and a resumed run, which compiles
+    again, other ones than the uninterrupted run. The older functionalisation saves and restores the CUDA
+    generator's state around the op instead and draws nothing. The CUDA-graph modes need the graph-safe one (a CUDA
+    graph cannot capture that save and restore), so they keep it and its draws."""
     import torch._functorch.config as functorch_config
 
     if mode not in CUDA_GRAPH_MODES:
