@@ -25,8 +25,9 @@ from library.planning.sizes import DitSizes
 
 # training-step table, run A (eager): no checkpointing 387.2 ms, gc 564.6 ms, unsloth offload 666.5 ms
 EAGER_CHECKPOINTING = {"none": 0.686, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
-# e2e run A, --compile: no checkpointing 252 ms, gc 379 ms; the offload modes were not measured compiled (eager ratio)
-COMPILED_CHECKPOINTING = {"none": 0.665, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
+# --compile: bench.checkpointing, third H200 run (2026-12-01, one call): no checkpointing 261.7 ms, gc 347.5 ms
+# (e2e run A, earlier: 252 vs 379 ms); the offload modes were not measured compiled (eager ratio)
+COMPILED_CHECKPOINTING = {"none": 0.753, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
 # --checkpointing_policy selective against full, (--compile, DiT precision) -> factor. bf16: bench.checkpointing in
 # one H200 run (docs/benchmarks.md, 2026-12-01): compiled 332.7 vs 352.3 ms, eager 746.8 vs 557.6 ms (eager selective
 # checkpointing is slower than full, and the trainer warns). INT8 eager: --vram_budget 12 on the H200 (1.05 s per
