@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""Compile the ConvRot INT8 Triton kernels for a GPU architecture on a machine without that GPU (or without any),
+and report what each compiled kernel needs per thread: registers, spill stack, shared memory.
+
+Triton compiles down to a cubin with the ptxas its wheel ships, so a kernel that does not build for sm_90, or a tile
+shape that spills, shows here before any device time is spent on it. The figures are those of this machine's Triton,
+which may differ from another version's.
+
+    python -m bench.triton_aot --out aot.json               # the default tiles of each kernel, sm_90
+    python -m bench.triton_aot --sweep --arch 90 --out aot.json
+
+Kernels: the one-kernel forward of few rows (`fused`), the two-pass tensor-core quantiser (`tiles_mma`), the default
+one-pass quantiser at K = 3072 (`rows`) and the pointer GEMM at the pinned table's pointer configurations (`ptr`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+KINDS = ("fused", "tiles_mma", "rows", "ptr")
+
+
+def _triton() -> Any:
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except Exception as e:  # noqa: BLE001 - any import failure means no ahead-of-time compilation here
+        raise SystemExit(f"bench.triton_aot needs triton with its NVIDIA backend ({type(e).__name__}: {e})") from e
+    return triton, GPUTarget, ASTSource
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of a cubin, read with the cuobjdump that Triton's NVIDIA backend ships."""
+    triton, _, _ = _triton()
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        text = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    usage: dict[str, int] = {}
+    for line in text.splitlines():
+        if "REG:" in line:
+            for item in line.split():
+                name, _, value = item.partition(":")
+                if name in ("REG", "STACK", "SHARED", "LOCAL") and value.isdigit():
+                    usage[name.lower()] = int(value)
+    return usage
+
+
+def compile_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], options: dict[str, int],
+                   arch: int) -> dict[str, Any]:
+    """Compile `fn` (a @triton.jit function) for sm_`arch` with these argument types, constexprs and launch options
+    (num_warps, num_stages)."""
+    triton, GPUTarget, ASTSource = _triton()
+    names = fn.arg_names
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    t0 = time.perf_counter()
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+    row = {"kernel": fn.__name__, **options, "compile_s": round(time.perf_counter() - t0, 2),
+           **{k: v for k, v in constexprs.items() if k.startswith(("BLOCK", "BM", "NCH", "CH", "GROUP"))},
+           **resource_usage(kernel.asm["cubin"]), "dynamic_shared": int(kernel.metadata.shared)}
+    row["spills"] = row.get("stack", 0) > 0 or row.get("local", 0) > 0
+    return row
+
+
+def jobs(kinds: tuple[str, ...], sweep: bool) -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, int]]]:
+    """(kernel, signature, constexprs, launch options) to compile: the defaults, and with `sweep` the
+    alternatives."""
+    from library.quant import convrot_quant_kernels as Q
+    from library.quant import int8_gemm_kernels as G
+
+    bf16 = {"T_CODE": 2, "TINY": 1.1754943508222875e-38}
+    out: list[tuple[Any, dict[str, str], dict[str, Any], dict[str, int]]] = []
+    if "fused" in kinds:
+        sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "c_ptr": "*bf16", "sb_ptr": "*fp32", "bias_ptr": "*bf16",
+               "h_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+               "stride_cm": "i32"}
+        tiles = [(G._FUSED["block_m"], G._FUSED["block_n"], G._FUSED["warps"])]
+        tiles += [(32, 64, 4), (16, 128, 4), (32, 128, 8), (16, 64, 8)] if sweep else []
+        out += [(G._fused_quant_gemm_kernel, sig, {**bf16, "HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": bn,
+                                                   "GATHER": False}, {"num_warps": w}) for bm, bn, w in tiles]
+    if "tiles_mma" in kinds:
+        sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "h_ptr": "*bf16", "M": "i32", "K": "i32",
+               "stride_xm": "i32", "stride_qm": "i32"}
+        tiles = [(Q._TUNING["tiles_bm"], Q._TUNING["tiles_warps"])]
+        tiles += [(16, 4), (64, 8), (32, 8)] if sweep else []
+        out += [(Q._rot_quant_tiles_mma_kernel, sig, {**bf16, "BM": bm, "GATHER": False}, {"num_warps": w})
+                for bm, w in tiles]
+    if "rows" in kinds:
+        bm, nch, ch, warps = Q._rows_launch(3072, 256)
+        sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "h_ptr": "*fp32", "M": "i32", "K": "i32",
+               "stride_xm": "i32", "stride_qm": "i32"}
+        out.append((Q._rot_quant_rows_kernel, sig, {**bf16, "LOG4G": 4, "BM": bm, "NCH": nch, "CH": ch,
+                                                     "EVEN": False, "MMA": False, "GATHER": False},
+                    {"num_warps": warps}))
+    if "ptr" in kinds:
+        sig = {"a_ptr": "*i8", "b_ptr": "*i8", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
+               "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32", "stride_am": "i32",
+               "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32", "stride_cm": "i32", "stride_cn": "i32"}
+        configs = {(c["block_m"], c["block_n"], c["block_k"], c["group_m"], c["num_warps"], c["num_stages"])
+                   for c in (e["config"] for e in json.loads((Path(G.__file__).parent / "int8_gemm_table.json")
+                                                             .read_text())["entries"] if e["variant"] == "ptr")}
+        for bm, bn, bk, gm, w, stages in sorted(configs)[: None if sweep else 1]:
+            out.append((G._int8_gemm_kernel, sig, {"HAS_SB": True, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": bm,
+                                                    "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm},
+                        {"num_warps": w, "num_stages": stages}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.triton_aot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: Hopper)")
+    p.add_argument("--kernels", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--sweep", action="store_true", help="also the alternative tile shapes")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON results here")
+    ns = p.parse_args(argv)
+    kinds = tuple(k.strip() for k in ns.kernels.split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        print(f"unknown --kernels {unknown}: choose from {', '.join(KINDS)}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the kernels' own setting (and no warning)
+    triton, _, _ = _triton()
+    rows = []
+    for fn, sig, const, options in jobs(kinds, ns.sweep):
+        try:
+            rows.append(compile_kernel(fn, sig, const, options, ns.arch))
+        except Exception as e:  # noqa: BLE001 - a kernel that does not build is a result, not a crash
+            rows.append({"kernel": fn.__name__, **options, "error": f"{type(e).__name__}: {e}"[:2000]})
+        print(json.dumps(rows[-1]), flush=True)
+    payload = {"command": " ".join(["python", "-m", "bench.triton_aot", *(argv if argv is not None else sys.argv[1:])]),
+               "triton": triton.__version__, "arch": ns.arch, "kernels": rows}
+    if ns.out:
+        tmp = ns.out.with_name(f".{ns.out.name}.tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, ns.out)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
