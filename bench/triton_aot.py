@@ -58,13 +58,17 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def compile_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], options: dict[str, int],
-                   arch: int) -> dict[str, Any]:
+                   arch: int, divisible: tuple[str, ...] = ()) -> dict[str, Any]:
     """Compile `fn` (a @triton.jit function) for sm_`arch` with these argument types, constexprs and launch options
-    (num_warps, num_stages)."""
+    (num_warps, num_stages). A launch specialises as the real ones do: every pointer 16-byte aligned and the integer
+    arguments named in `divisible` multiples of 16 (unit strides are given as constexprs of 1, as Triton specialises
+    them). Without that, Triton builds another kernel (for example a GEMM without its pipelined stages)."""
     triton, GPUTarget, ASTSource = _triton()
     names = fn.arg_names
+    aligned = [k for k, v in signature.items() if v.startswith("*")] + list(divisible)
     src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
     t0 = time.perf_counter()
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
     row = {"kernel": fn.__name__, **options, "compile_s": round(time.perf_counter() - t0, 2),
@@ -74,14 +78,18 @@ def compile_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, Any
     return row
 
 
-def jobs(kinds: tuple[str, ...], sweep: bool) -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, int]]]:
-    """(kernel, signature, constexprs, launch options) to compile: the defaults, and with `sweep` the
-    alternatives."""
+Job = tuple[Any, dict[str, str], dict[str, Any], dict[str, int], tuple[str, ...]]
+
+
+def jobs(kinds: tuple[str, ...], sweep: bool) -> list[Job]:
+    """(kernel, signature, constexprs, launch options, integer arguments that are multiples of 16) to compile, at
+    the shapes the product launches (K a multiple of 256, the DiT's and the encoder's widths): the defaults, and
+    with `sweep` the alternatives."""
     from library.quant import convrot_quant_kernels as Q
     from library.quant import int8_gemm_kernels as G
 
     bf16 = {"T_CODE": 2, "TINY": 1.1754943508222875e-38}
-    out: list[tuple[Any, dict[str, str], dict[str, Any], dict[str, int]]] = []
+    out: list[Job] = []
     if "fused" in kinds:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "c_ptr": "*bf16", "sb_ptr": "*fp32", "bias_ptr": "*bf16",
                "h_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
@@ -89,32 +97,35 @@ def jobs(kinds: tuple[str, ...], sweep: bool) -> list[tuple[Any, dict[str, str],
         tiles = [(G._FUSED["block_m"], G._FUSED["block_n"], G._FUSED["warps"])]
         tiles += [(32, 64, 4), (16, 128, 4), (32, 128, 8), (16, 64, 8)] if sweep else []
         out += [(G._fused_quant_gemm_kernel, sig, {**bf16, "HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": bn,
-                                                   "GATHER": False}, {"num_warps": w}) for bm, bn, w in tiles]
+                                                   "GATHER": False}, {"num_warps": w},
+                 ("N", "K", "stride_xm", "stride_wn", "stride_cm")) for bm, bn, w in tiles]
     if "tiles_mma" in kinds:
         sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "h_ptr": "*bf16", "M": "i32", "K": "i32",
                "stride_xm": "i32", "stride_qm": "i32"}
         tiles = [(Q._TUNING["tiles_bm"], Q._TUNING["tiles_warps"])]
         tiles += [(16, 4), (64, 8), (32, 8)] if sweep else []
-        out += [(Q._rot_quant_tiles_mma_kernel, sig, {**bf16, "BM": bm, "GATHER": False}, {"num_warps": w})
-                for bm, w in tiles]
+        out += [(Q._rot_quant_tiles_mma_kernel, sig, {**bf16, "BM": bm, "GATHER": False}, {"num_warps": w},
+                 ("K", "stride_xm", "stride_qm")) for bm, w in tiles]
     if "rows" in kinds:
         bm, nch, ch, warps = Q._rows_launch(3072, 256)
         sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "h_ptr": "*fp32", "M": "i32", "K": "i32",
                "stride_xm": "i32", "stride_qm": "i32"}
         out.append((Q._rot_quant_rows_kernel, sig, {**bf16, "LOG4G": 4, "BM": bm, "NCH": nch, "CH": ch,
                                                      "EVEN": False, "MMA": False, "GATHER": False},
-                    {"num_warps": warps}))
+                    {"num_warps": warps}, ("K", "stride_xm", "stride_qm")))
     if "ptr" in kinds:
         sig = {"a_ptr": "*i8", "b_ptr": "*i8", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
                "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32", "stride_am": "i32",
-               "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32", "stride_cm": "i32", "stride_cn": "i32"}
+               "stride_bn": "i32", "stride_cm": "i32"}  # A and C row-major, B = W^T (K-major): unit strides below
         configs = {(c["block_m"], c["block_n"], c["block_k"], c["group_m"], c["num_warps"], c["num_stages"])
                    for c in (e["config"] for e in json.loads((Path(G.__file__).parent / "int8_gemm_table.json")
                                                              .read_text())["entries"] if e["variant"] == "ptr")}
         for bm, bn, bk, gm, w, stages in sorted(configs)[: None if sweep else 1]:
-            out.append((G._int8_gemm_kernel, sig, {"HAS_SB": True, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": bm,
-                                                    "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm},
-                        {"num_warps": w, "num_stages": stages}))
+            out.append((G._int8_gemm_kernel, sig, {"stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "HAS_SB": True,
+                                                    "HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn,
+                                                    "BLOCK_K": bk, "GROUP_M": gm},
+                        {"num_warps": w, "num_stages": stages}, ("N", "K", "M_BUCKET", "stride_am", "stride_bn",
+                                                                 "stride_cm")))
     return out
 
 
@@ -134,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the kernels' own setting (and no warning)
     triton, _, _ = _triton()
     rows = []
-    for fn, sig, const, options in jobs(kinds, ns.sweep):
+    for fn, sig, const, options, divisible in jobs(kinds, ns.sweep):
         try:
-            rows.append(compile_kernel(fn, sig, const, options, ns.arch))
+            rows.append(compile_kernel(fn, sig, const, options, ns.arch, divisible))
         except Exception as e:  # noqa: BLE001 - a kernel that does not build is a result, not a crash
             rows.append({"kernel": fn.__name__, **options, "error": f"{type(e).__name__}: {e}"[:2000]})
         print(json.dumps(rows[-1]), flush=True)
