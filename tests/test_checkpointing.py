@@ -321,16 +321,17 @@ def test_trainer_skip_blocks(tiny_snapshot, tmp_path):
                         "--checkpointing_skip_blocks", "99"))
 
 
-@pytest.mark.parametrize("mode, graphsafe", [("default", False), ("max-autotune-no-cudagraphs", False),
-                                              ("reduce-overhead", True), ("max-autotune", True)])
-def test_compile_keeps_the_cpu_random_stream(mode, graphsafe):
+@pytest.mark.parametrize("mode, backend, graphsafe", [
+    ("default", "inductor", False), ("max-autotune-no-cudagraphs", "inductor", False), ("default", "aot_eager", False),
+    ("reduce-overhead", "inductor", True), ("max-autotune", "inductor", True), ("default", "cudagraphs", True)])
+def test_compile_keeps_the_cpu_random_stream(mode, backend, graphsafe):
     """The graph-safe RNG functionalisation seeds its generators with torch.randint on the global CPU generator (where
     the timesteps come from) at the first run of each compiled graph that recomputes attention on CUDA; --compile
-    turns it off except where CUDA graphs need it."""
+    turns it off except where CUDA graphs need it (their modes and backend)."""
     import torch._functorch.config as functorch_config
 
     from library.runtime.compile import keep_cpu_random_stream
 
     with functorch_config.patch(graphsafe_rng_functionalization=True):  # restored afterwards
-        keep_cpu_random_stream(mode)
+        keep_cpu_random_stream(mode, backend)
         assert functorch_config.graphsafe_rng_functionalization is graphsafe

@@ -95,7 +95,7 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
     from library.quant.convrot_ops import enable_inductor_quantize_dedupe  # torch and triton: loaded when compiling
 
     enable_inductor_quantize_dedupe()  # INT8 inference graphs: q, k and v share one quantised input
-    keep_cpu_random_stream(args.compile_mode)
+    keep_cpu_random_stream(args.compile_mode, args.compile_backend)
     dynamic = {"true": True, "false": False}.get(args.compile_dynamic, None)
     if dynamic is None:
         dynamic = True if num_shapes > 1 else None
@@ -109,11 +109,12 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
                         fullgraph=args.compile_fullgraph)
 
 
-# modes whose compiled graphs run as CUDA graphs (torch.compile's mode presets)
+# modes and backends whose compiled graphs run as CUDA graphs (torch.compile's mode presets, dynamo's backend)
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+CUDA_GRAPH_BACKENDS = ("cudagraphs",)
 
 
-def keep_cpu_random_stream(mode: str) -> None:
+def keep_cpu_random_stream(mode: str, backend: str = "inductor") -> None:
     """Keep the compiled training step from drawing on the global CPU generator, which draws the timesteps.
 
     With full checkpointing inside a compiled block, attention (an op torch tags as random, for its dropout) is
@@ -122,11 +123,11 @@ def keep_cpu_random_stream(mode: str) -> None:
     run draw other timesteps than eager or selective checkpointing would (the likely cause of the other loss
     sequence of full checkpointing + compile on the H200, docs/benchmarks.md), and a resumed run, which compiles
     again, other ones than the uninterrupted run. The older functionalisation saves and restores the CUDA
-    generator's state around the op instead and draws nothing. The CUDA-graph modes need the graph-safe one (a CUDA
-    graph cannot capture that save and restore), so they keep it and its draws."""
+    generator's state around the op instead and draws nothing. The CUDA-graph modes and backend need the graph-safe
+    one (a CUDA graph cannot capture that save and restore), so they keep it and its draws."""
     import torch._functorch.config as functorch_config
 
-    if mode not in CUDA_GRAPH_MODES:
+    if mode not in CUDA_GRAPH_MODES and backend not in CUDA_GRAPH_BACKENDS:
         functorch_config.graphsafe_rng_functionalization = False
 
 
