@@ -227,6 +227,24 @@ if _TRITON_IMPORTED:
         return tl.minimum(tl.maximum(v, -128.0), 127.0).to(tl.int8)
 
     @triton.jit
+    def _rotated_row_scales(x_ptr, rows64, row_ok, K, stride_xm, h, T_CODE: tl.constexpr, TINY: tl.constexpr,
+                            BM: tl.constexpr, GATHER: tl.constexpr):
+        """The first pass of the tensor-core quantisers over 256-groups: each row's scale (fp32, as stored: the
+        rounded absmax of the rotated row / 127) and the divisor of its codes (the scale in T, broadcast to one
+        64-column block)."""
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in range(0, K, 256):
+            y0, y1, y2, y3 = _rotate256_tile(x_ptr, rows64, row_ok, k0, stride_xm, h, BM, GATHER)
+            m01 = tl.maximum(tl.max(tl.abs(_round_to_dtype(y0, T_CODE)), axis=1),
+                             tl.max(tl.abs(_round_to_dtype(y1, T_CODE)), axis=1))
+            m23 = tl.maximum(tl.max(tl.abs(_round_to_dtype(y2, T_CODE)), axis=1),
+                             tl.max(tl.abs(_round_to_dtype(y3, T_CODE)), axis=1))
+            amax = tl.maximum(amax, tl.maximum(m01, m23))
+        s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
+        s_t = _round_to_dtype(s, T_CODE)
+        return s, tl.broadcast_to(tl.where(s_t == 0.0, TINY, s_t)[:, None], (BM, 64))
+
+    @triton.jit
     def _rot_quant_tiles_mma_kernel(
         x_ptr, q_ptr, s_ptr, h_ptr, M, K, stride_xm, stride_qm,
         T_CODE: tl.constexpr, TINY: tl.constexpr, BM: tl.constexpr, GATHER: tl.constexpr,
@@ -240,18 +258,8 @@ if _TRITON_IMPORTED:
         rows64 = rows.to(tl.int64)
         d = tl.arange(0, 64)
         h = tl.load(h_ptr + d[:, None] * 64 + d[None, :])
-        amax = tl.zeros((BM,), dtype=tl.float32)
-        for k0 in range(0, K, 256):
-            y0, y1, y2, y3 = _rotate256_tile(x_ptr, rows64, row_ok, k0, stride_xm, h, BM, GATHER)
-            m01 = tl.maximum(tl.max(tl.abs(_round_to_dtype(y0, T_CODE)), axis=1),
-                             tl.max(tl.abs(_round_to_dtype(y1, T_CODE)), axis=1))
-            m23 = tl.maximum(tl.max(tl.abs(_round_to_dtype(y2, T_CODE)), axis=1),
-                             tl.max(tl.abs(_round_to_dtype(y3, T_CODE)), axis=1))
-            amax = tl.maximum(amax, tl.maximum(m01, m23))
-        s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
+        s, s_t = _rotated_row_scales(x_ptr, rows64, row_ok, K, stride_xm, h, T_CODE, TINY, BM, GATHER)
         tl.store(s_ptr + rows, s, mask=row_ok)
-        s_t = _round_to_dtype(s, T_CODE)
-        s_t = tl.broadcast_to(tl.where(s_t == 0.0, TINY, s_t)[:, None], (BM, 64))
         q_base = q_ptr + rows64[:, None] * stride_qm + d[None, :]
         mask = row_ok[:, None]
         for k0 in range(0, K, 256):

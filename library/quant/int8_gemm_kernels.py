@@ -365,17 +365,7 @@ if _TRITON_IMPORTED:
         rows64 = rows.to(tl.int64)
         d = tl.arange(0, 64)
         h = tl.load(h_ptr + d[:, None] * 64 + d[None, :])
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, 256):
-            y0, y1, y2, y3 = _qk._rotate256_tile(x_ptr, rows64, row_ok, k0, stride_xm, h, BLOCK_M, GATHER)
-            m01 = tl.maximum(tl.max(tl.abs(_qk._round_to_dtype(y0, T_CODE)), axis=1),
-                             tl.max(tl.abs(_qk._round_to_dtype(y1, T_CODE)), axis=1))
-            m23 = tl.maximum(tl.max(tl.abs(_qk._round_to_dtype(y2, T_CODE)), axis=1),
-                             tl.max(tl.abs(_qk._round_to_dtype(y3, T_CODE)), axis=1))
-            amax = tl.maximum(amax, tl.maximum(m01, m23))
-        s = tl.maximum(tl.math.div_rn(amax, tl.full((BLOCK_M,), 127.0, tl.float32)), 1e-30)
-        s_t = _qk._round_to_dtype(s, T_CODE)
-        s_t = tl.broadcast_to(tl.where(s_t == 0.0, TINY, s_t)[:, None], (BLOCK_M, 64))
+        s, s_t = _qk._rotated_row_scales(x_ptr, rows64, row_ok, K, stride_xm, h, T_CODE, TINY, BLOCK_M, GATHER)
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # wrapped: the loads stay in bounds, the store masks
         w_base = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + d[:, None]  # W^T's [64, BLOCK_N] tile at k = 0
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
