@@ -76,6 +76,18 @@ CONFIGS: dict[str, list[str]] = {
     "swap20_h2d_full_compile": [*SWAP20_H2D, *GC, "--compile"],
     "swap20_h2d_selective_compile": [*SWAP20_H2D, *SELECTIVE, "--compile"],
 }
+# the curve of --checkpointing_skip_blocks beyond the measured 10 / 13 / 16 (the planner's speed model assumes each
+# skipped block saves its recomputation; the fourth run's 16 was slower and unsteady): INT8 selective and bf16 full,
+# each also with expandable segments (the allocator question)
+for _n in (20, 26, 32):
+    CONFIGS[f"gc_selective_compile_int8_skip{_n}"] = [*SELECTIVE, "--checkpointing_skip_blocks", str(_n), "--compile",
+                                                      "--convrot_int8"]
+    CONFIGS[f"gc_selective_compile_int8_skip{_n}_expandable"] = [*CONFIGS[f"gc_selective_compile_int8_skip{_n}"],
+                                                                 "--cuda_expandable_segments"]
+for _n in (10, 20):
+    CONFIGS[f"gc_full_compile_skip{_n}"] = [*GC, "--checkpointing_skip_blocks", str(_n), "--compile"]
+    CONFIGS[f"gc_full_compile_skip{_n}_expandable"] = [*CONFIGS[f"gc_full_compile_skip{_n}"],
+                                                       "--cuda_expandable_segments"]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
