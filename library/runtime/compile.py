@@ -127,7 +127,9 @@ def keep_cpu_random_stream(mode: str, backend: str = "inductor") -> None:
     one (a CUDA graph cannot capture that save and restore), so they keep it and its draws."""
     import torch._functorch.config as functorch_config
 
-    if mode not in CUDA_GRAPH_MODES and backend not in CUDA_GRAPH_BACKENDS:
+    # a torch without the setting (before the graph-safe functionalisation existed) has only the older one
+    if (mode not in CUDA_GRAPH_MODES and backend not in CUDA_GRAPH_BACKENDS
+            and hasattr(functorch_config, "graphsafe_rng_functionalization")):
         functorch_config.graphsafe_rng_functionalization = False
 
 
