@@ -33,7 +33,7 @@ def _triton() -> Any:
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-    except Exception as e:  # noqa: BLE001 - any import failure means no ahead-of-time compilation here
+    except Exception as e:  # any import failure: no ahead-of-time compilation here
         raise SystemExit(f"bench.triton_aot needs triton with its NVIDIA backend ({type(e).__name__}: {e})") from e
     return triton, GPUTarget, ASTSource
 

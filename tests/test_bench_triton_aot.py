@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
     pytest.skip("this Triton has no NVIDIA backend tools (ptxas, cuobjdump)", allow_module_level=True)
 
-from bench import triton_aot  # noqa: E402 - after the skip checks
+from bench import triton_aot  # after the skip checks
 
 
 def test_default_tiles_compile_for_sm90_without_spills(tmp_path):

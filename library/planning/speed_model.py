@@ -57,7 +57,7 @@ H2D_BYTES_PER_S = 55e9  # training-step table: host-to-device copies from the pi
 RING_SLOTS = 2
 
 
-def training_step_factor(setup: Setup, w: Workload, num_blocks: int = 42) -> float:
+def training_step_factor(setup: Setup, w: Workload, num_blocks: int) -> float:
     table = COMPILED_CHECKPOINTING if w.compile else EAGER_CHECKPOINTING
     if setup.checkpointing == "selective":
         factor = SELECTIVE_FACTOR[(w.compile, setup.dit)]

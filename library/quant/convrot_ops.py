@@ -7,9 +7,10 @@ eager torch numerics, any device) and a CUDA one (the Triton kernels where usabl
 - ``convrot_int8_quantize(x2, group_size) -> (x_q int8 [M, K], x_scale fp32 [M])``: rotate + quantise rows;
 - ``convrot_int8_linear(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd) -> y [..., N]``: the int32
   GEMM and the dequantisation epilogue of `x`'s quantised rows (output dtype x.dtype). `linear` makes it
-  differentiable in `x` (and `bias`) with an autograd.Function: the gradient goes through the frozen int8 weight, and
-  nothing of `x` is saved for it. It reads only the quantised rows, so the q, k and v projections of one input share one ``convrot_int8_quantize``
-  node, which the compiled training graph keeps once (common-subexpression elimination of the joint graph);
+  differentiable in `x` (and `bias`) with an autograd.Function: the gradient goes through the frozen int8 weight,
+  and nothing of `x` is saved for it. It reads only the quantised rows, so the q, k and v projections of one input
+  share one ``convrot_int8_quantize`` node, which the compiled training graph keeps once (common-subexpression
+  elimination of the joint graph);
 - ``convrot_int8_linear_grad_input(grad, weight, weight_scale, group_size, bwd) -> grad_x [..., K]``;
 - ``convrot_int8_dequantize(weight, weight_scale, group_size, dtype) -> W`` (layers flagged full precision).
 
@@ -281,8 +282,8 @@ def linear(
 
 
 class _EagerLinear(torch.autograd.Function):
-    """The eager autograd formula (the same as `_OpLinear`'s, without the dispatcher): grad_x through the frozen int8 weight, and
-    grad_bias only if someone made the bias trainable."""
+    """The eager autograd formula (the same as `_OpLinear`'s, without the dispatcher): grad_x through the frozen int8
+    weight, and grad_bias only if someone made the bias trainable."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_scale, bias, group_size, bwd):  # type: ignore[override]
