@@ -876,7 +876,11 @@ def fused_linear_triton(x2: torch.Tensor, weight: torch.Tensor, weight_scale: to
     if has_bias and (bias.dtype != x2.dtype or not bias.is_contiguous()):
         bias = bias.to(x2.dtype).contiguous()
     args = (x2, weight, c, weight_scale, bias if has_bias else c, h64, m, n, k, x2.stride(0), weight.stride(0), n)
-    launcher(((m + bm - 1) // bm, (n + bn - 1) // bn, 1), args)
+    # what the specialisation depends on beyond the launcher's constants (c and h64 are aligned): the operands'
+    # alignments, M's divisibility, and the widths and strides, which are few per model
+    key = (x2.data_ptr() & 15, weight.data_ptr() & 15, weight_scale.data_ptr() & 15,
+           bias.data_ptr() & 15 if has_bias else 0, m == 1, m & 15, n, k, x2.stride(0), weight.stride(0))
+    launcher(((m + bm - 1) // bm, (n + bn - 1) // bn, 1), args, key)
     return c
 
 
