@@ -86,6 +86,7 @@ def jobs(kinds: tuple[str, ...], sweep: bool) -> list[Job]:
     the shapes the product launches (K a multiple of 256, the DiT's and the encoder's widths): the defaults, and
     with `sweep` the alternatives."""
     from library.quant import convrot_quant_kernels as Q
+    from library.quant import fused_linear_kernels as F
     from library.quant import int8_gemm_kernels as G
 
     bf16 = {"T_CODE": 2, "TINY": 1.1754943508222875e-38}
@@ -94,9 +95,9 @@ def jobs(kinds: tuple[str, ...], sweep: bool) -> list[Job]:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "c_ptr": "*bf16", "sb_ptr": "*fp32", "bias_ptr": "*bf16",
                "h_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
                "stride_cm": "i32"}
-        tiles = [(G._FUSED["block_m"], G._FUSED["block_n"], G._FUSED["warps"])]
+        tiles = [(F._FUSED["block_m"], F._FUSED["block_n"], F._FUSED["warps"])]
         tiles += [(32, 64, 4), (16, 128, 4), (32, 128, 8), (16, 64, 8)] if sweep else []
-        out += [(G._fused_quant_gemm_kernel, sig, {**bf16, "HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": bn,
+        out += [(F._fused_quant_gemm_kernel, sig, {**bf16, "HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": bn,
                                                    "GATHER": False}, {"num_warps": w},
                  ("N", "K", "stride_xm", "stride_wn", "stride_cm")) for bm, bn, w in tiles]
     if "tiles_mma" in kinds:

@@ -71,6 +71,9 @@ VAE_ENCODE_BYTES_PER_PIXEL_PER_CHANNEL = 24.45
 # decoding: not measured on the GPU; taken as the encoder's figure (the decoder mirrors its widths)
 VAE_DECODE_BYTES_PER_PIXEL_PER_CHANNEL = VAE_ENCODE_BYTES_PER_PIXEL_PER_CHANNEL
 
+# the checkpointing modes that --checkpointing_skip_blocks applies to (the offloaded ones move every block's input)
+SKIP_BLOCK_MODES = ("full", "selective")
+
 # --- the allocator: reserved = allocated + slack ---------------------------------------------------------------------
 # fitted on the e2e run A rows (reserved - allocated: 0.57 GiB for bf16 gc, 1.62 GiB for no checkpointing + compile)
 ALLOCATOR_SLACK_BYTES = int(0.486 * GIB)
@@ -228,7 +231,7 @@ def step_activation_bytes(dit: DitSizes, w: Workload, setup: Setup) -> int:
             kept += selective_kept_bytes_per_token(dit, setup.dit, e, w.lora_rank)
         elif setup.checkpointing in ("unsloth", "cpu_offload"):
             kept = inputs * OFFLOAD_GPU_SHARE
-        skip = min(setup.skip_blocks, n) if setup.checkpointing in ("full", "selective") else 0
+        skip = min(setup.skip_blocks, n) if setup.checkpointing in SKIP_BLOCK_MODES else 0
         per_token_main = (n - skip) * kept + max(skip, 1) * block * share
         text = refiners * inputs * w.text_tokens
     final = 4 * hidden * w.image_tokens

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from library.errors import UserError
 from library.planning.memory_model import (
+    SKIP_BLOCK_MODES,
     Estimate,
     InferenceWorkload,
     Setup,
@@ -49,7 +50,6 @@ CHECKPOINTING_LABELS = {
 TE_LABELS = {"none": "bf16", "convrot_int8": "ConvRot INT8", "bnb_int8": "int8 (bitsandbytes)",
              "bnb_nf4": "nf4 (bitsandbytes)"}
 SWAPPABLE = ("full", "selective")  # block swap in training needs recomputation in backward
-SKIPPABLE = ("full", "selective")  # --checkpointing_skip_blocks applies to the plain checkpointing modes
 
 
 @dataclass(frozen=True)
@@ -271,7 +271,7 @@ def plan_training(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workload, c
     for variant, on_gpu in te_options:
         for precision in choices.dit:
             for mode in choices.checkpointing:
-                if choices.skip_blocks and mode not in SKIPPABLE:
+                if choices.skip_blocks and mode not in SKIP_BLOCK_MODES:
                     continue
 
                 def make(s: int, precision: str = precision, mode: str = mode, variant: str = variant,

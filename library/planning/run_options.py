@@ -33,6 +33,7 @@ from library.moss_image.loaders import fill_paths_from_snapshot
 from library.planning import sizes
 from library.planning.memory_model import InferenceWorkload, Workload
 from library.planning.planner import Choices, Overheads, Plan, plan_inference, plan_training
+from library.runtime.checkpointing import skip_blocks
 from library.text_encoder.quant import bitsandbytes_available
 
 logger = logging.getLogger(__name__)
@@ -206,12 +207,9 @@ def training_choices(args: argparse.Namespace, explicit: frozenset[str], models:
     swap = None
     if "blocks_to_swap" in explicit:
         swap = args.blocks_to_swap or 0
-    skip = getattr(args, "checkpointing_skip_blocks", 0) or 0
+    skip = skip_blocks(args, models.dit.num_layers)  # the trainer's own bound check, before anything loads
     if skip:
         fixed.append(f"--checkpointing_skip_blocks {skip}")
-        if skip > models.dit.num_layers:
-            raise UserError(f"--checkpointing_skip_blocks {skip} is more than the DiT's {models.dit.num_layers}"
-                            f" blocks; give at most {models.dit.num_layers}.")
     te, te_planned = _te_choices(args, explicit, models.te_prequantised, work.train_text_encoder,
                                  allow_cpu=not work.text_encoder_in_step)
     if models.te_prequantised:

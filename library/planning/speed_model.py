@@ -20,7 +20,7 @@ measured host-to-device rate, behind the compute of one forward; what does not h
 
 from __future__ import annotations
 
-from library.planning.memory_model import InferenceWorkload, Setup, Workload
+from library.planning.memory_model import SKIP_BLOCK_MODES, InferenceWorkload, Setup, Workload
 from library.planning.sizes import DitSizes
 
 # training-step table, run A (eager): no checkpointing 387.2 ms, gc 564.6 ms, unsloth offload 666.5 ms
@@ -63,7 +63,7 @@ def training_step_factor(setup: Setup, w: Workload, num_blocks: int) -> float:
         factor = SELECTIVE_FACTOR[(w.compile, setup.dit)]
     else:
         factor = table[setup.checkpointing]
-    if setup.skip_blocks and setup.checkpointing in ("full", "selective"):
+    if setup.skip_blocks and setup.checkpointing in SKIP_BLOCK_MODES:
         factor -= (factor - table["none"]) * min(setup.skip_blocks, num_blocks) / num_blocks
     if setup.dit == "int8":
         factor *= INT8_FACTOR[w.compile]

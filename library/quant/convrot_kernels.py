@@ -59,8 +59,13 @@ from library.quant.convrot_quant_kernels import (  # noqa: F401 - QUANTISERS, se
     set_quantiser,
     set_row_tuning,
 )
-from library.quant.int8_gemm_kernels import (  # noqa: F401 - set_*, backward_kernel, *_KERNELS: re-exported
+from library.quant.fused_linear_kernels import (  # noqa: F401 - set_fused_linear: re-exported
     _FUSED,
+    fused_linear_ok,
+    fused_linear_triton,
+    set_fused_linear,
+)
+from library.quant.int8_gemm_kernels import (  # noqa: F401 - set_*, backward_kernel, *_KERNELS: re-exported
     _GEMM_PLANS,
     BACKWARD_KERNELS,
     GEMM_KERNELS,
@@ -68,10 +73,7 @@ from library.quant.int8_gemm_kernels import (  # noqa: F401 - set_*, backward_ke
     _int8_gemm_triton,
     _launch_tuned,
     backward_kernel,
-    fused_linear_ok,
-    fused_linear_triton,
     set_backward_kernel,
-    set_fused_linear,
     set_gemm_kernel,
 )
 
