@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from library.lora.conventions import ALPHA, LORA_DOWN, LORA_PREFIX_TEXT_ENCODER, LORA_PREFIX_UNET, lora_name_for
+from library.runtime.eager_fusion import eager_fused
 from networks.network_args import (
     COMMON_NETWORK_ARGS as ACCEPTED_NETWORK_ARGS,
 )
@@ -94,6 +95,19 @@ class LoRAModule(AdapterModule):
             lx = lx * keep
             scale = scale / (1.0 - self.rank_dropout)
         return self.lora_up(lx) * scale
+
+    def add_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Eager form (`library.runtime.eager_fusion`): the up-projection accumulates into the base output in one
+        addmm, multiplier * scale as its alpha; the plain form is used under torch.compile, with the training-time
+        dropouts, or when the dtypes would need casts that autocast does not make."""
+        up, down = self.lora_up.weight, self.lora_down.weight
+        casts = not torch.is_autocast_enabled(out.device.type) and not (down.dtype == up.dtype == out.dtype)
+        if not eager_fused() or casts or (self.training and (self.dropout or self.rank_dropout)) or out.dim() < 2:
+            return super().add_delta(out, x)
+        lx = self.lora_down(self._adapter_input(x, down))
+        y = torch.addmm(out.reshape(-1, out.shape[-1]), lx.reshape(-1, lx.shape[-1]), up.t(),
+                        alpha=self.scale * self.multiplier)
+        return y.view(out.shape)
 
     def weight_delta(self) -> torch.Tensor:
         up = self.lora_up.weight.detach().float()

@@ -218,6 +218,10 @@ class AdapterModule(nn.Module, ABC):
             return out
         if self.training and self.module_dropout and torch.rand(()) < self.module_dropout:
             return out
+        return self.add_delta(out, x)
+
+    def add_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out + multiplier * delta(x), in out's dtype."""
         return out + (self.delta_output(x) * self.multiplier).to(out.dtype)
 
     def drop_output(self, delta: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch._dynamo import register_backend
 
 import moss_image_minimal_inference as inf
 from library.errors import UserError
+from library.runtime.eager_fusion import plain_forms
 from library.runtime.phase_timer import last_run_timings
 from tests.test_inference import _latents, _run
 
@@ -71,8 +72,10 @@ COUNTING = ["--compile", "--compile_backend", "moss_counting_eager"]
 
 
 def _pair(tiny_snapshot, tmp_path, *extra):
-    """Latents without and with --compile (counting backend)."""
-    plain = _latents(_run(tiny_snapshot, tmp_path / "plain", "--output_type", "latent", *extra))
+    """Latents without and with --compile (counting backend); the eager run computes the plain forms of the
+    element-wise code, which the compiled regions keep (`library.runtime.eager_fusion`)."""
+    with plain_forms():
+        plain = _latents(_run(tiny_snapshot, tmp_path / "plain", "--output_type", "latent", *extra))
     compiled = _latents(_run(tiny_snapshot, tmp_path / "compiled", "--output_type", "latent", *COUNTING, *extra))
     return plain, compiled
 
@@ -115,7 +118,8 @@ def test_compile_several_sizes_from_a_prompt_file(tiny_snapshot, tmp_path, caplo
 
 def test_compile_aot_eager_matches(tiny_snapshot, tmp_path):
     args = ("--prompt", "a cat", "--image_size", "64", "64", "--infer_steps", "2")
-    plain = _latents(_run(tiny_snapshot, tmp_path / "a", "--output_type", "latent", *args))
+    with plain_forms():
+        plain = _latents(_run(tiny_snapshot, tmp_path / "a", "--output_type", "latent", *args))
     compiled = _latents(_run(tiny_snapshot, tmp_path / "b", "--output_type", "latent", "--compile",
                              "--compile_backend", "aot_eager", *args))
     torch.testing.assert_close(compiled[0], plain[0], rtol=1e-5, atol=1e-5)
@@ -189,7 +193,8 @@ def test_compiled_blocks_with_block_swap_match(tiny_snapshot):
     torch.manual_seed(0)
     noise, cond, uncond = torch.randn(1, 128, 4, 4), torch.randn(1, 5, 64), torch.randn(1, 2, 64)
     dit = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32).eval()
-    ref = sample(dit, noise, cond, None, uncond, None, steps=2)
+    with plain_forms():
+        ref = sample(dit, noise, cond, None, uncond, None, steps=2)
     dit.requires_grad_(False)
     dit.enable_block_swap(8, BlockSwapConfig(torch.device("cpu"), supports_backward=False, allow_cpu_for_tests=True))
     dit.prepare_block_swap_before_forward()

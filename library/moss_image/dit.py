@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
+from library.runtime.eager_fusion import eager_fused
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 arithmetic either way: torch's rms_norm upcasts a bf16/fp16 input inside (one kernel on CUDA, which
+        # keeps the bf16 input for backward instead of an fp32 copy); the plain form upcasts first. Autocast would
+        # upcast the input before the op (its float32 list), so it is suspended around the call.
+        if eager_fused() and self.weight.dtype == x.dtype:
+            if not torch.is_autocast_enabled(x.device.type):
+                return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            with torch.autocast(x.device.type, enabled=False):
+                return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return y.to(x.dtype)
 
@@ -143,6 +152,10 @@ def rope_cos_sin(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: flo
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, S, H, D] by the angles behind cos/sin [B, S, D/2]."""
+    if eager_fused():  # (x0 + i x1)(cos + i sin), one fp32 complex product (inductor does not take complex tensors)
+        xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        rotated = xc * torch.complex(cos, sin)[:, :, None]
+        return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     c, s = cos[:, :, None], sin[:, :, None]
@@ -201,6 +214,20 @@ class RopeTables:
             rows = [torch.cat([text, torch.cat([table[length].expand(n, -1), grid], dim=-1)]) for length in text_lengths]
             out.append(torch.stack(rows))
         return out[0], out[1]
+
+
+def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN modulation h * (1 + scale) + shift, with shift/scale [B, W] broadcast over the tokens of h [B, S, W]."""
+    if eager_fused():
+        return torch.addcmul(shift[:, None], h, 1 + scale[:, None])
+    return h * (1 + scale[:, None]) + shift[:, None]
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + gate * y, with gate [B, W] broadcast over the tokens."""
+    if eager_fused():
+        return torch.addcmul(x, gate[:, None], y)
+    return x + gate[:, None] * y
 
 
 class BlockProjections(nn.Module):
@@ -275,10 +302,8 @@ class MossImageBlock(nn.Module):
             return x + self._ffn(self.norm2(x))
         assert mod is not None
         shift1, scale1, gate1, shift2, scale2, gate2 = (mod + self.scale_shift_table.to(mod.dtype)[None]).unbind(1)
-        h = self.norm1(x) * (1 + scale1[:, None]) + shift1[:, None]
-        x = x + gate1[:, None] * self._attn(h, cos, sin, key_mask)
-        h = self.norm2(x) * (1 + scale2[:, None]) + shift2[:, None]
-        return x + gate2[:, None] * self._ffn(h)
+        x = gated_residual(x, gate1, self._attn(modulate(self.norm1(x), shift1, scale1), cos, sin, key_mask))
+        return gated_residual(x, gate2, self._ffn(modulate(self.norm2(x), shift2, scale2)))
 
 
 class MossImageTextEmbedder(nn.Module):
@@ -300,7 +325,7 @@ class FinalLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
         shift, scale = self.modulation(F.silu(t_emb)).chunk(2, dim=-1)
-        return self.linear(self.norm(x) * (1 + scale[:, None]) + shift[:, None])
+        return self.linear(modulate(self.norm(x), shift, scale))
 
 
 def _run_offloaded(block: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:

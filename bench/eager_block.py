@@ -1,0 +1,204 @@
+"""The eager block's element-wise code, plain against fused forms, in one process: what a training step's eager DiT
+blocks launch, move and keep, and how long they take.
+
+    python -m bench.eager_block --out eager_block.json                       # on a CUDA GPU (full width, 4352 tokens)
+    python -m bench.eager_block --device cpu --tokens 256 --iters 3 --out cpu.json   # the counts on this machine
+
+`library.moss_image.dit` writes its RMSNorms, RoPE, modulation and gated residuals in two forms: the plain one
+(the formulas as written, which a compiled region keeps and inductor fuses) and an eager one (the same math in fewer,
+narrower kernels). `set_eager_fusion` picks one; this script runs both on the same full-width blocks (the product's
+modules, a rank-16 LoRA from networks.lora_generic on every block Linear, fp32 LoRA weights under bf16 autocast, as
+in the trainer), for each `--checkpointing` mode (none, full, selective) and optionally ConvRot INT8 (`--int8`):
+
+- ``ops``: the aten operators of one forward + backward, by kind (matrix product, attention, data-free view, other
+  = element-wise and copies), with the bytes the "other" operators read and write (their tensor arguments and
+  results): on a GPU those are memory-bound kernels, so bytes and launches are their cost.
+- ``saved_bytes_per_token``: what autograd keeps for backward per block and token without checkpointing (distinct
+  storages, parameters excluded): the planner's activation figure.
+- ``train_ms``: one forward + backward, median of `--iters` after warm-up (CUDA events on the GPU).
+- the relative difference of the output, the input gradient and the LoRA gradients of the fused form against the
+  plain one (the same weights and inputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.convrot_int8 import _Blocks, relerr, time_ms
+from library.moss_image.dit import MossImageConfig
+from library.runtime import eager_fusion
+from library.runtime.checkpointing import ATTENTION_OPS
+
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "_scaled_mm"}
+# operators that move no data (a view, an alias, a metadata change)
+VIEW_OPS = {"view", "_unsafe_view", "reshape", "expand", "unbind", "select", "slice", "t", "transpose", "permute",
+            "as_strided", "unsqueeze", "squeeze", "view_as_complex", "view_as_real", "detach", "alias", "split",
+            "split_with_sizes", "chunk", "unflatten", "flatten", "_reshape_alias", "lift_fresh", "empty", "empty_like",
+            "empty_strided", "new_empty", "new_empty_strided", "_conj", "conj", "resolve_conj", "resolve_neg",
+            "zeros", "ones", "scalar_tensor", "_to_copy_alias", "sym_size", "sym_stride", "is_same_size"}
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operators dispatched inside it by kind, with the bytes the data-moving ones read and write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: collections.Counter[str] = collections.Counter()
+        self.bytes: collections.Counter[str] = collections.Counter()
+        self.other_ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not _tensors(out):  # a query (device, size, ...): no kernel
+            return out
+        if func in ATTENTION_OPS or "attention" in name:
+            kind = "attention"
+        elif name in MATMUL_OPS:
+            kind = "matmul"
+        elif name in VIEW_OPS:
+            kind = "view"
+        else:
+            kind = "other"
+            self.other_ops[name] += 1
+        self.count[kind] += 1
+        moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) + _tensors(out))
+        self.bytes[kind] += moved
+        return out
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage (its C++ object: also defined for fake tensors, which have no data)."""
+    return t.untyped_storage()._cdata
+
+
+def count_ops(blocks: _Blocks) -> dict:
+    with OpCounter() as counter:
+        blocks.train_step()
+    blocks.lora_grads()
+    return {"count": dict(counter.count), "bytes": dict(counter.bytes),
+            "other_ops": dict(counter.other_ops.most_common())}
+
+
+def saved_bytes(blocks: _Blocks) -> int:
+    """Bytes autograd keeps for backward over one forward (distinct storages, parameters excluded)."""
+    params = {_storage_key(p) for p in list(blocks.dit.parameters()) + list(blocks.net.parameters())}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in params:
+            storages[key] = max(storages.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    x = blocks.x.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = blocks.forward(x)
+    y.backward(blocks.gy)
+    blocks.lora_grads()
+    return sum(storages.values())
+
+
+def run_form(blocks: _Blocks, fused: bool, checkpointing: str, iters: int, device: str, fake: bool) -> dict:
+    eager_fusion.set_eager_fusion(fused)
+    for blk in blocks.dit.layers:
+        blk.checkpointing = None if checkpointing == "none" else checkpointing
+    with _fake(fake):
+        r: dict[str, Any] = {"ops": count_ops(blocks)}
+        if checkpointing == "none":
+            r["saved_bytes_per_block_token"] = saved_bytes(blocks) / (len(blocks.dit.layers) * blocks.x.shape[1])
+    if not fake:
+        r["train_ms"] = time_ms(blocks.train_step, device, iters, warmup=2)
+        blocks.lora_grads()
+    return r
+
+
+def _fake(enabled: bool) -> Any:
+    """FakeTensorMode (shapes and dtypes, no data, no arithmetic) or nothing."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def compare(blocks: _Blocks) -> dict:
+    """Output, input gradient and LoRA gradients of the fused forms against the plain ones (one step each)."""
+    results = []
+    for fused in (False, True):
+        eager_fusion.set_eager_fusion(fused)
+        for blk in blocks.dit.layers:
+            blk.checkpointing = None
+        x = blocks.x.detach().requires_grad_(True)
+        y = blocks.forward(x)
+        y.backward(blocks.gy)
+        results.append((y.detach(), x.grad.detach(), blocks.lora_grads()))
+    (y0, gx0, g0), (y1, gx1, g1) = results
+    return {"out_rel_diff": relerr(y1, y0), "input_grad_rel_diff": relerr(gx1, gx0),
+            "lora_grad_rel_diff_max": max(relerr(a, b) for a, b in zip(g1, g0))}
+
+
+def summarise(forms: dict[str, dict]) -> dict:
+    plain, fused = forms["plain"], forms["fused"]
+    r = {"other_ops_plain": plain["ops"]["count"].get("other", 0), "other_ops_fused": fused["ops"]["count"].get("other", 0),
+         "other_gb_plain": plain["ops"]["bytes"].get("other", 0) / 1e9,
+         "other_gb_fused": fused["ops"]["bytes"].get("other", 0) / 1e9}
+    if "train_ms" in plain:
+        r["train_ms_plain"], r["train_ms_fused"] = plain["train_ms"]["median_ms"], fused["train_ms"]["median_ms"]
+        r["plain_over_fused"] = r["train_ms_plain"] / r["train_ms_fused"]
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, default=4352, help="sequence length (1024x1024: 4096 image + 256 text)")
+    p.add_argument("--layers", type=int, default=2, help="full-width blocks")
+    p.add_argument("--iters", type=int, default=20, help="timed steps per form and mode (median)")
+    p.add_argument("--checkpointing", default="none,full,selective")
+    p.add_argument("--int8", action="store_true", help="also the ConvRot INT8 blocks")
+    p.add_argument("--fake", action="store_true", help="count operators and saved bytes on fake tensors (no data, no "
+                   "timing, no comparison): the full-width figures on a machine too slow to run them")
+    p.add_argument("--out", required=True, help="JSON file for the results (also printed)")
+    args = p.parse_args(argv)
+    cfg = dataclasses.replace(MossImageConfig(), num_layers=args.layers, num_refiner_layers=0)
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
+                           "torch": torch.__version__, "tokens": args.tokens, "layers": args.layers,
+                           "fake": args.fake, "runs": {}}
+    previous = eager_fusion.set_eager_fusion(True)
+    try:
+        for precision in ("bf16", "int8") if args.int8 else ("bf16",):
+            blocks = _Blocks(cfg, args.tokens, args.device, int8=precision == "int8")
+            if not args.fake:
+                out["runs"][f"{precision}_compare"] = compare(blocks)
+            for mode in [m for m in args.checkpointing.split(",") if m]:
+                forms = {name: run_form(blocks, name == "fused", mode, args.iters, args.device, args.fake)
+                         for name in ("plain", "fused")}
+                out["runs"][f"{precision}_{mode}"] = {**forms, "summary": summarise(forms)}
+                print(f"{precision} {mode}: {out['runs'][f'{precision}_{mode}']['summary']}", file=sys.stderr)
+            del blocks
+    finally:
+        eager_fusion.set_eager_fusion(previous)
+    text = json.dumps(out, indent=1)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""bench/eager_block.py on fake tensors (the CPU mode): full-width operator counts and bytes, plain against fused."""
+
+from __future__ import annotations
+
+import json
+
+from bench import eager_block
+
+
+def test_fake_counts_at_full_width(tmp_path):
+    out = tmp_path / "eager_block.json"
+    assert eager_block.main(["--device", "cpu", "--fake", "--layers", "1", "--tokens", "320",
+                             "--checkpointing", "none,full", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"bf16_none", "bf16_full"}
+    for mode, run in runs.items():
+        summary = run["summary"]
+        # fewer element-wise operators and fewer bytes through them, the same matrix products and attention calls
+        assert summary["other_ops_fused"] < summary["other_ops_plain"], mode
+        assert summary["other_gb_fused"] < 0.8 * summary["other_gb_plain"], mode
+        plain, fused = run["plain"]["ops"]["count"], run["fused"]["ops"]["count"]
+        assert plain["matmul"] == fused["matmul"] and plain["attention"] == fused["attention"], mode
+        assert "train_ms" not in run["plain"]  # fake tensors: nothing to time
+    # checkpointing recomputes the forward: more element-wise work than without
+    assert runs["bf16_full"]["summary"]["other_ops_plain"] > runs["bf16_none"]["summary"]["other_ops_plain"]
+    assert runs["bf16_none"]["plain"]["saved_bytes_per_block_token"] > 0

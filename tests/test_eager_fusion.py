@@ -1,0 +1,229 @@
+"""The eager forms of the element-wise code (`library.runtime.eager_fusion`) against the plain forms: the same math,
+rounding aside, and the plain forms inside compiled regions."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from library.moss_image.dit import MossImageBlock, MossImageConfig, RMSNorm, RopeTables, apply_rope
+from library.runtime.attention import Attention
+from library.runtime.eager_fusion import eager_fused, plain_forms, set_eager_fusion
+from networks.lora_generic import LoRAModule
+
+CFG = MossImageConfig(hidden_size=256, num_heads=2, head_dim=128, ffn_hidden=512)
+
+
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _block(dtype: torch.dtype) -> MossImageBlock:
+    torch.manual_seed(0)
+    blk = MossImageBlock(CFG, True, Attention()).to(dtype)
+    with torch.no_grad():
+        blk.scale_shift_table.normal_(0, 0.2)
+        for norm in (blk.norm1, blk.norm2, blk.q_norm, blk.k_norm):
+            norm.weight.normal_(1, 0.1)
+    return blk
+
+
+def _inputs(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(1)
+    cos, sin = RopeTables(CFG.rope_axes_dims, CFG.rope_theta).cos_sin([5], 8, 6, 6, torch.device("cpu"))
+    x = torch.randn(1, 44, CFG.hidden_size, generator=g).to(dtype)
+    mod = (torch.randn(1, 6, CFG.hidden_size, generator=g) * 0.3).to(dtype)
+    gy = torch.randn(1, 44, CFG.hidden_size, generator=g).to(dtype)
+    return x, mod, cos, sin, gy
+
+
+def _step(blk: MossImageBlock, x0, mod, cos, sin, gy):
+    """Output, input gradient and the parameter gradients of one forward + backward."""
+    blk.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    y = blk(x, cos, sin, None, mod)
+    y.backward(gy)
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in blk.named_parameters() if p.grad is not None}
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_eager_mode_runs_the_eager_forms_and_the_switch_the_plain_ones(fused):
+    blk, (x, mod, cos, sin, gy) = _block(torch.float32), _inputs(torch.float32)
+    base, _ = _lora()
+    previous = set_eager_fusion(fused)
+    try:
+        with _OpNames() as block_ops:
+            blk(x, cos, sin, None, mod)
+        with _OpNames() as lora_ops:
+            base(torch.randn(3, 32))
+    finally:
+        set_eager_fusion(previous)
+    # modulation x2 and gated residuals x2 as addcmul; RoPE of q and k as complex products (no stack of real pairs)
+    assert block_ops.names["addcmul"] == (4 if fused else 0)
+    assert block_ops.names["complex"] == (2 if fused else 0)
+    assert block_ops.names["stack"] == (0 if fused else 2)
+    # the base Linear (with its bias) is one addmm; the eager LoRA accumulates its up-projection in a second one
+    assert lora_ops.names["addmm"] == (2 if fused else 1)
+
+
+def test_the_switch_returns_the_previous_setting():
+    assert eager_fused()
+    assert set_eager_fusion(False) is True
+    try:
+        assert not eager_fused()
+        with plain_forms():
+            assert not eager_fused()
+        assert not eager_fused()
+    finally:
+        assert set_eager_fusion(True) is False
+
+
+def test_fp32_block_matches_the_plain_forms():
+    blk, inputs = _block(torch.float32), _inputs(torch.float32)
+    with plain_forms():
+        ref = _step(blk, *inputs)
+    got = _step(blk, *inputs)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
+    assert got[2].keys() == ref[2].keys()
+    for name, grad in ref[2].items():
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_bf16_block_is_as_close_to_fp32_as_the_plain_forms():
+    """One rounding where the plain forms round two or three times: against an fp32 run of the same weights, the
+    eager forms' error is no larger (a margin of 5 % for the order of the roundings)."""
+    blk, inputs = _block(torch.bfloat16), _inputs(torch.bfloat16)
+    ref_blk = _block(torch.float32)
+    ref_blk.load_state_dict({k: v.float() for k, v in blk.state_dict().items()})
+    with plain_forms():
+        ref = _step(ref_blk, *(t.float() for t in inputs))
+        plain = _step(blk, *inputs)
+    fused = _step(blk, *inputs)
+    for i in (0, 1):
+        assert relerr(fused[i], ref[i]) <= 1.05 * relerr(plain[i], ref[i]) + 1e-4
+        assert relerr(fused[i], plain[i]) < 1e-2  # bf16 rounding noise
+
+
+def test_rmsnorm_eager_form_keeps_the_dtype_under_autocast():
+    norm = RMSNorm(64).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.1)
+    x = torch.randn(3, 7, 64).bfloat16()
+    with plain_forms():
+        ref = norm(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = norm(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)  # fp32 arithmetic inside either way (CPU: same operators)
+
+
+def test_rope_as_one_complex_product_matches_the_real_pairs():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 9, 3, 16, generator=g)
+    angles = torch.randn(2, 9, 8, generator=g) * 3
+    cos, sin = angles.cos(), angles.sin()
+    with plain_forms():
+        ref = apply_rope(x, cos, sin)
+    torch.testing.assert_close(apply_rope(x, cos, sin), ref, rtol=1e-6, atol=1e-6)
+    assert apply_rope(x.bfloat16(), cos, sin).dtype == torch.bfloat16
+
+
+def _lora(dropout: float | None = None, dtype: torch.dtype = torch.float32) -> tuple[nn.Linear, LoRAModule]:
+    torch.manual_seed(3)
+    base = nn.Linear(32, 48, bias=True).to(dtype).requires_grad_(False)
+    module = LoRAModule("lora_unet_x", "x", base, multiplier=0.7, lora_dim=4, alpha=8.0, dropout=dropout)
+    with torch.no_grad():
+        module.lora_up.weight.normal_(0, 0.3)
+    module.apply_to()
+    return base, module
+
+
+def _lora_step(base: nn.Linear, module: LoRAModule, x0: torch.Tensor, autocast: bool = False):
+    module.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = base(x)
+    y.float().square().sum().backward()
+    return y.detach(), x.grad, module.lora_down.weight.grad, module.lora_up.weight.grad
+
+
+def test_lora_addmm_matches_the_plain_form():
+    base, module = _lora()
+    x = torch.randn(2, 5, 32)
+    with plain_forms():
+        ref = _lora_step(base, module, x)
+    got = _lora_step(base, module, x)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_addmm_under_autocast_with_fp32_lora_weights():
+    """The trainer's case: a bf16 base, fp32 LoRA tensors, bf16 autocast; addmm takes its operands in bf16."""
+    base, module = _lora()
+    base.to(torch.bfloat16)
+    x = torch.randn(2, 5, 32).bfloat16()
+    with plain_forms():
+        ref = _lora_step(base, module, x, autocast=True)
+    got = _lora_step(base, module, x, autocast=True)
+    assert got[0].dtype == torch.bfloat16
+    for a, b in zip(got, ref):
+        assert relerr(a, b) < 1e-2
+
+
+def test_lora_with_dropout_in_training_takes_the_plain_form():
+    base, module = _lora(dropout=0.5)
+    module.train()
+    x = torch.randn(4, 32)
+    torch.manual_seed(9)
+    with plain_forms():
+        ref = base(x)
+    torch.manual_seed(9)
+    torch.testing.assert_close(base(x), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_compiled_regions_keep_the_plain_forms(with_lora):
+    """Dynamo traces the plain forms: no addcmul, complex tensor or LoRA addmm in the captured graph, and the compiled
+    block computes exactly what the plain eager forms compute."""
+    blk, inputs = _block(torch.float32), _inputs(torch.float32)
+    if with_lora:
+        torch.manual_seed(4)
+        blk.requires_grad_(False)
+        modules = [LoRAModule(f"lora_{n}", n, lin, lora_dim=4, alpha=4.0) for n, lin in blk.proj.named_children()]
+        for module in modules:
+            with torch.no_grad():
+                module.lora_up.weight.normal_(0, 0.1)
+            module.apply_to()
+    targets: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    with plain_forms():
+        ref = _step(blk, *inputs)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(blk, backend=backend, fullgraph=True)
+        got = _step(compiled, *inputs)
+    finally:
+        torch._dynamo.reset()
+    assert targets
+    assert not [t for t in targets if "addcmul" in t or "complex" in t or "addmm" in t]
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
