@@ -19,6 +19,7 @@ from library.moss_image.loaders import load_moss_image_model
 from library.quant import convrot_kernels as K
 from library.quant import convrot_ops as ops
 from library.runtime.compile import compile_blocks
+from library.runtime.eager_fusion import plain_forms
 from networks import lora_generic
 
 TINY_LAYERS = 24
@@ -102,10 +103,12 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("autocast", [False, True])
 def test_fullgraph_trace_through_the_registered_ops_equals_eager(tiny_snapshot, quant_calls, autocast):
     """aot_eager runs the traced forward and backward graphs (functionalised, partitioned) op by op: bit-exact, also
-    under bf16 autocast (autocast is applied when tracing; the ops' own numerics must not depend on it)."""
+    under bf16 autocast (autocast is applied when tracing; the ops' own numerics must not depend on it). The eager
+    reference computes the plain forms of the element-wise code, as the compiled blocks do."""
     dit, net = _dit_with_lora(tiny_snapshot)
     inputs = _inputs(dit)
-    ref = _step(dit, net, *inputs, autocast=autocast)
+    with plain_forms():
+        ref = _step(dit, net, *inputs, autocast=autocast)
     assert quant_calls["n"] == QUANTISATIONS_PER_BLOCK * TINY_LAYERS  # the activation cache shares q/k/v's input
     _compile(dit, "aot_eager")
     quant_calls["n"] = 0

@@ -73,8 +73,9 @@ def test_eager_mode_runs_the_eager_forms_and_the_switch_the_plain_ones(fused):
     finally:
         set_eager_fusion(previous)
     # modulation x2 and gated residuals x2 as addcmul; RoPE of q and k as complex products (no stack of real pairs)
+    # with one rotation table for both
     assert block_ops.names["addcmul"] == (4 if fused else 0)
-    assert block_ops.names["complex"] == (2 if fused else 0)
+    assert block_ops.names["complex"] == (1 if fused else 0)
     assert block_ops.names["stack"] == (0 if fused else 2)
     # the base Linear (with its bias) is one addmm; the eager LoRA accumulates its up-projection in a second one
     assert lora_ops.names["addmm"] == (2 if fused else 1)
@@ -141,6 +142,23 @@ def test_rope_as_one_complex_product_matches_the_real_pairs():
         ref = apply_rope(x, cos, sin)
     torch.testing.assert_close(apply_rope(x, cos, sin), ref, rtol=1e-6, atol=1e-6)
     assert apply_rope(x.bfloat16(), cos, sin).dtype == torch.bfloat16
+
+
+def test_the_blocks_of_a_forward_share_one_rotation_table():
+    cos, sin = torch.rand(1, 6, 4), torch.rand(1, 6, 4)
+    x = torch.randn(1, 6, 2, 8)
+    with _OpNames() as ops:
+        for _ in range(3):
+            apply_rope(x, cos, sin)
+    assert ops.names["complex"] == 1
+    cos2 = cos.clone()
+    with _OpNames() as ops:
+        apply_rope(x, cos2, sin)  # another tensor: a new table
+        cos2.mul_(0.5)  # changed in place: a new table, and the right one
+        got = apply_rope(x, cos2, sin)
+    assert ops.names["complex"] == 2
+    with plain_forms():
+        torch.testing.assert_close(got, apply_rope(x, cos2, sin), rtol=1e-6, atol=1e-6)
 
 
 def _lora(dropout: float | None = None, dtype: torch.dtype = torch.float32) -> tuple[nn.Linear, LoRAModule]:

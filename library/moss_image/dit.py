@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,11 +151,32 @@ def rope_cos_sin(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: flo
     return torch.cos(ang), torch.sin(ang)
 
 
+class _RotationTable:
+    """cos + i sin of the last cos/sin pair seen: every block of a forward (and q and k) gets the same pair, so they
+    share one complex table (and backward keeps one, as it keeps the shared cos/sin in the plain form)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, Any, tuple[int, int]] | None = None
+        self._table: torch.Tensor | None = None
+
+    def table(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        key = self._key
+        if key is not None and key[0]() is cos and key[1]() is sin and key[2] == (cos._version, sin._version):
+            assert self._table is not None
+            return self._table
+        self._table = torch.complex(cos, sin)
+        self._key = (weakref.ref(cos), weakref.ref(sin), (cos._version, sin._version))
+        return self._table
+
+
+_ROTATIONS = _RotationTable()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, S, H, D] by the angles behind cos/sin [B, S, D/2]."""
     if eager_fused():  # (x0 + i x1)(cos + i sin), one fp32 complex product (inductor does not take complex tensors)
         xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-        rotated = xc * torch.complex(cos, sin)[:, :, None]
+        rotated = xc * _ROTATIONS.table(cos, sin)[:, :, None]
         return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
