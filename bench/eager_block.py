@@ -61,6 +61,7 @@ class OpCounter(TorchDispatchMode):
         self.count: collections.Counter[str] = collections.Counter()
         self.bytes: collections.Counter[str] = collections.Counter()
         self.other_ops: collections.Counter[str] = collections.Counter()
+        self.other_bytes: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -79,6 +80,8 @@ class OpCounter(TorchDispatchMode):
         self.count[kind] += 1
         moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) + _tensors(out))
         self.bytes[kind] += moved
+        if kind == "other":
+            self.other_bytes[name] += moved
         return out
 
 
@@ -92,7 +95,8 @@ def count_ops(blocks: _Blocks) -> dict:
         blocks.train_step()
     blocks.lora_grads()
     return {"count": dict(counter.count), "bytes": dict(counter.bytes),
-            "other_ops": dict(counter.other_ops.most_common())}
+            "other_ops": dict(counter.other_ops.most_common()),
+            "other_gb_by_op": {k: round(v / 1e9, 3) for k, v in counter.other_bytes.most_common()}}
 
 
 def saved_bytes(blocks: _Blocks) -> int:
@@ -118,6 +122,8 @@ def run_form(blocks: _Blocks, fused: bool, checkpointing: str, iters: int, devic
     eager_fusion.set_eager_fusion(fused)
     for blk in blocks.dit.layers:
         blk.checkpointing = None if checkpointing == "none" else checkpointing
+    # new cos/sin tensors, as each training step builds them: the counted step makes its own RoPE rotation table
+    blocks.cos, blocks.sin = blocks.cos.clone(), blocks.sin.clone()
     with _fake(fake):
         r: dict[str, Any] = {"ops": count_ops(blocks)}
         if checkpointing == "none":

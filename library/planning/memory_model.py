@@ -12,7 +12,10 @@ activation (2 under bf16/fp16 autocast, 4 without):
                              + 6 e r          the LoRA down outputs
 
 At 1024 x 1024 (4096 image + 256 text tokens) that is 0.615 GiB per block; the H200 row "no checkpointing" of
-docs/benchmarks.md (training-step table, run A: 36.29 GiB allocated) is met within 1 %. The checkpointing modes keep:
+docs/benchmarks.md (training-step table, run A: 36.29 GiB allocated) is met within 1 %. That row predates the eager
+forms of `library.runtime.eager_fusion`: on CUDA their RMSNorm keeps its bf16 input (8 W instead of 16 W per token,
+about 16 % less per block) and the figure here is an upper bound until it is measured again; on the CPU (the tests)
+torch's rms_norm still keeps fp32 copies. The checkpointing modes keep:
 - none: all of it, for every block;
 - full (`--gradient_checkpointing`): each block's input (e W per token), plus one block's full set while it is
   recomputed in backward;
