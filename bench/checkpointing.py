@@ -22,6 +22,7 @@ statistics); `--tiny` runs them in this process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -42,6 +43,7 @@ import torch
 import moss_image_train_network as trainer_script
 from bench.gpu_profile import kernel_profile
 from bench.host_profile import host_profile
+from library.runtime.eager_fusion import plain_forms
 from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState
 from library.training.step_loop import StepGarbageCollector
@@ -88,6 +90,13 @@ for _n in (10, 20):
     CONFIGS[f"gc_full_compile_skip{_n}"] = [*GC, "--checkpointing_skip_blocks", str(_n), "--compile"]
     CONFIGS[f"gc_full_compile_skip{_n}_expandable"] = [*CONFIGS[f"gc_full_compile_skip{_n}"],
                                                        "--cuda_expandable_segments"]
+# eager without checkpointing: the activation figure of the memory model (library.planning.memory_model)
+CONFIGS["no_gc_eager"] = []
+# bench-only: the same trainer flags with the plain forms of the element-wise code in eager mode
+# (library.runtime.eager_fusion), the step as it was before the eager forms, for a ratio measured in one run
+PLAIN_FORMS_SUFFIX = "_plain_forms"
+for _name in ("no_gc_eager", "gc_full_eager", "gc_full_eager_int8", "gc_selective_eager"):
+    CONFIGS[_name + PLAIN_FORMS_SUFFIX] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -247,7 +256,8 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
         return {"config": name, "flags": flags, "ok": False, "skipped": "block swap needs a CUDA device"}
     torch.manual_seed(0)
     total = shape.warmup + shape.steps + 3
-    with tempfile.TemporaryDirectory() as out:
+    forms = plain_forms() if name.endswith(PLAIN_FORMS_SUFFIX) else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as out, forms:
         t0 = time.perf_counter()
         trainer, run, batch = build(snapshot, flags, shape, Path(out), total + 1)
         setup_s = time.perf_counter() - t0
