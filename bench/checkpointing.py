@@ -46,8 +46,8 @@ from bench.host_profile import host_profile
 from library.runtime.eager_fusion import plain_forms
 from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState
-from library.training.step_loop import StepGarbageCollector
 from library.training.run_options import RunOptions
+from library.training.step_loop import StepGarbageCollector
 
 logger = logging.getLogger("bench.checkpointing")
 

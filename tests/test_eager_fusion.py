@@ -62,7 +62,7 @@ class _OpNames(TorchDispatchMode):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_eager_mode_runs_the_eager_forms_and_the_switch_the_plain_ones(fused):
-    blk, (x, mod, cos, sin, gy) = _block(torch.float32), _inputs(torch.float32)
+    blk, (x, mod, cos, sin, _gy) = _block(torch.float32), _inputs(torch.float32)
     base, _ = _lora()
     previous = set_eager_fusion(fused)
     try:
