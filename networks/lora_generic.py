@@ -100,8 +100,11 @@ class LoRAModule(AdapterModule):
         """Eager form (`library.runtime.eager_fusion`): the up-projection accumulates into the base output in one
         addmm, multiplier * scale as its alpha; the plain form is used under torch.compile, with the training-time
         dropouts, or when the dtypes would need casts that autocast does not make."""
-        up, down = self.lora_up.weight, self.lora_down.weight
-        casts = not torch.is_autocast_enabled(out.device.type) and not (down.dtype == up.dtype == out.dtype)
+        up, down, device = self.lora_up.weight, self.lora_down.weight, out.device.type
+        if torch.is_autocast_enabled(device):  # addmm returns the autocast dtype: only where out has it already
+            casts = out.dtype != torch.get_autocast_dtype(device)
+        else:
+            casts = not (down.dtype == up.dtype == out.dtype)
         if not eager_fused() or casts or (self.training and (self.dropout or self.rank_dropout)) or out.dim() < 2:
             return super().add_delta(out, x)
         lx = self.lora_down(self._adapter_input(x, down))

@@ -161,6 +161,27 @@ def test_the_blocks_of_a_forward_share_one_rotation_table():
         torch.testing.assert_close(got, apply_rope(x, cos2, sin), rtol=1e-6, atol=1e-6)
 
 
+def test_inference_tensors_get_their_own_table():
+    with torch.inference_mode():
+        cos, sin = torch.rand(1, 6, 4), torch.rand(1, 6, 4)
+        x = torch.randn(1, 6, 2, 8)
+        got = apply_rope(x, cos, sin)
+        with plain_forms():
+            torch.testing.assert_close(got, apply_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
+
+
+def test_lora_under_autocast_keeps_an_output_of_another_dtype():
+    """A base whose output is not in the autocast dtype (fp32 here) keeps it: the plain form, not addmm's bf16."""
+    _, module = _lora()
+    out, x = torch.randn(3, 48), torch.randn(3, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = module.add_delta(out, x)
+        with plain_forms():
+            ref = module.add_delta(out, x)
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
 def _lora(dropout: float | None = None, dtype: torch.dtype = torch.float32) -> tuple[nn.Linear, LoRAModule]:
     torch.manual_seed(3)
     base = nn.Linear(32, 48, bias=True).to(dtype).requires_grad_(False)

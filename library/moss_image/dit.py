@@ -160,6 +160,8 @@ class _RotationTable:
         self._table: torch.Tensor | None = None
 
     def table(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if torch.is_inference(cos) or torch.is_inference(sin):  # no version counter to tell an in-place change
+            return torch.complex(cos, sin)
         key = self._key
         if key is not None and key[0]() is cos and key[1]() is sin and key[2] == (cos._version, sin._version):
             assert self._table is not None
