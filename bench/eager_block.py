@@ -2,18 +2,19 @@
 blocks launch, move and keep, and how long they take.
 
     python -m bench.eager_block --out eager_block.json                       # on a CUDA GPU (full width, 4352 tokens)
-    python -m bench.eager_block --device cpu --tokens 256 --iters 3 --out cpu.json   # the counts on this machine
+    python -m bench.eager_block --device cpu --fake --layers 1 --out cpu.json    # the counts, on a CPU, in seconds
 
-`library.moss_image.dit` writes its RMSNorms, RoPE, modulation and gated residuals in two forms: the plain one
-(the formulas as written, which a compiled region keeps and inductor fuses) and an eager one (the same math in fewer,
-narrower kernels). `set_eager_fusion` picks one; this script runs both on the same full-width blocks (the product's
+`library.moss_image.dit` writes its RMSNorms, RoPE, modulation and gated residuals in two forms, and
+`networks.lora_generic` its LoRA sum: the plain one (the formulas as written, which a compiled region keeps and
+inductor fuses) and an eager one (the same math in fewer, narrower kernels; `library.runtime.eager_fusion`).
+`set_eager_fusion` picks one; this script runs both on the same full-width blocks (the product's
 modules, a rank-16 LoRA from networks.lora_generic on every block Linear, fp32 LoRA weights under bf16 autocast, as
 in the trainer), for each `--checkpointing` mode (none, full, selective) and optionally ConvRot INT8 (`--int8`):
 
 - ``ops``: the aten operators of one forward + backward, by kind (matrix product, attention, data-free view, other
   = element-wise and copies), with the bytes the "other" operators read and write (their tensor arguments and
   results): on a GPU those are memory-bound kernels, so bytes and launches are their cost.
-- ``saved_bytes_per_token``: what autograd keeps for backward per block and token without checkpointing (distinct
+- ``saved_bytes_per_block_token``: what autograd keeps for backward per block and token without checkpointing (distinct
   storages, parameters excluded): the planner's activation figure.
 - ``train_ms``: one forward + backward, median of `--iters` after warm-up (CUDA events on the GPU).
 - the relative difference of the output, the input gradient and the LoRA gradients of the fused form against the
@@ -201,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         eager_fusion.set_eager_fusion(previous)
     text = json.dumps(out, indent=1)
-    Path(args.out).write_text(text)
+    path = Path(args.out)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # a complete file or none
     print(text)
     return 0
 
