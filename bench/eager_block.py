@@ -42,12 +42,11 @@ from library.runtime import eager_fusion
 from library.runtime.checkpointing import ATTENTION_OPS
 
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "_scaled_mm"}
-# operators that move no data (a view, an alias, a metadata change)
-VIEW_OPS = {"view", "_unsafe_view", "reshape", "expand", "unbind", "select", "slice", "t", "transpose", "permute",
+# operators that move no data (a view, an alias, an allocation without a fill) as they reach the dispatcher
+VIEW_OPS = {"view", "_unsafe_view", "_reshape_alias", "expand", "unbind", "select", "slice", "t", "transpose", "permute",
             "as_strided", "unsqueeze", "squeeze", "view_as_complex", "view_as_real", "detach", "alias", "split",
-            "split_with_sizes", "chunk", "unflatten", "flatten", "_reshape_alias", "lift_fresh", "empty", "empty_like",
-            "empty_strided", "new_empty", "new_empty_strided", "_conj", "conj", "resolve_conj", "resolve_neg",
-            "zeros", "ones", "scalar_tensor", "_to_copy_alias", "sym_size", "sym_stride", "is_same_size"}
+            "split_with_sizes", "lift_fresh", "_conj", "conj", "resolve_conj", "resolve_neg", "empty", "empty_like",
+            "empty_strided", "new_empty", "new_empty_strided"}
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -108,7 +107,7 @@ def saved_bytes(blocks: _Blocks) -> int:
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key not in params:
-            storages[key] = max(storages.get(key, 0), t.untyped_storage().nbytes())
+            storages[key] = t.untyped_storage().nbytes()
         return t
 
     x = blocks.x.detach().requires_grad_(True)
