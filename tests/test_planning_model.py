@@ -167,9 +167,15 @@ def test_activation_model_scales_with_tokens_and_blocks():
 
 # -------------------------------------------------------------------------- the H200 figures of docs/benchmarks.md
 def _w(**kw) -> M.Workload:
-    """1024 x 1024, batch 1, LoRA 16, AdamW, latents and TE outputs cached; the e2e captions are 87-92 tokens."""
-    base = {"image_tokens": 4096, "text_tokens": 90, "lora_rank": 16}
+    """1024 x 1024, batch 1, LoRA 16, AdamW, latents and TE outputs cached; the e2e captions are 87-92 tokens. These
+    rows were measured before the eager forms of library.runtime.eager_fusion: their eager steps ran the plain ones."""
+    base = {"image_tokens": 4096, "text_tokens": 90, "lora_rank": 16, "eager_forms": False}
     return M.Workload(**{**base, **kw})
+
+
+def _w5(**kw) -> M.Workload:
+    """The fifth H200 run's bench.checkpointing rows: 256 text tokens, the eager forms on unless a row says not."""
+    return _w(**{"text_tokens": 256, "eager_forms": True, **kw})
 
 
 TE_LORA = {"cache_text_encoder_outputs": False, "train_text_encoder": True}
@@ -225,6 +231,27 @@ H200_ROWS = [
      7.57, 8.44),
     ("checkpointing: INT8 no checkpointing + compile", _w(text_tokens=256, compile=True), M.Setup("int8", "none"),
      "training", 24.99, 26.12),
+    # bench.checkpointing, fifth H200 run (JSON in docs/bench_results/h200_2026-12-01e/): the eager forms and their
+    # plain twins in one run; the --checkpointing_skip_blocks curve with expandable segments
+    ("fifth run: no checkpointing, eager", _w5(), M.Setup("bf16", "none"), "training", 32.08, 32.32),
+    ("fifth run: no checkpointing, eager, plain forms", _w5(eager_forms=False), M.Setup("bf16", "none"), "training",
+     36.27, 37.25),
+    ("fifth run: gc, eager", _w5(), M.Setup("bf16", "full"), "training", 11.66, 12.24),
+    ("fifth run: gc, eager, plain forms", _w5(eager_forms=False), M.Setup("bf16", "full"), "training", 11.81, 12.35),
+    ("fifth run: INT8 gc, eager", _w5(), M.Setup("int8", "full"), "training", 7.27, 8.11),
+    ("fifth run: INT8 gc, eager, plain forms", _w5(eager_forms=False), M.Setup("int8", "full"), "training", 7.40, 8.08),
+    ("fifth run: selective, eager", _w5(), M.Setup("bf16", "selective"), "training", 13.75, 14.57),
+    ("fifth run: gc + compile", _w5(compile=True), M.Setup("bf16", "full"), "training", 12.00, 12.71),
+    ("fifth run: INT8 selective + compile, skip 13", _w5(compile=True), M.Setup("int8", "selective", skip_blocks=13),
+     "training", 13.29, 14.36),
+    ("fifth run: INT8 selective + compile, skip 16, expandable", _w5(compile=True, expandable_segments=True),
+     M.Setup("int8", "selective", skip_blocks=16), "training", 14.51, 15.54),
+    ("fifth run: INT8 selective + compile, skip 20, expandable", _w5(compile=True, expandable_segments=True),
+     M.Setup("int8", "selective", skip_blocks=20), "training", 16.12, 17.15),
+    ("fifth run: INT8 selective + compile, skip 26, expandable", _w5(compile=True, expandable_segments=True),
+     M.Setup("int8", "selective", skip_blocks=26), "training", 18.55, 19.57),
+    ("fifth run: gc + compile, skip 20, expandable", _w5(compile=True, expandable_segments=True),
+     M.Setup("bf16", "full", skip_blocks=20), "training", 19.98, 20.73),
     # caching table (16 images of 1024 x 1024)
     ("caching: cache_latents.py", _w(), M.Setup(), "caching latents", 3.37, 3.90),
     ("caching: cache_text_encoder_outputs.py, bf16", _w(), M.Setup(), "caching text-encoder outputs", 14.85, 14.86),

@@ -5,17 +5,18 @@ block of the DiT, counted from its forward (`library.moss_image.dit.MossImageBlo
 (image tokens + text tokens), for W = hidden width, F = FFN width, H = heads, r = LoRA rank, e = bytes of an
 activation (2 under bf16/fp16 autocast, 4 without):
 
-    kept per block and token = 16 W           fp32 copies of the inputs of the 4 RMSNorms (norm1, norm2, q_norm, k_norm)
+    kept per block and token = 4 n W          the inputs of the 4 RMSNorms (norm1, norm2, q_norm, k_norm), n bytes each
                              + 6 e W          the q/k/v LoRA input, q, k, v, the attention output, the FFN LoRA input
                              + 4 e F          the up/gate output (2F, kept whole by SiLU's view), SiLU(gate), the product
                              + 4 H            the attention's log-sum-exp (fp32)
                              + 6 e r          the LoRA down outputs
 
-At 1024 x 1024 (4096 image + 256 text tokens) that is 0.615 GiB per block; the H200 row "no checkpointing" of
-docs/benchmarks.md (training-step table, run A: 36.29 GiB allocated) is met within 1 %. That row predates the eager
-forms of `library.runtime.eager_fusion`: on CUDA their RMSNorm keeps its bf16 input (8 W instead of 16 W per token,
-about 16 % less per block) and the figure here is an upper bound until it is measured again; on the CPU (the tests)
-torch's rms_norm still keeps fp32 copies. The checkpointing modes keep:
+n is 4 where the norms keep fp32 copies of their inputs: the plain forms of `library.runtime.eager_fusion`, which
+compiled blocks keep (and torch's CPU rms_norm, a composite, in any form). The eager forms on CUDA keep the bf16
+input of one `_fused_rms_norm` kernel: n = e (`Workload.eager_forms`). At 1024 x 1024 (4096 image + 256 text tokens)
+that is 0.615 GiB per block with n = 4 and 0.517 GiB with n = 2. The H200 rows "no checkpointing" of
+docs/benchmarks.md are met within 1 %: the training-step table's run A (plain forms, 36.29 GiB allocated) and the
+fifth run's eager step (32.08 GiB; its plain-forms twin in the same run 36.27 GiB). The checkpointing modes keep:
 - none: all of it, for every block;
 - full (`--gradient_checkpointing`): each block's input (e W per token), plus one block's full set while it is
   recomputed in backward;
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from library.planning.sizes import GIB, DitSizes, EncoderSizes, LoraShapes, VaeSizes
 
 # --- activations of the DiT (see the module docstring) -----------------------------------------------------------
-FP32_NORM_INPUTS = 4
+NORM_INPUTS = 4  # RMSNorm inputs kept per block (see the module docstring for their width)
 WIDTH_ACTIVATIONS = 6
 FFN_ACTIVATIONS = 4
 LORA_TARGETS_PER_BLOCK = 6
@@ -122,6 +123,9 @@ class Workload:
     # the trainer reads the text encoder at startup (before the latents are cached) unless its outputs are cached to
     # disk, it is not trained and no sample prompt is encoded; a bitsandbytes encoder read then is on the GPU already
     te_read_at_start: bool = True
+    # the eager forms of library.runtime.eager_fusion (the default); False models their plain forms, which
+    # bench.checkpointing's *_plain_forms configurations run and the H200 rows measured before them had
+    eager_forms: bool = True
 
     @property
     def tokens(self) -> int:
@@ -202,11 +206,12 @@ def lora_training_bytes(optimizer: str, lora: LoraShapes, rank: int, param_bytes
 
 
 # -------------------------------------------------------------------------------------------------------- activations
-def block_kept_bytes_per_token(dit: DitSizes, e: int, rank: int) -> int:
-    """Bytes autograd keeps per token for one main block without checkpointing (eager), see the module docstring."""
+def block_kept_bytes_per_token(dit: DitSizes, e: int, rank: int, norm_bytes: int = 4) -> int:
+    """Bytes autograd keeps per token for one main block without checkpointing (eager), see the module docstring;
+    `norm_bytes` is the width of the RMSNorm inputs kept (4: fp32 copies, the plain forms)."""
     c = dit.config
     w, f = c.hidden_size, c.ffn_hidden
-    return (FP32_NORM_INPUTS * 4 * w + WIDTH_ACTIVATIONS * e * w + FFN_ACTIVATIONS * e * f + 4 * c.num_heads
+    return (NORM_INPUTS * norm_bytes * w + WIDTH_ACTIVATIONS * e * w + FFN_ACTIVATIONS * e * f + 4 * c.num_heads
             + LORA_TARGETS_PER_BLOCK * e * rank)
 
 
@@ -220,7 +225,10 @@ def step_activation_bytes(dit: DitSizes, w: Workload, setup: Setup) -> int:
     e = w.float_bytes
     hidden = dit.config.hidden_size
     n, b = dit.num_layers, w.batch_size
-    block = block_kept_bytes_per_token(dit, e, w.lora_rank)
+    # compiled blocks keep the plain forms' tensors (COMPILED_ACTIVATION_SHARE of them); eager ones on CUDA keep the
+    # RMSNorm inputs at the activation width where the eager forms are on
+    norm_bytes = e if (w.eager_forms and not w.compile) else 4
+    block = block_kept_bytes_per_token(dit, e, w.lora_rank, norm_bytes)
     share = COMPILED_ACTIVATION_SHARE if w.compile else 1.0
     inputs = e * hidden  # a checkpointed block's input, per token
     workspace = BACKWARD_WORKSPACE_WIDE_TENSORS * 2 * dit.config.ffn_hidden * e
