@@ -1,7 +1,9 @@
 """The ConvRot INT8 Linear's forward of a few rows in one Triton kernel: rotation, quantisation, int8 GEMM and
 epilogue in one launch (`fused_linear_triton`), the same output as the quantiser + GEMM pair of
-`library.quant.convrot_quant_kernels` and `library.quant.int8_gemm_kernels`. Off until `set_fused_linear` allows it
-(not yet timed on a GPU); `library.quant.convrot_kernels.linear_forward` takes it for inputs it accepts.
+`library.quant.convrot_quant_kernels` and `library.quant.int8_gemm_kernels`. Off unless `set_fused_linear` allows it;
+`library.quant.convrot_kernels.linear_forward` then takes it for inputs it accepts. Timed on the H200
+(docs/benchmarks.md, fifth run): 50.9 us against the pair's 94.0 us at 64 x 3072 -> 3072, but 15x slower at 4,352 rows
+and 6.6-15x bf16's time on the text encoder's shapes (every N tile quantises its rows again), so it stays off.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ if _TRITON_IMPORTED:
         tl.store(c_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
-# the fused one-kernel forward (`fused_linear_triton`): used for M up to "max_m" rows (0: never, the default until
-# it is timed on a GPU; `set_fused_linear` and the benchmark's overhead part set it)
+# the fused one-kernel forward (`fused_linear_triton`): used for M up to "max_m" rows (0: never, the default: it loses
+# on every layer of the hot paths, see the module docstring; `set_fused_linear` and the benchmark's overhead part set it)
 _FUSED: dict[str, int] = {"max_m": 0, "block_m": 16, "block_n": 64, "warps": 4}
 _FUSED_LAUNCHERS: dict[tuple, DirectLauncher] = {}
 
