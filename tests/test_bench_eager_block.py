@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import eager_block
+from library.moss_image.dit import MossImageConfig
+from library.planning import memory_model, sizes
 
 
 def test_fake_counts_at_full_width(tmp_path):
@@ -23,4 +27,8 @@ def test_fake_counts_at_full_width(tmp_path):
         assert "train_ms" not in run["plain"]  # fake tensors: nothing to time
     # checkpointing recomputes the forward: more element-wise work than without
     assert runs["bf16_full"]["summary"]["other_ops_plain"] > runs["bf16_none"]["summary"]["other_ops_plain"]
-    assert runs["bf16_none"]["plain"]["saved_bytes_per_block_token"] > 0
+    # what autograd keeps is the planner's per-block figure (fp32 norm inputs: the CPU's rms_norm is a composite),
+    # the weights not counted; the block's per-sample tensors add a little at this short sequence
+    planned = memory_model.block_kept_bytes_per_token(sizes.dit_sizes(MossImageConfig()), e=2, rank=16)
+    for form in ("plain", "fused"):
+        assert runs["bf16_none"][form]["saved_bytes_per_block_token"] == pytest.approx(planned, rel=0.06), form
