@@ -23,19 +23,23 @@ from __future__ import annotations
 from library.planning.memory_model import SKIP_BLOCK_MODES, InferenceWorkload, Setup, Workload
 from library.planning.sizes import DitSizes
 
-# training-step table, run A (eager): no checkpointing 387.2 ms, gc 564.6 ms, unsloth offload 666.5 ms
-EAGER_CHECKPOINTING = {"none": 0.686, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
+# eager, with the eager forms of library.runtime.eager_fusion: bench.checkpointing, fifth H200 run (2026-12-01, one
+# call): no checkpointing 314.7 ms, gc 426.4 ms; the offload modes from the training-step table, run A (plain forms:
+# gc 564.6 ms, unsloth offload 666.5 ms)
+EAGER_CHECKPOINTING = {"none": 0.738, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
 # --compile: bench.checkpointing, third H200 run (2026-12-01, one call): no checkpointing 261.7 ms, gc 347.5 ms
 # (e2e run A, earlier: 252 vs 379 ms); the offload modes were not measured compiled (eager ratio)
 COMPILED_CHECKPOINTING = {"none": 0.753, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
 # --checkpointing_policy selective against full, (--compile, DiT precision) -> factor. bf16: bench.checkpointing in
-# one H200 run (docs/benchmarks.md, 2026-12-01): compiled 332.7 vs 352.3 ms, eager 746.8 vs 557.6 ms (eager selective
-# checkpointing is slower than full, and the trainer warns). INT8 eager: --vram_budget 12 on the H200 (1.05 s per
+# one H200 run (docs/benchmarks.md, 2026-12-01): compiled 332.7 vs 352.3 ms; eager, fifth run (one call): 832.9 vs
+# 426.4 ms (eager selective checkpointing is slower than full, and the trainer warns). INT8 eager: --vram_budget 12 on the H200 (1.05 s per
 # step against 534 ms for INT8 gc in e2e run A: different runs, so an estimate). INT8 compiled: bench.checkpointing,
 # fourth run (2026-12-01, one call): selective 323.6 vs full 353.1 ms.
-SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.339, (True, "int8"): 0.916, (False, "int8"): 1.99}
+SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.953, (True, "int8"): 0.916, (False, "int8"): 1.99}
 # ConvRot INT8 DiT against bf16, gc, bench.checkpointing, fourth run (2026-12-01, each pair in one call): eager 541.4
-# vs 549.6 ms, compiled 334.5 vs 339.1 ms (the TMA GEMMs launched raw)
+# vs 549.6 ms, compiled 334.5 vs 339.1 ms (the TMA GEMMs launched raw). The fifth run measured eager 556.9 vs 426.4 ms
+# (1.306) with the eager forms, but its INT8 rows were not steady: the first six INT8 steps ran at bf16's speed, and
+# the INT8 plain forms took 797.1 ms against 541.4 in the fourth run for the same step. Kept until measured again.
 INT8_FACTOR = {False: 0.985, True: 0.986}
 # --block_swap_h2d_only, per swapped block: e2e run A INT8 rows, gc 534 ms, swap 20 551 ms, swap 36 607 ms
 # (least squares through zero; the bf16 rows of the training-step table hide the copies entirely)
