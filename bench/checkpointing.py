@@ -90,8 +90,10 @@ for _n in (10, 20):
     CONFIGS[f"gc_full_compile_skip{_n}"] = [*GC, "--checkpointing_skip_blocks", str(_n), "--compile"]
     CONFIGS[f"gc_full_compile_skip{_n}_expandable"] = [*CONFIGS[f"gc_full_compile_skip{_n}"],
                                                        "--cuda_expandable_segments"]
-# eager without checkpointing: the activation figure of the memory model (library.planning.memory_model)
+# eager without checkpointing: the activation figure of the memory model (library.planning.memory_model), and its
+# ConvRot INT8 twin (where eager INT8 loses against bf16 without a recompute in the way)
 CONFIGS["no_gc_eager"] = []
+CONFIGS["no_gc_eager_int8"] = ["--convrot_int8"]
 # bench-only: the same trainer flags with the plain forms of the element-wise code in eager mode
 # (library.runtime.eager_fusion), the step as it was before the eager forms, for a ratio measured in one run
 PLAIN_FORMS_SUFFIX = "_plain_forms"

@@ -266,3 +266,25 @@ def test_compiled_regions_keep_the_plain_forms(with_lora):
     assert not [t for t in targets if "addcmul" in t or "complex" in t or "addmm" in t]
     torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_block_under_autocast_fused_norm_and_fp32_closeness():
+    """On CUDA the eager RMSNorm is one `_fused_rms_norm` kernel on the bf16 activation (autocast would upcast it),
+    and the block under bf16 autocast is as close to an fp32 run as the plain forms (the trainer's setting)."""
+    dev = torch.device("cuda")
+    blk = _block(torch.bfloat16).to(dev)
+    ref_blk = _block(torch.float32).to(dev)
+    ref_blk.load_state_dict({k: v.float() for k, v in blk.state_dict().items()})
+    inputs = [t.to(dev) for t in _inputs(torch.bfloat16)]
+    with plain_forms():
+        ref = _step(ref_blk, *(t.float() for t in inputs))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with plain_forms():
+            plain = _step(blk, *inputs)
+        with _OpNames() as ops:
+            fused = _step(blk, *inputs)
+    assert ops.names["_fused_rms_norm"] >= 4 and ops.names["_fused_rms_norm_backward"] >= 4, ops.names
+    for i in (0, 1):
+        assert relerr(fused[i], ref[i]) <= 1.05 * relerr(plain[i], ref[i]) + 1e-4
+        assert relerr(fused[i], plain[i]) < 1e-2
