@@ -14,6 +14,7 @@ import moss_image_train_network as trainer_script
 from library.errors import UserError
 from library.planning import run_options
 from library.planning.planner import STEP_TIE
+from library.planning.speed_model import PLANNED_SKIP_MAX
 from tools import plan_memory
 
 # the e2e training rows of docs/benchmarks.md: 1024 x 1024, batch 1, LoRA 16, AdamW, bf16, latents and TE cached
@@ -75,17 +76,20 @@ def check_invariants(plan) -> None:
     assert sum("<- chosen" in line for line in lines) == 1
 
 
-@pytest.mark.parametrize("budget, expected", [
-    (8, ("int8", "full", 14, "none", False)),  # INT8 + swap; the bf16 encoder caches from the CPU
-    (12, ("int8", "full", 0, "convrot_int8", True)),
-    (16, ("bf16", "full", 0, "convrot_int8", True)),
-    (24, ("bf16", "full", 0, "none", True)),
-    (48, ("bf16", "none", 0, "none", True)),
+@pytest.mark.parametrize("budget, expected, skip", [
+    # eager: the INT8 step is 1.31x bf16's (speed_model.INT8_FACTOR), so bf16 with blocks swapped wins at 8 and 12 GiB;
+    # memory to spare goes to blocks left out of checkpointing (the last number)
+    (8, ("bf16", "full", 27, "none", False), 0),  # the bf16 encoder caches from the CPU
+    (12, ("bf16", "full", 9, "convrot_int8", True), 0),
+    (16, ("bf16", "full", 0, "convrot_int8", True), 5),
+    (24, ("bf16", "full", 0, "none", True), 19),
+    (48, ("bf16", "none", 0, "none", True), 0),
 ])
-def test_choices_at_each_budget(no_bitsandbytes, budget, expected):
+def test_choices_at_each_budget(no_bitsandbytes, budget, expected, skip):
     plan, values, _ = training_plan(["--vram_budget", str(budget), *RUN])
     check_invariants(plan)
     assert summary(plan) == expected
+    assert plan.chosen.setup.skip_blocks == skip and values["checkpointing_skip_blocks"] == skip
     assert values["gradient_checkpointing"] is (expected[1] != "none")
     assert values["convrot_int8"] is (expected[0] == "int8")
     assert values["blocks_to_swap"] == (expected[2] or None)
@@ -94,7 +98,7 @@ def test_choices_at_each_budget(no_bitsandbytes, budget, expected):
 
 def test_with_bitsandbytes_the_8_gib_plan_caches_with_nf4(with_bitsandbytes):
     plan, values, _ = training_plan(["--vram_budget", "8", *RUN])
-    assert summary(plan) == ("int8", "full", 14, "bnb_nf4", True)
+    assert summary(plan) == ("bf16", "full", 27, "bnb_nf4", True)
     assert values["te_quant"] == "nf4"
     assert "ConvRot INT8 (quantised at load) on the GPU needs 9.4 GiB" in plan.te_line
 
@@ -104,11 +108,11 @@ def test_a_bitsandbytes_encoder_read_at_startup_counts_in_the_latent_caching(wit
     # encoder is quantised on the GPU then and stays there; nf4 then needs more than 8 GiB in that phase
     in_memory = [a for a in RUN if a != "--cache_text_encoder_outputs_to_disk"] + ["--cache_text_encoder_outputs"]
     plan, values, _ = training_plan(["--vram_budget", "8", *in_memory])
-    assert summary(plan) == ("int8", "full", 14, "none", False)
+    assert summary(plan) == ("bf16", "full", 27, "none", False)
     assert "nf4 (bitsandbytes) on the GPU needs 10.4 GiB" in plan.te_line
     # cached to disk: the encoder is read in its own caching phase, after the latents (the 8 GiB plan caches with nf4)
     plan, values, _ = training_plan(["--vram_budget", "8", *RUN])
-    assert summary(plan) == ("int8", "full", 14, "bnb_nf4", True)
+    assert summary(plan) == ("bf16", "full", 27, "bnb_nf4", True)
     latents = plan.chosen.estimate.phase("caching latents")
     assert latents.allocated < 4 * 2**30
 
@@ -187,7 +191,8 @@ def test_skip_blocks_given_are_planned_around(no_bitsandbytes):
     assert values["gradient_checkpointing"] is True and "checkpointing_skip_blocks" not in values
     assert "last 13 blocks not checkpointed" in plan.label(plan.chosen)
     assert "--checkpointing_skip_blocks 13" in plan.choices.fixed
-    unswapped = {(c.setup.dit, c.setup.checkpointing): c for c in base.candidates if not c.setup.blocks_to_swap}
+    unswapped = {(c.setup.dit, c.setup.checkpointing): c for c in base.candidates
+                 if not c.setup.blocks_to_swap and not c.setup.skip_blocks}
     for c in plan.candidates:
         if c.setup.blocks_to_swap == 0 and (c.setup.dit, c.setup.checkpointing) in unswapped:
             same = unswapped[(c.setup.dit, c.setup.checkpointing)]
@@ -197,6 +202,32 @@ def test_skip_blocks_given_are_planned_around(no_bitsandbytes):
                        *RUN])
     with pytest.raises(UserError, match="--checkpointing_skip_blocks 43 is more than the DiT's 42 blocks"):
         training_plan(["--vram_budget", "16", "--checkpointing_skip_blocks", "43", *RUN])
+
+
+def test_memory_to_spare_leaves_blocks_out_of_checkpointing(no_bitsandbytes):
+    """Without --checkpointing_skip_blocks, a full or selective candidate that fits unswapped gets a twin with the
+    most blocks left out of checkpointing that still fits (at most speed_model.PLANNED_SKIP_MAX), which is faster."""
+    plan, values, _ = training_plan(["--vram_budget", "24", *RUN])
+    check_invariants(plan)
+    chosen = plan.chosen
+    assert chosen.setup.checkpointing == "full" and 0 < chosen.setup.skip_blocks < PLANNED_SKIP_MAX["full"]
+    assert values["checkpointing_skip_blocks"] == chosen.setup.skip_blocks
+    options = run_options.option_words(values, run_options.parser_defaults(plan_memory.training_parser()))
+    assert f"--checkpointing_skip_blocks {chosen.setup.skip_blocks}" in " ".join(options)
+    twin = next(c for c in plan.candidates if c.setup == replace(chosen.setup, skip_blocks=0))
+    assert chosen.step < twin.step and chosen.reserved > twin.reserved
+    # one block more does not fit unswapped: the planner swaps a block for it
+    more, _, _ = training_plan(["--vram_budget", "24", "--checkpointing_skip_blocks", str(chosen.setup.skip_blocks + 1),
+                                *RUN])
+    same = [c for c in more.candidates if (c.setup.dit, c.setup.checkpointing) == ("bf16", "full")]
+    assert len(same) == 1 and same[0].setup.blocks_to_swap >= 1
+    roomy, _, _ = training_plan(["--vram_budget", "30", "--gradient_checkpointing", *RUN])
+    assert roomy.chosen.setup.skip_blocks == PLANNED_SKIP_MAX["full"]  # the cap, with memory left over
+    # given (0 too) it is kept; with blocks swapped there is nothing to spare
+    kept, values, _ = training_plan(["--vram_budget", "24", "--checkpointing_skip_blocks", "0", *RUN])
+    assert {c.setup.skip_blocks for c in kept.candidates} == {0} and "checkpointing_skip_blocks" not in values
+    swapped, _, _ = training_plan(["--vram_budget", "24", "--blocks_to_swap", "4", *RUN])
+    assert {c.setup.skip_blocks for c in swapped.candidates} == {0}
 
 
 def test_a_plan_that_cannot_fit_gives_the_smallest_budget(no_bitsandbytes):
@@ -224,7 +255,7 @@ def test_text_encoder_lora_plans_the_encoder_with_the_dit(no_bitsandbytes):
     assert summary(plan) == ("bf16", "full", 35, "none", True)
     assert values["convrot_int8_text_encoder"] is False and values["blocks_to_swap"] == 35
     plan, values, _ = training_plan(["--vram_budget", "20", *argv])
-    assert summary(plan) == ("int8", "full", 0, "convrot_int8", True)
+    assert summary(plan) == ("bf16", "full", 18, "convrot_int8", True)
 
 
 def test_the_tool_prints_the_plan(tiny_snapshot, capsys, no_bitsandbytes):
@@ -271,11 +302,11 @@ def test_the_trainer_applies_the_plan_before_loading(monkeypatch, caplog, no_bit
     assert plan.options == expected.options and plan.lines() == expected.lines()
     for dest, value in values.items():
         assert getattr(args, dest) == value
-    # at 8 GiB: the INT8 DiT with swapped blocks (H2D-only), checkpointing, the bf16 encoder caching on the CPU
+    # at 8 GiB: the bf16 DiT with swapped blocks (H2D-only), checkpointing, the bf16 encoder caching on the CPU
     assert (args.convrot_int8, args.gradient_checkpointing, args.block_swap_h2d_only, args.te_device) == \
-        (True, True, True, "cpu")
-    assert args.blocks_to_swap > 0 and plan.options[:2] == ("--convrot_int8", "--gradient_checkpointing")
-    assert "VRAM plan for --vram_budget 8 GiB" in caplog.text and "chosen: INT8 (at load)" in caplog.text
+        (False, True, True, "cpu")
+    assert args.blocks_to_swap > 0 and plan.options[0] == "--gradient_checkpointing"
+    assert "VRAM plan for --vram_budget 8 GiB" in caplog.text and "chosen: bf16, gradient checkpointing" in caplog.text
     args = trainer_script.setup_parser().parse_args(RUN)  # without --vram_budget nothing changes
     assert run_options.apply_vram_budget(args, trainer_script.setup_parser, RUN) is None
     assert not args.gradient_checkpointing

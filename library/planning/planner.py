@@ -2,8 +2,9 @@
 
 The candidates vary what the planner may change (`Choices`: the options the user did not give explicitly, and what
 the checkpoint files fix): the DiT precision (bf16 or ConvRot INT8), the checkpointing mode (none / selective / full /
-offloaded), the number of swapped blocks (H2D-only; the smallest number that fits for each mode that can swap), and
-the text encoder's variant and place. A candidate fits when its predicted peak (torch's reserved memory, the largest
+offloaded), the number of swapped blocks (H2D-only; the smallest number that fits for each mode that can swap), the
+blocks left out of checkpointing (for full/selective candidates that fit unswapped: a twin with the most that fits,
+`Choices.skip_max` at most), and the text encoder's variant and place. A candidate fits when its predicted peak (torch's reserved memory, the largest
 phase) plus the CUDA context and a safety margin is within the budget (`Overheads`). Of those that fit, the fastest
 by the relative step time wins; within `STEP_TIE` of it, bf16 and then fewer swapped blocks are preferred (exact
 weights, less host memory).
@@ -82,7 +83,10 @@ class Choices:
     te_planned: bool = True  # False: decided at load time (--te_quant auto), assumed to fit
     te_int8_source: str = "at load"
     fixed: tuple[str, ...] = ()  # the explicit options, for the messages
-    skip_blocks: int = 0  # --checkpointing_skip_blocks as given (never planned): full/selective candidates only
+    skip_blocks: int = 0  # --checkpointing_skip_blocks as given: full/selective candidates only
+    # --checkpointing_skip_blocks planned (not given, and the script has it): per checkpointing mode, the most blocks
+    # a candidate may leave out (speed_model.PLANNED_SKIP_MAX); empty: not planned
+    skip_max: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,21 @@ def _faster_note(chosen: Candidate, candidates: list[Candidate], label: Callable
     return f"; faster would be {label(best)} ({best.step:.2f}x), which needs {gib(best.needs)} GiB"
 
 
+def _largest_skip(make: Callable[[int], Candidate], budget: int, hi: int) -> Candidate | None:
+    """The candidate with the most blocks left out of checkpointing in [1, hi] that fits, or None (the peak grows
+    with each block left out, so the last that fits is found by bisection)."""
+    if hi < 1 or not make(1).fits(budget):
+        return None
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if make(mid).fits(budget):
+            lo = mid
+        else:
+            hi = mid - 1
+    return make(lo)
+
+
 def _smallest_swap(make: Callable[[int], Candidate], budget: int, lo: int, hi: int) -> Candidate:
     """The candidate with the fewest swapped blocks in [lo, hi] that fits, else the one at `hi` (the peak falls as
     blocks are swapped, so the first that fits is found by bisection)."""
@@ -275,8 +294,8 @@ def plan_training(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workload, c
                     continue
 
                 def make(s: int, precision: str = precision, mode: str = mode, variant: str = variant,
-                         on_gpu: bool = on_gpu) -> Candidate:
-                    return candidate(Setup(precision, mode, s, variant, on_gpu, choices.skip_blocks))
+                         on_gpu: bool = on_gpu, skip: int = choices.skip_blocks) -> Candidate:
+                    return candidate(Setup(precision, mode, s, variant, on_gpu, skip))
 
                 if choices.blocks_to_swap is not None:
                     if choices.blocks_to_swap and mode not in SWAPPABLE:
@@ -286,6 +305,13 @@ def plan_training(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workload, c
                     rows.append(_smallest_swap(make, budget, 0, choices.max_blocks_to_swap))
                 else:
                     rows.append(make(0))
+                base = rows[-1]
+                if mode in choices.skip_max and base.setup.blocks_to_swap == 0 and base.fits(budget):
+                    # memory to spare: leave the last blocks out of checkpointing (each saves its recomputation)
+                    skipped = _largest_skip(lambda k, m=make, n=base.setup.blocks_to_swap: m(n, skip=k), budget,
+                                            min(choices.skip_max[mode], dit.num_layers))
+                    if skipped is not None:
+                        rows.append(skipped)
     return _finish("training", rows, choices, budget, header, te_line, len(te_options) > 1)
 
 

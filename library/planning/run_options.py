@@ -5,8 +5,9 @@ An option counts as given explicitly when its value differs from the parser's ow
 counts) or when it appears on the command line (`--te_quant none` too). The planned options are:
 - training: `--convrot_int8`, `--gradient_checkpointing` (+ `--checkpointing_policy` where the trainer has it),
   `--unsloth_offload_checkpointing`, `--blocks_to_swap` with `--block_swap_h2d_only`, `--convrot_int8_text_encoder`,
-  `--te_quant`, `--te_device`; a given `--checkpointing_skip_blocks` is kept and modelled (full or selective
-  checkpointing only), never planned;
+  `--te_quant`, `--te_device`, `--checkpointing_skip_blocks` (a given value is kept and modelled, full or selective
+  checkpointing only; otherwise unswapped full/selective candidates get a twin with the most blocks left out that fits,
+  up to `speed_model.PLANNED_SKIP_MAX`);
 - inference: `--convrot_int8`, `--blocks_to_swap`, `--convrot_int8_text_encoder`, `--te_quant`, `--text_encoder_cpu`.
 
 The workload: the largest image of the run (training: the resolution of each dataset of the dataset config or of
@@ -33,6 +34,7 @@ from library.moss_image.loaders import fill_paths_from_snapshot
 from library.planning import sizes
 from library.planning.memory_model import InferenceWorkload, Workload
 from library.planning.planner import Choices, Overheads, Plan, plan_inference, plan_training
+from library.planning.speed_model import PLANNED_SKIP_MAX
 from library.runtime.checkpointing import skip_blocks
 from library.text_encoder.quant import bitsandbytes_available
 
@@ -210,12 +212,14 @@ def training_choices(args: argparse.Namespace, explicit: frozenset[str], models:
     skip = skip_blocks(args, models.dit.num_layers)  # the trainer's own bound check, before anything loads
     if skip:
         fixed.append(f"--checkpointing_skip_blocks {skip}")
+    planned_skip = hasattr(args, "checkpointing_skip_blocks") and "checkpointing_skip_blocks" not in explicit
     te, te_planned = _te_choices(args, explicit, models.te_prequantised, work.train_text_encoder,
                                  allow_cpu=not work.text_encoder_in_step)
     if models.te_prequantised:
         fixed.append("a pre-quantised text-encoder file")
     return Choices(tuple(dit), source, tuple(modes), swap, max_blocks_to_swap(models.dit.num_layers), te, te_planned,
-                   "file" if models.te_prequantised else "at load", tuple(fixed), skip_blocks=skip)
+                   "file" if models.te_prequantised else "at load", tuple(fixed), skip_blocks=skip,
+                   skip_max=dict(PLANNED_SKIP_MAX) if planned_skip else {})
 
 
 # ------------------------------------------------------------------------------------------------- applying a plan
@@ -232,6 +236,8 @@ def training_options(plan: Plan, args: argparse.Namespace, explicit: frozenset[s
     }
     if hasattr(args, "checkpointing_policy") and s.checkpointing in ("full", "selective"):
         values["checkpointing_policy"] = s.checkpointing
+    if plan.choices.skip_max:
+        values["checkpointing_skip_blocks"] = s.skip_blocks
     if plan.choices.te_planned:
         values["convrot_int8_text_encoder"] = s.te_variant == "convrot_int8" and plan.choices.te_int8_source == "at load"
         values["te_quant"] = {"bnb_int8": "int8", "bnb_nf4": "nf4"}.get(s.te_variant, "none")

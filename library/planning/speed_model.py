@@ -36,11 +36,17 @@ COMPILED_CHECKPOINTING = {"none": 0.753, "full": 1.0, "unsloth": 1.181, "cpu_off
 # step against 534 ms for INT8 gc in e2e run A: different runs, so an estimate). INT8 compiled: bench.checkpointing,
 # fourth run (2026-12-01, one call): selective 323.6 vs full 353.1 ms.
 SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.953, (True, "int8"): 0.916, (False, "int8"): 1.99}
-# ConvRot INT8 DiT against bf16, gc, bench.checkpointing, fourth run (2026-12-01, each pair in one call): eager 541.4
-# vs 549.6 ms, compiled 334.5 vs 339.1 ms (the TMA GEMMs launched raw). The fifth run measured eager 556.9 vs 426.4 ms
-# (1.306) with the eager forms, but its INT8 rows were not steady: the first six INT8 steps ran at bf16's speed, and
-# the INT8 plain forms took 797.1 ms against 541.4 in the fourth run for the same step. Kept until measured again.
-INT8_FACTOR = {False: 0.985, True: 0.986}
+# ConvRot INT8 DiT against bf16, gc, bench.checkpointing, each pair in one call. Eager, fifth run: 556.9 vs 426.4 ms
+# with the eager forms of library.runtime.eager_fusion, which took more off bf16's step than off INT8's (the fourth
+# run's 541.4 vs 549.6 ms measured the plain forms). The INT8 steps were unsteady (422-721 ms); the block bench of the
+# same call gives INT8 1.18-1.21x bf16's time even at its fastest decile. Compiled, fourth run: 334.5 vs 339.1 ms
+# (the TMA GEMMs launched raw).
+INT8_FACTOR = {False: 1.306, True: 0.986}
+# --checkpointing_skip_blocks as the planner may choose it, per checkpointing mode: at most the values where the
+# measured step still followed the line above (bench.checkpointing, fifth H200 run, one call: bf16 gc + compile,
+# skip 20, 306.9 ms against 303.8 predicted from the 344.4 ms without; INT8 selective + compile: 301.3 ms at skip
+# 16 and 301.2 at 20, 316.2 at 26, so the gain stops near 16)
+PLANNED_SKIP_MAX = {"full": 20, "selective": 16}
 # --block_swap_h2d_only, per swapped block: e2e run A INT8 rows, gc 534 ms, swap 20 551 ms, swap 36 607 ms
 # (least squares through zero; the bf16 rows of the training-step table hide the copies entirely)
 SWAP_H2D_PER_BLOCK = 0.0033
