@@ -4,8 +4,9 @@ The candidates vary what the planner may change (`Choices`: the options the user
 the checkpoint files fix): the DiT precision (bf16 or ConvRot INT8), the checkpointing mode (none / selective / full /
 offloaded), the number of swapped blocks (H2D-only; the smallest number that fits for each mode that can swap), the
 blocks left out of checkpointing (for full/selective candidates that fit unswapped: a twin with the most that fits,
-`Choices.skip_max` at most), and the text encoder's variant and place. A candidate fits when its predicted peak (torch's reserved memory, the largest
-phase) plus the CUDA context and a safety margin is within the budget (`Overheads`). Of those that fit, the fastest
+`Choices.skip_max` at most), and the text encoder's variant and place. A candidate fits when its predicted peak
+(torch's reserved memory, the largest phase) plus the CUDA context and a safety margin is within the budget
+(`Overheads`). Of those that fit, the fastest
 by the relative step time wins; within `STEP_TIE` of it, bf16 and then fewer swapped blocks are preferred (exact
 weights, less host memory).
 
@@ -308,7 +309,7 @@ def plan_training(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workload, c
                 base = rows[-1]
                 if mode in choices.skip_max and base.setup.blocks_to_swap == 0 and base.fits(budget):
                     # memory to spare: leave the last blocks out of checkpointing (each saves its recomputation)
-                    skipped = _largest_skip(lambda k, m=make, n=base.setup.blocks_to_swap: m(n, skip=k), budget,
+                    skipped = _largest_skip(lambda k, m=make: m(0, skip=k), budget,
                                             min(choices.skip_max[mode], dit.num_layers))
                     if skipped is not None:
                         rows.append(skipped)

@@ -6,9 +6,10 @@ Training: 1.00 is the bf16 DiT with `--gradient_checkpointing` and no block swap
     checkpointing factor x DiT precision factor x (1 + per-block swap cost x blocks swapped) + text encoder in the step
 
 With `--checkpointing_skip_blocks S` the checkpointing factor moves linearly from its mode's figure towards "none"
-by S / blocks (each skipped block saves its recomputation). An estimate: the fourth H200 run measured 295.3 and
-307.5 ms at S = 13 (INT8, selective + compile) against 310.1-323.6 ms at S = 0, about what the line predicts, but
-322.4 ms at S = 10 and an unsteady 366.8 ms at S = 16.
+by S / blocks (each skipped block saves its recomputation). Measured compiled only: the fifth H200 run's bf16 full
+checkpointing at S = 20 (306.9 ms against 303.8 predicted); INT8 selective 295.3-344.4 ms at S = 13 over three runs,
+301 ms at S = 16 and 20 and 316 ms at S = 26 (the gain stops near 16), against 310.1-323.6 ms at S = 0. The planner
+chooses S itself up to `PLANNED_SKIP_MAX`.
 
 The figures compare rows of one run (one machine, one session), as the benchmark notes ask, except those marked as
 estimates: eager INT8 with the selective policy, compiled INT8 inference (see INT8_DENOISE_FACTOR), and the offload
@@ -32,9 +33,9 @@ EAGER_CHECKPOINTING = {"none": 0.738, "full": 1.0, "unsloth": 1.181, "cpu_offloa
 COMPILED_CHECKPOINTING = {"none": 0.753, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
 # --checkpointing_policy selective against full, (--compile, DiT precision) -> factor. bf16: bench.checkpointing in
 # one H200 run (docs/benchmarks.md, 2026-12-01): compiled 332.7 vs 352.3 ms; eager, fifth run (one call): 832.9 vs
-# 426.4 ms (eager selective checkpointing is slower than full, and the trainer warns). INT8 eager: --vram_budget 12 on the H200 (1.05 s per
-# step against 534 ms for INT8 gc in e2e run A: different runs, so an estimate). INT8 compiled: bench.checkpointing,
-# fourth run (2026-12-01, one call): selective 323.6 vs full 353.1 ms.
+# 426.4 ms (eager selective checkpointing is slower than full, and the trainer warns). INT8 eager: --vram_budget 12
+# on the H200 (1.05 s per step against 534 ms for INT8 gc in e2e run A: different runs, so an estimate). INT8
+# compiled: bench.checkpointing, fourth run (2026-12-01, one call): selective 323.6 vs full 353.1 ms.
 SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.953, (True, "int8"): 0.916, (False, "int8"): 1.99}
 # ConvRot INT8 DiT against bf16, gc, bench.checkpointing, each pair in one call. Eager, fifth run: 556.9 vs 426.4 ms
 # with the eager forms of library.runtime.eager_fusion, which took more off bf16's step than off INT8's (the fourth
