@@ -101,18 +101,15 @@ def count_ops(blocks: _Blocks) -> dict:
 
 def saved_bytes(blocks: _Blocks) -> int:
     """Bytes autograd keeps for backward over one forward (distinct storages; parameters and buffers excluded: the
-    ConvRot INT8 weights and scales are buffers, saved by reference). Under a FakeTensorMode the real weights enter
-    the operators as the mode's memoised fake twins, whose storages are excluded too, and so are views of them."""
+    ConvRot INT8 weights and scales are buffers, saved by reference). Under a FakeTensorMode a view of a weight (its
+    transpose, saved by a Linear) carries a storage of its own: its base names the weight."""
     held = [*blocks.dit.parameters(), *blocks.dit.buffers(), *blocks.net.parameters(), *blocks.net.buffers()]
-    mode = _active_fake_mode()
     params = {_storage_key(p) for p in held}
-    if mode is not None:
-        params |= {_storage_key(mode.fake_tensor_converter.from_real_tensor(mode, p)) for p in held}
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
-        base = t._base  # a fake view (a transposed weight) can carry a storage of its own
+        base = t._base
         if key not in params and (base is None or _storage_key(base) not in params):
             storages[key] = t.untyped_storage().nbytes()
         return t
@@ -123,12 +120,6 @@ def saved_bytes(blocks: _Blocks) -> int:
     y.backward(blocks.gy)
     blocks.lora_grads()
     return sum(storages.values())
-
-
-def _active_fake_mode() -> Any:
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode()
 
 
 def run_form(blocks: _Blocks, fused: bool, checkpointing: str, iters: int, device: str, fake: bool) -> dict:

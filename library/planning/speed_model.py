@@ -40,7 +40,7 @@ SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.953, (True, "int8"
 # ConvRot INT8 DiT against bf16, gc, bench.checkpointing, each pair in one call. Eager, fifth run: 556.9 vs 426.4 ms
 # with the eager forms of library.runtime.eager_fusion, which took more off bf16's step than off INT8's (the fourth
 # run's 541.4 vs 549.6 ms measured the plain forms). The INT8 steps were unsteady (422-721 ms); the block bench of the
-# same call gives INT8 1.18-1.21x bf16's time even at its fastest decile. Compiled, fourth run: 334.5 vs 339.1 ms
+# same call gives INT8 1.19-1.23x bf16's time even at its fastest decile. Compiled, fourth run: 334.5 vs 339.1 ms
 # (the TMA GEMMs launched raw).
 INT8_FACTOR = {False: 1.306, True: 0.986}
 # --checkpointing_skip_blocks as the planner may choose it, per checkpointing mode: at most the values where the
