@@ -90,6 +90,13 @@ for _n in (10, 20):
     CONFIGS[f"gc_full_compile_skip{_n}"] = [*GC, "--checkpointing_skip_blocks", str(_n), "--compile"]
     CONFIGS[f"gc_full_compile_skip{_n}_expandable"] = [*CONFIGS[f"gc_full_compile_skip{_n}"],
                                                        "--cuda_expandable_segments"]
+# the ≤ 9 GiB question: INT8 selective + compile (310 ms at 9.6 GiB) with a few blocks swapped (about 0.12 GiB of int8
+# weights each), and INT8 full checkpointing + compile with the same
+for _n in (4, 8):
+    CONFIGS[f"swap{_n}_h2d_selective_compile_int8"] = ["--blocks_to_swap", str(_n), "--block_swap_h2d_only",
+                                                       *SELECTIVE, "--compile", "--convrot_int8"]
+CONFIGS["swap8_h2d_full_compile_int8"] = ["--blocks_to_swap", "8", "--block_swap_h2d_only", *GC, "--compile",
+                                          "--convrot_int8"]
 # eager without checkpointing: the activation figure of the memory model (library.planning.memory_model), and its
 # ConvRot INT8 twin (where eager INT8 loses against bf16 without a recompute in the way)
 CONFIGS["no_gc_eager"] = []
