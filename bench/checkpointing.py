@@ -34,6 +34,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -118,10 +119,10 @@ class Shape(SimpleNamespace):
 
 
 FULL = Shape(image=1024, text_tokens=256, rank=16, device="cuda", precision="bf16", backend="inductor", steps=20,
-             warmup=3, profile=False, host_profile=False)
+             warmup=3, profile=False, host_profile=False, block_memory=False)
 # fp32 on the CPU (bf16 matmuls there are slow) and dynamo without code generation: a smoke run in seconds
 TINY = Shape(image=64, text_tokens=8, rank=4, device="cpu", precision="no", backend="eager", steps=3, warmup=1,
-             profile=False, host_profile=False)
+             profile=False, host_profile=False, block_memory=False)
 
 
 class _OneBucket:
@@ -258,6 +259,29 @@ def _call_chain(filename: str, lineno: int, stack: list[traceback.FrameSummary],
     return " <- ".join(dict.fromkeys(chain[: depth + 1]))
 
 
+def block_memory(dit: Any, step: Callable[[], None]) -> list[float]:
+    """The allocated CUDA memory (MiB) that each main block's forward adds in one `step`: what stays alive for its
+    backward (a checkpointed block keeps its input and what its policy saves). Read in the eager block loop around
+    `MossImage._run_block` (a host counter: no sync)."""
+    grown: list[float] = []
+    run_block = dit._run_block
+    main = set(dit.layers)
+
+    def measured(block: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        before = torch.cuda.memory_allocated()
+        out = run_block(block, x, *args)
+        if block in main:
+            grown.append(round((torch.cuda.memory_allocated() - before) / 2**20, 1))
+        return out
+
+    dit._run_block = measured
+    try:
+        step()
+    finally:
+        del dit._run_block  # the class's method again
+    return grown
+
+
 def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
     flags = CONFIGS[name]
     device = torch.device(shape.device)
@@ -293,6 +317,9 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
             profile = None
             if shape.profile and device.type == "cuda":
                 profile = kernel_profile(lambda: trainer._run_epoch(run, iter([batch]), _Progress(), *loop), steps=3)
+            grown = None
+            if shape.block_memory and device.type == "cuda":
+                grown = block_memory(run.unet, lambda: trainer._run_epoch(run, iter([batch]), _Progress(), *loop))
             host = None
             if shape.host_profile:
                 host = host_profile(lambda: trainer._run_epoch(run, iter([batch]), _Progress(), *loop), steps=3)
@@ -303,7 +330,8 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
         "peak_reserved_gib": round(peak[0] / GIB, 2), "peak_allocated_gib": round(peak[1] / GIB, 2),
         "peak_reserved_with_load_gib": round(max(with_load, peak[0]) / GIB, 2),
         "host_syncs_per_step": syncs, "host_sync_sites": sync_sites, **({"profile": profile} if profile else {}),
-        **({"host_profile": host} if host else {}), "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
+        **({"host_profile": host} if host else {}), **({"block_memory_mib": grown} if grown else {}),
+        "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
         "checkpointing": run.unet.checkpoint_mode, "policy": run.unet.checkpoint_policy,
         "losses": losses,
     }
@@ -339,7 +367,8 @@ def run_child(cmd: list[str], timeout_s: float) -> tuple[dict[str, Any] | None, 
 def _child(name: str, ns: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.checkpointing", "--single", name, "--snapshot", str(ns.snapshot),
            "--steps", str(ns.steps), "--warmup", str(ns.warmup), *(["--profile"] if ns.profile else []),
-           *(["--host_profile"] if ns.host_profile else [])]
+           *(["--host_profile"] if ns.host_profile else []),
+           *(["--block_memory"] if ns.block_memory else [])]
     t0 = time.perf_counter()
     result, error = run_child(cmd, ns.timeout_s)
     if result is None:
@@ -380,6 +409,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="also record 3 steps with torch.profiler: GPU time per kernel category, top kernels, idle time")
     p.add_argument("--host_profile", action="store_true",
                    help="also run 3 steps under cProfile: the Python functions with the most own and total time")
+    p.add_argument("--block_memory", action="store_true",
+                   help="also record, for one step, the allocated memory each main block's forward adds (MiB)")
     p.add_argument("--single", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -392,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     shape.warmup = ns.warmup if ns.warmup is not None else shape.warmup
     shape.profile = ns.profile
     shape.host_profile = ns.host_profile
+    shape.block_memory = ns.block_memory
     ns.steps, ns.warmup = shape.steps, shape.warmup
     names = [n.strip() for n in (ns.configs or ",".join(CONFIGS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
@@ -492,7 +491,7 @@ class MossImage(nn.Module):
         if self.checkpoint_mode == "unsloth":
             return _run_offloaded(block, x, *args)
         with torch.autograd.graph.save_on_cpu(pin_memory=x.device.type == "cuda"):
-            return checkpoint(block, x, *args, use_reentrant=False)
+            return checkpointed(block, DEFAULT_CHECKPOINTING_POLICY, x, *args)
 
     # ------------------------------------------------------------------------------------------------ compile
     def compile_regions(self, **options: Any) -> None:

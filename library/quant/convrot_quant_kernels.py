@@ -458,10 +458,19 @@ def _scale_rotate_triton(
     y = torch.empty((m, k), dtype=out_dtype, device=x2.device)
     if m == 0:
         return y
-    bm, bk, warps = _tile_launch(k, group_size)
+    bm, bk, launcher = _scale_rotate_plan(k, group_size, row_scale is not None)
     rs = row_scale.to(device=x2.device, dtype=torch.float32).contiguous() if row_scale is not None else y
-    _scale_rotate_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
-        x2, y, rs, m, k, x2.stride(0), y.stride(0),
-        HAS_RS=row_scale is not None, LOG4G=log4(group_size), BK=bk, BM=bm, GATHER=_INTERPRET, num_warps=warps,
-    )
+    launcher(((m + bm - 1) // bm, (k + bk - 1) // bk, 1), (x2, y, rs, m, k, x2.stride(0), y.stride(0)))
     return y
+
+
+def _scale_rotate_plan(k: int, group_size: int, has_rs: bool) -> tuple[int, int, DirectLauncher]:
+    """(BM, BK, its DirectLauncher) of `_scale_rotate_kernel` for a shape (the weight dequantisation runs once per
+    int8 Linear in every eager backward: a launch without Triton's per-call bookkeeping)."""
+    key = ("scale_rotate", k, group_size, has_rs)
+    plan = _QUANT_PLANS.get(key)
+    if plan is None:
+        bm, bk, warps = _tile_launch(k, group_size)
+        const = {"HAS_RS": has_rs, "LOG4G": log4(group_size), "BK": bk, "BM": bm, "GATHER": _INTERPRET}
+        plan = _QUANT_PLANS[key] = (bm, bk, DirectLauncher(_scale_rotate_kernel, const, {"num_warps": warps}))
+    return plan
