@@ -93,9 +93,13 @@ for _n in (10, 20):
                                                        "--cuda_expandable_segments"]
 # the ≤ 9 GiB question: INT8 selective + compile (310 ms at 9.6 GiB) with a few blocks swapped (about 0.12 GiB of int8
 # weights each), and INT8 full checkpointing + compile with the same
-for _n in (4, 8):
+for _n in (4, 6, 8):
     CONFIGS[f"swap{_n}_h2d_selective_compile_int8"] = ["--blocks_to_swap", str(_n), "--block_swap_h2d_only",
                                                        *SELECTIVE, "--compile", "--convrot_int8"]
+    CONFIGS[f"swap{_n}_h2d_selective_compile_int8_expandable"] = [*CONFIGS[f"swap{_n}_h2d_selective_compile_int8"],
+                                                                  "--cuda_expandable_segments"]
+CONFIGS["gc_selective_compile_int8_expandable"] = [*SELECTIVE, "--compile", "--convrot_int8",
+                                                   "--cuda_expandable_segments"]
 CONFIGS["swap8_h2d_full_compile_int8"] = ["--blocks_to_swap", "8", "--block_swap_h2d_only", *GC, "--compile",
                                           "--convrot_int8"]
 # eager without checkpointing: the activation figure of the memory model (library.planning.memory_model), and its

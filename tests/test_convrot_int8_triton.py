@@ -124,6 +124,7 @@ def _check_launch_tuned(device: str) -> bool:
     class FakeTuner:  # stands in for triton.autotune (whose timing needs a GPU): picks one config
         best_config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4,
                                     num_stages=2)
+        configs = [best_config]  # what `first_configs` takes without timing
 
         def __getitem__(self, grid):
             def run(*args, **flags):
@@ -146,7 +147,18 @@ def _check_launch_tuned(device: str) -> bool:
                         {"HAS_SB": True, "HAS_BIAS": False, "EVEN_K": True}, None)
         outs.append(c)
     K._GEMM_PLANS.pop(key, None)
-    return calls == ["tuned"] and all(torch.equal(c, ref) for c in outs)
+    tuned_once = calls == ["tuned"]
+    from library.quant.int8_gemm_kernels import first_configs
+
+    with first_configs():  # the first configuration, no tuner call
+        for _ in range(2):
+            c = torch.empty(40, 24, dtype=torch.bfloat16, device=device)
+            args = (a, b, c, sa, sb, sa, 40, 24, 96, 64, a.stride(0), 1, 1, b.stride(0), c.stride(0), 1)
+            K._launch_tuned(FakeTuner(), K._int8_gemm_kernel, key, 40, 24, args,
+                            {"HAS_SB": True, "HAS_BIAS": False, "EVEN_K": True}, None)
+            outs.append(c)
+    K._GEMM_PLANS.pop(key, None)
+    return tuned_once and calls == ["tuned"] and len(outs) == 4 and all(torch.equal(c, ref) for c in outs)
 
 
 def _assert_checks(res: dict, on_cuda: bool = False) -> None:
@@ -224,7 +236,14 @@ def test_triton_kernels_under_the_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _triton_importable(), reason="needs a CUDA GPU and triton")
 def test_triton_kernels_on_cuda():
-    _assert_checks(run_checks("cuda"), on_cuda=True)
+    from library.quant.int8_gemm_kernels import clear_gemm_plans, first_configs
+
+    try:
+        with first_configs():  # correctness over many small shapes: no autotuning of each (minutes of compiles)
+            res = run_checks("cuda")
+    finally:
+        clear_gemm_plans()
+    _assert_checks(res, on_cuda=True)
 
 
 if __name__ == "__main__":  # python -m tests.test_convrot_int8_triton, from the repository root

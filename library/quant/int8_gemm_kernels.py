@@ -617,6 +617,19 @@ def backward_kernel(name: str) -> Iterator[None]:
         _TUNING["backward"] = saved
 
 
+@contextlib.contextmanager
+def first_configs() -> Iterator[None]:
+    """Within the block, a shape that the table does not pin takes its autotuner's first configuration instead of
+    timing all of them (each a compile of its own): for correctness checks over many small shapes, where the
+    timing would cost minutes and decide nothing. Plans made inside stay after the block; `clear_gemm_plans`
+    forgets them."""
+    saved = _TUNING.get("first_config", False)
+    _TUNING["first_config"] = True
+    try:
+        yield
+    finally:
+        _TUNING["first_config"] = saved
+
 
 _HOPPER: dict[int, bool] = {}
 
@@ -830,6 +843,10 @@ def _launch_tuned(
             tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
             return (min(tiles, programs) if programs else tiles,)
 
+        first = pinned is None and _TUNING.get("first_config", False)
+        if first:  # `first_configs`: no timing
+            cfg = tuned.configs[0]
+            pinned = dict(cfg.kwargs), {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         if pinned is None:
             tuned[grid](*args, **flags)
             cfg = tuned.best_config
