@@ -111,6 +111,15 @@ CONFIGS["no_gc_eager_int8"] = ["--convrot_int8"]
 PLAIN_FORMS_SUFFIX = "_plain_forms"
 for _name in ("no_gc_eager", "gc_full_eager", "gc_full_eager_int8", "gc_selective_eager"):
     CONFIGS[_name + PLAIN_FORMS_SUFFIX] = CONFIGS[_name]
+# bench-only: full checkpointing inside compiled blocks as torch's plain checkpoint tags it (dynamo tags the traced body;
+# library.runtime.checkpointing.COMPILED_FULL), and with AOTAutograd's graph-safe RNG functionalisation left on
+# (library.runtime.compile.keep_cpu_random_stream not applied): the two suspects of the INT8 full-checkpointing memory
+PLAIN_FULL_TAGS = "_plain_full_tags"
+GRAPHSAFE_RNG = "_graphsafe_rng"
+for _name in ("gc_full_compile_int8", "gc_full_compile"):
+    CONFIGS[_name + PLAIN_FULL_TAGS] = CONFIGS[_name]
+    CONFIGS[_name + GRAPHSAFE_RNG] = CONFIGS[_name]
+    CONFIGS[_name + PLAIN_FULL_TAGS + GRAPHSAFE_RNG] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -294,6 +303,14 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
     torch.manual_seed(0)
     total = shape.warmup + shape.steps + 3
     forms = plain_forms() if name.endswith(PLAIN_FORMS_SUFFIX) else contextlib.nullcontext()
+    if PLAIN_FULL_TAGS in name:
+        from library.runtime import checkpointing
+
+        checkpointing.COMPILED_FULL["per_operator_tags"] = False
+    if GRAPHSAFE_RNG in name:
+        from library.runtime import compile as compile_setup
+
+        compile_setup.keep_cpu_random_stream = lambda *a, **k: None
     with tempfile.TemporaryDirectory() as out, forms:
         t0 = time.perf_counter()
         trainer, run, batch = build(snapshot, flags, shape, Path(out), total + 1)

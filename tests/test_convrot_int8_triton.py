@@ -161,6 +161,12 @@ def _check_launch_tuned(device: str) -> bool:
     return tuned_once and calls == ["tuned"] and len(outs) == 4 and all(torch.equal(c, ref) for c in outs)
 
 
+def _few_rows(c: dict) -> float:
+    """A tenth of a case's rows (x is [2, M, K]), at least 2: the scales that the GPU's non-IEEE fp32 division may
+    round one bit away."""
+    return max(2, 0.1 * 2 * c["shape"][0])
+
+
 def _assert_checks(res: dict, on_cuda: bool = False) -> None:
     assert res["has_triton"]
     for c in res["cases"]:
@@ -175,16 +181,16 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
         else:
             assert c["rows_vs_stream_q_mismatch"] <= 0.01 * 2 * c["shape"][0] * c["shape"][1], c
         if exact:  # the tensor-core rotation ("rows_mma"; other shapes and dtypes run "rows") equals eager as well
-            assert c["mma_q_mismatch"] == 0 and c["mma_s_mismatch"] <= (max(2, 0.1 * c["shape"][0]) if on_cuda else 0), c
+            assert c["mma_q_mismatch"] == 0 and c["mma_s_mismatch"] <= (_few_rows(c) if on_cuda else 0), c
             # the same for the two-pass tensor-core quantiser ("tiles_mma"; other groups and dtypes run "rows")
             assert c["tiles_mma_q_mismatch"] == 0, c
-            assert c["tiles_mma_s_mismatch"] <= (max(2, 0.1 * c["shape"][0]) if on_cuda else 0), c
+            assert c["tiles_mma_s_mismatch"] <= (_few_rows(c) if on_cuda else 0), c
         if "fused_y_mismatch" in c:  # the one-kernel forward: the codes and sums of the two-kernel path
             assert c["fused_y_ok"], c
             assert c["fused_y_relerr"] < 1e-3 if on_cuda else c["fused_y_mismatch"] == 0, c
         if exact and on_cuda:  # Triton's fp32 division on the GPU is not IEEE: a scale may differ in its last bit
             # (a few rows), the int8 codes may not; the outputs then follow those scales
-            assert c["q_mismatch"] == 0 and c["s_mismatch"] <= max(2, 0.1 * c["shape"][0]), c
+            assert c["q_mismatch"] == 0 and c["s_mismatch"] <= _few_rows(c), c
             assert c["y_relerr"] < 1e-3, c
         elif exact:  # bf16/fp16 rows: the fp32 transform rounded once to T equals the eager T matmul on these data
             assert c["q_mismatch"] == 0 and c["s_mismatch"] == 0 and c["y_mismatch"] == 0, c
@@ -248,4 +254,10 @@ def test_triton_kernels_on_cuda():
 
 if __name__ == "__main__":  # python -m tests.test_convrot_int8_triton, from the repository root
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    print(json.dumps(run_checks(device)))
+    if device == "cuda":
+        from library.quant.int8_gemm_kernels import first_configs
+
+        with first_configs():
+            print(json.dumps(run_checks(device)))
+    else:
+        print(json.dumps(run_checks(device)))

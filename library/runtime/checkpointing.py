@@ -67,19 +67,35 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _context_fn(policy: str) -> Callable[[], Any] | None:
-    """`context_fn` of torch.utils.checkpoint for `policy` (None: plain checkpointing). A functools.partial of module
-    functions, which torch.compile accepts inside a compiled region."""
+def recompute_all_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The `full` policy as a selective-checkpointing policy: every operator recomputed."""
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# `full` inside a compiled region: tag each aten operator through the policy (True) or leave the tagging to dynamo's
+# checkpoint operator (False, torch's plain form). Dynamo tags the nodes of the traced checkpoint body, not those
+# inside an autograd.Function traced within it (the ConvRot INT8 Linear's formula, `library.quant.convrot_ops`), which
+# the partitioner then keeps for backward as it would without checkpointing: on the H200, 263.5 MiB per full-size
+# INT8 block instead of its 25.5 MiB input (18.0 GiB for the step against 8.5). The policy's dispatch-level tags reach
+# every operator. Eager checkpointing keeps the plain form (a dispatch mode on every operator costs host time there).
+COMPILED_FULL = {"per_operator_tags": True}
+
+
+def _context_fn(policy: str, compiling: bool = False) -> Callable[[], Any] | None:
+    """`context_fn` of torch.utils.checkpoint for `policy` (None: plain checkpointing), `compiling` when called
+    inside a compiled region. A functools.partial of module functions, which torch.compile accepts there."""
     if policy == "selective":
         return functools.partial(create_selective_checkpoint_contexts, selective_policy)
     if policy == "full":
+        if compiling and COMPILED_FULL["per_operator_tags"]:
+            return functools.partial(create_selective_checkpoint_contexts, recompute_all_policy)
         return None
     raise ValueError(f"unknown checkpointing policy {policy!r}: choose one of {', '.join(CHECKPOINTING_POLICIES)}")
 
 
 def checkpointed(fn: Callable[..., torch.Tensor], policy: str, *args: Any) -> torch.Tensor:
     """`fn(*args)` under non-reentrant activation checkpointing with `policy` ("full" or "selective")."""
-    context_fn = _context_fn(policy)
+    context_fn = _context_fn(policy, torch.compiler.is_compiling())
     # determinism_check "none": torch's default records the shape, dtype and device of every tensor the forward saves
     # and compares them after the recomputation, about 2,500 Python calls per eager step of the full-size DiT; a
     # block's shapes depend only on its inputs, so the check can never fire here
