@@ -618,13 +618,13 @@ def backward_kernel(name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def first_configs() -> Iterator[None]:
+def first_configs(enabled: bool = True) -> Iterator[None]:
     """Within the block, a shape that the table does not pin takes its autotuner's first configuration instead of
     timing all of them (each a compile of its own): for correctness checks over many small shapes, where the
     timing would cost minutes and decide nothing. Plans made inside stay after the block; `clear_gemm_plans`
-    forgets them."""
+    forgets them. ``first_configs(False)`` restores the tuning within a block."""
     saved = _TUNING.get("first_config", False)
-    _TUNING["first_config"] = True
+    _TUNING["first_config"] = enabled
     try:
         yield
     finally:
