@@ -124,7 +124,7 @@ def _check_launch_tuned(device: str) -> bool:
     class FakeTuner:  # stands in for triton.autotune (whose timing needs a GPU): picks one config
         best_config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4,
                                     num_stages=2)
-        configs = [best_config]  # what `first_configs` takes without timing
+        configs = (best_config,)  # what `first_configs` takes without timing
 
         def __getitem__(self, grid):
             def run(*args, **flags):
