@@ -252,6 +252,20 @@ H200_ROWS = [
      M.Setup("int8", "selective", skip_blocks=26), "training", 18.55, 19.57),
     ("fifth run: gc + compile, skip 20, expandable", _w5(compile=True, expandable_segments=True),
      M.Setup("bf16", "full", skip_blocks=20), "training", 19.98, 20.73),
+    # sixth run (docs/benchmarks.md): compiled full checkpointing with every operator tagged, INT8 with a few blocks
+    # swapped (h2d-only) for the <= 9 GiB row
+    ("sixth run: INT8 gc + compile", _w5(compile=True), M.Setup("int8", "full"), "training", 7.57, 8.46),
+    ("sixth run: gc + compile", _w5(compile=True), M.Setup("bf16", "full"), "training", 12.00, 12.71),
+    ("sixth run: INT8 selective + compile, swap 4", _w5(compile=True), M.Setup("int8", "selective", 4), "training",
+     8.04, 9.26),
+    ("sixth run: INT8 selective + compile, swap 4, expandable", _w5(compile=True, expandable_segments=True),
+     M.Setup("int8", "selective", 4), "training", 8.04, 9.14),
+    ("sixth run: INT8 selective + compile, swap 6", _w5(compile=True), M.Setup("int8", "selective", 6), "training",
+     7.83, 9.04),
+    ("sixth run: INT8 selective + compile, swap 8", _w5(compile=True), M.Setup("int8", "selective", 8), "training",
+     7.62, 8.72),
+    ("sixth run: INT8 selective + compile, expandable", _w5(compile=True, expandable_segments=True),
+     M.Setup("int8", "selective"), "training", 8.46, 9.69),
     # caching table (16 images of 1024 x 1024)
     ("caching: cache_latents.py", _w(), M.Setup(), "caching latents", 3.37, 3.90),
     ("caching: cache_text_encoder_outputs.py, bf16", _w(), M.Setup(), "caching text-encoder outputs", 14.85, 14.86),
