@@ -295,14 +295,9 @@ def block_memory(dit: Any, step: Callable[[], None]) -> list[float]:
     return grown
 
 
-def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
-    flags = CONFIGS[name]
-    device = torch.device(shape.device)
-    if "--blocks_to_swap" in flags and device.type != "cuda":
-        return {"config": name, "flags": flags, "ok": False, "skipped": "block swap needs a CUDA device"}
-    torch.manual_seed(0)
-    total = shape.warmup + shape.steps + 3
-    forms = plain_forms() if name.endswith(PLAIN_FORMS_SUFFIX) else contextlib.nullcontext()
+def bench_variant(name: str) -> contextlib.AbstractContextManager:
+    """What a bench-only configuration name changes in this process (each configuration runs in a process of its
+    own): the plain forms (a context), dynamo's own checkpoint tags, the graph-safe RNG functionalisation."""
     if PLAIN_FULL_TAGS in name:
         from library.runtime import checkpointing
 
@@ -311,7 +306,17 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
         from library.runtime import compile as compile_setup
 
         compile_setup.keep_cpu_random_stream = lambda *a, **k: None
-    with tempfile.TemporaryDirectory() as out, forms:
+    return plain_forms() if name.endswith(PLAIN_FORMS_SUFFIX) else contextlib.nullcontext()
+
+
+def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
+    flags = CONFIGS[name]
+    device = torch.device(shape.device)
+    if "--blocks_to_swap" in flags and device.type != "cuda":
+        return {"config": name, "flags": flags, "ok": False, "skipped": "block swap needs a CUDA device"}
+    torch.manual_seed(0)
+    total = shape.warmup + shape.steps + 3
+    with tempfile.TemporaryDirectory() as out, bench_variant(name):
         t0 = time.perf_counter()
         trainer, run, batch = build(snapshot, flags, shape, Path(out), total + 1)
         setup_s = time.perf_counter() - t0

@@ -37,7 +37,7 @@ def record(name: str, snapshot: Path, shape: Any, steps: int, out: Path) -> dict
     """Run `steps` trainer steps of configuration `name`; write each step's gradients to `out`/step<i>.safetensors and
     return the losses."""
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ckpt.bench_variant(name):
         trainer, run, batch = ckpt.build(snapshot, ckpt.CONFIGS[name], shape, Path(tmp), steps + 1)
         run.train_dataloader = [batch]
         params = dict(run.network.named_parameters())
