@@ -12,7 +12,8 @@
   23 GiB (12 GiB for the base products and attention alone).
 
 The policy works on the aten operators a block dispatches (`torch.utils.checkpoint` selective checkpointing), so it
-behaves the same in eager mode and inside a `torch.compile`d block (where the partitioner reads the same tags). Any
+behaves the same in eager mode and inside a `torch.compile`d block (where the partitioner reads the same tags).
+Inside a compiled block, `full` is an all-recompute policy of the same kind (`COMPILED_FULL` says why). Any
 operator it does not know (custom ops such as the ConvRot INT8 Linear, other attention backends) is recomputed.
 """
 
@@ -72,12 +73,14 @@ def recompute_all_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkp
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# `full` inside a compiled region: tag each aten operator through the policy (True) or leave the tagging to dynamo's
-# checkpoint operator (False, torch's plain form). Dynamo tags the nodes of the traced checkpoint body, not those
-# inside an autograd.Function traced within it (the ConvRot INT8 Linear's formula, `library.quant.convrot_ops`), which
-# the partitioner then keeps for backward as it would without checkpointing: on the H200, 263.5 MiB per full-size
-# INT8 block instead of its 25.5 MiB input (18.0 GiB for the step against 8.5). The policy's dispatch-level tags reach
-# every operator. Eager checkpointing keeps the plain form (a dispatch mode on every operator costs host time there).
+# `full` inside a compiled region: tag each aten operator through the all-recompute policy (True) or leave the
+# tagging to dynamo's checkpoint operator (False, torch's plain form). With dynamo's tags the H200's compiled ConvRot
+# INT8 step kept the outputs of the q/k/v/o and FFN up/gate int8 Linears for backward: 263.5 MiB per full-size block
+# instead of its 25.5 MiB output, 18.0 GiB for the step against 8.5 (docs/benchmarks.md, sixth run). The likely reason,
+# inferred rather than shown: dynamo tags the nodes of the traced checkpoint body, and the int8 Linear's operator runs
+# inside an autograd.Function traced within it (`library.quant.convrot_ops`); on the CPU both forms recompute. The
+# policy tags at dispatch, so it reaches every operator. Eager checkpointing keeps the plain form (a dispatch mode on
+# every operator costs host time there).
 COMPILED_FULL = {"per_operator_tags": True}
 
 
