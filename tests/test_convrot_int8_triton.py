@@ -139,26 +139,23 @@ def _check_launch_tuned(device: str) -> bool:
     ref = K._epilogue_eager(K.int8_mm(a, b), sa, sb, torch.bfloat16)
     outs = []
     key = ("test", 40, 24, 96)
-    K._GEMM_PLANS.pop(key, None)
     from library.quant.int8_gemm_kernels import first_configs
 
-    with first_configs(False):  # the CUDA checks run under first_configs(): the tuner's own path here
+    def two_calls() -> None:  # a new plan, then its reuse
+        K._GEMM_PLANS.pop(key, None)
         for _ in range(2):
             c = torch.empty(40, 24, dtype=torch.bfloat16, device=device)
             args = (a, b, c, sa, sb, sa, 40, 24, 96, 64, a.stride(0), 1, 1, b.stride(0), c.stride(0), 1)
             K._launch_tuned(FakeTuner(), K._int8_gemm_kernel, key, 40, 24, args,
                             {"HAS_SB": True, "HAS_BIAS": False, "EVEN_K": True}, None)
             outs.append(c)
-    K._GEMM_PLANS.pop(key, None)
+        K._GEMM_PLANS.pop(key, None)
+
+    with first_configs(False):  # the CUDA checks run under first_configs(): the tuner's own path here
+        two_calls()
     tuned_once = calls == ["tuned"]
     with first_configs():  # the first configuration, no tuner call
-        for _ in range(2):
-            c = torch.empty(40, 24, dtype=torch.bfloat16, device=device)
-            args = (a, b, c, sa, sb, sa, 40, 24, 96, 64, a.stride(0), 1, 1, b.stride(0), c.stride(0), 1)
-            K._launch_tuned(FakeTuner(), K._int8_gemm_kernel, key, 40, 24, args,
-                            {"HAS_SB": True, "HAS_BIAS": False, "EVEN_K": True}, None)
-            outs.append(c)
-    K._GEMM_PLANS.pop(key, None)
+        two_calls()
     return tuned_once and calls == ["tuned"] and len(outs) == 4 and all(torch.equal(c, ref) for c in outs)
 
 
