@@ -14,6 +14,8 @@ any GPU idle between steps; the median is over `--steps` steps after `--warmup` 
 warm-up).
 `max_memory_reserved` is read over the measured steps and over the whole process (with the load). Three more steps
 run with CUDA's sync debug mode to count the host syncs per step and name their Python lines (`host_sync_sites`).
+`--block_memory` adds one step that records the allocated memory each main block's forward adds (what the block
+keeps for backward, and its output): a checkpointed full-size block keeps about its 25.5 MiB output.
 Every configuration sees the same inputs, noise and initial LoRA, so the losses must agree (`max_rel_loss_diff`
 against `gc_full_compile`, bf16 rounding aside). Each configuration runs in a process of its own (clean memory
 statistics); `--tiny` runs them in this process.
