@@ -297,18 +297,23 @@ def block_memory(dit: Any, step: Callable[[], None]) -> list[float]:
     return grown
 
 
-def bench_variant(name: str) -> contextlib.AbstractContextManager:
-    """What a bench-only configuration name changes in this process (each configuration runs in a process of its
-    own): the plain forms (a context), dynamo's own checkpoint tags, the graph-safe RNG functionalisation."""
-    if PLAIN_FULL_TAGS in name:
-        from library.runtime import checkpointing
+@contextlib.contextmanager
+def bench_variant(name: str) -> Any:
+    """What a bench-only configuration name changes while it runs (restored afterwards, for --tiny's configurations in
+    one process): the plain forms, dynamo's own checkpoint tags, the graph-safe RNG functionalisation."""
+    from library.runtime import checkpointing
+    from library.runtime import compile as compile_setup
 
+    saved = checkpointing.COMPILED_FULL["per_operator_tags"], compile_setup.keep_cpu_random_stream
+    if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     if GRAPHSAFE_RNG in name:
-        from library.runtime import compile as compile_setup
-
         compile_setup.keep_cpu_random_stream = lambda *a, **k: None
-    return plain_forms() if name.endswith(PLAIN_FORMS_SUFFIX) else contextlib.nullcontext()
+    try:
+        with plain_forms() if name.endswith(PLAIN_FORMS_SUFFIX) else contextlib.nullcontext():
+            yield
+    finally:
+        checkpointing.COMPILED_FULL["per_operator_tags"], compile_setup.keep_cpu_random_stream = saved
 
 
 def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:

@@ -100,8 +100,8 @@ def checkpointed(fn: Callable[..., torch.Tensor], policy: str, *args: Any) -> to
     """`fn(*args)` under non-reentrant activation checkpointing with `policy` ("full" or "selective")."""
     context_fn = _context_fn(policy, torch.compiler.is_compiling())
     # determinism_check "none": torch's default records the shape, dtype and device of every tensor the forward saves
-    # and compares them after the recomputation, about 2,500 Python calls per eager step of the full-size DiT; a
-    # block's shapes depend only on its inputs, so the check can never fire here
+    # and compares them after the recomputation (5,376 records and 42 comparisons per eager step of the full-size
+    # DiT, 22 ms under cProfile on the H200); a block's shapes depend only on its inputs, so the check cannot fire
     if context_fn is None:
         return checkpoint(fn, *args, use_reentrant=False, determinism_check="none")
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, determinism_check="none")
