@@ -32,3 +32,28 @@ def test_tiny_bench_runs_the_trainer_step_per_configuration(tiny_snapshot, tmp_p
     assert host["steps"] == 3 and host["wall_ms_per_call"] > 0
     assert any("_run_epoch" in row["where"] and row["calls"] == 1 for row in host["by_total_time"]), host
     assert all(v > 0 for v in ref) and results["gc_full_compile"]["dynamo_stats"]["unique_graphs"] >= 1
+
+
+def test_block_memory_reads_the_growth_of_each_main_block(monkeypatch):
+    """--block_memory: the allocated memory each main block's forward leaves behind, from the eager block loop; the
+    text refiner's blocks are not listed and the DiT's own `_run_block` is back afterwards."""
+    import torch
+
+    allocated = [0]
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: allocated[0])
+
+    class FakeDit:
+        def __init__(self):
+            self.layers = ["block0", "block1"]
+
+        def _run_block(self, block, x, *args):
+            allocated[0] += {"block0": 3 * 2**20, "block1": 2**19, "refiner": 2**20}[block]
+            return x
+
+        def forward(self):
+            for block in ("refiner", *self.layers):
+                self._run_block(block, None)
+
+    dit = FakeDit()
+    assert bench.block_memory(dit, dit.forward) == [3.0, 0.5]
+    assert "_run_block" not in vars(dit)
