@@ -251,11 +251,8 @@ def test_triton_kernels_on_cuda():
 
 
 if __name__ == "__main__":  # python -m tests.test_convrot_int8_triton, from the repository root
-    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    if device == "cuda":
-        from library.quant.int8_gemm_kernels import first_configs
+    from library.quant.int8_gemm_kernels import first_configs
 
-        with first_configs():
-            print(json.dumps(run_checks(device)))
-    else:
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    with first_configs(device == "cuda"):  # no autotuning of each small shape on the GPU
         print(json.dumps(run_checks(device)))

@@ -299,7 +299,7 @@ _TINY = {dt: float(torch.finfo(dt).tiny) for dt in _FLOAT_DTYPES}
 # GEMM kernel ("auto", or a variant of `library.quant.int8_gemm_kernels.GEMM_VARIANTS`) and the backward.
 _TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "quantiser": "rows", "rows_max": 16384,
                  "rows_elems": 2048, "rows_ept": 16, "tiles_bm": 32, "tiles_warps": 4, "gemm": "auto",
-                 "backward": "dequant"}
+                 "backward": "dequant", "first_config": False}
 QUANTISERS: tuple[str, ...] = ("rows", "stream", "rows_mma", "tiles_mma")
 # (device, dtype) -> H_64 (normalised, exact in bf16/fp16) for the "rows_mma" quantiser
 _H64: dict[tuple, torch.Tensor] = {}

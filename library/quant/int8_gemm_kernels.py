@@ -623,7 +623,7 @@ def first_configs(enabled: bool = True) -> Iterator[None]:
     timing all of them (each a compile of its own): for correctness checks over many small shapes, where the
     timing would cost minutes and decide nothing. Plans made inside stay after the block; `clear_gemm_plans`
     forgets them. ``first_configs(False)`` restores the tuning within a block."""
-    saved = _TUNING.get("first_config", False)
+    saved = _TUNING["first_config"]
     _TUNING["first_config"] = enabled
     try:
         yield
@@ -843,8 +843,7 @@ def _launch_tuned(
             tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
             return (min(tiles, programs) if programs else tiles,)
 
-        first = pinned is None and _TUNING.get("first_config", False)
-        if first:  # `first_configs`: no timing
+        if pinned is None and _TUNING["first_config"]:  # `first_configs`: no timing
             cfg = tuned.configs[0]
             pinned = dict(cfg.kwargs), {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         if pinned is None:
