@@ -356,6 +356,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         noisy, timesteps, sigmas = flow_matching.get_noisy_model_input_and_timesteps(
             sampling, latents, noise, acc.device, torch.float32, generator=generator, timestep_sampling_offset=offset,
             sigmas=fixed_sigmas, ip_noise=run.options.ip_noise if is_train else None,
+            host_generator=generator if generator is not None else run.host_generator,
         )
         embeds, mask = text_conds
         embeds = embeds.to(acc.device, run.weight_dtype)

@@ -12,8 +12,10 @@ A step is the trainer's `process_batch` and the accelerator's backward, then (ex
 optimizer and scheduler steps exactly as `_train_step` does them; the gradients are read between the backward and the
 optimizer step. bf16 rounding aside, two configurations that compute the same thing agree to about 1e-2 in the
 gradients' relative norm difference; a larger figure at one step while the earlier ones agree points at that step.
-Each step also records a digest of the global CPU generator's state before it (the timesteps are drawn there): two
-configurations whose digests part at a step draw other timesteps from it on, whatever their gradients.
+Each step also records a digest of the state of the step's own host generator before it (the timesteps are drawn
+there, `library.training.host_random`): two configurations whose digests part at a step draw other timesteps from it
+on, whatever their gradients. The digest of torch's global CPU generator is recorded beside it: compiled code may draw
+there (the graph-safe RNG functionalisation seeds its generators with it), which no longer changes the timesteps.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def record(name: str, snapshot: Path, shape: Any, steps: int, out: Path) -> dict
         trainer, run, batch = ckpt.build(snapshot, ckpt.CONFIGS[name], shape, Path(tmp), steps + 1)
         run.train_dataloader = [batch]
         params = dict(run.network.named_parameters())
-        losses, cpu_rng = [], []
+        losses, cpu_rng, host_rng = [], [], []
         for step in range(steps):
-            cpu_rng.append(hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:12])
+            cpu_rng.append(_digest(torch.get_rng_state()))
+            host_rng.append(_digest(run.host_generator.get_state()))
             run.train_group.set_current_step(run.global_step)
             with run.accelerator.accumulate():
                 loss = trainer.process_batch(run, batch, is_train=True)
@@ -58,7 +61,11 @@ def record(name: str, snapshot: Path, shape: Any, steps: int, out: Path) -> dict
                     run.lr_scheduler.step()
                     run.optimizer.zero_grad(set_to_none=True)
             run.global_step += 1
-    return {"config": name, "losses": losses, "cpu_rng_before_step": cpu_rng}
+    return {"config": name, "losses": losses, "host_rng_before_step": host_rng, "cpu_rng_before_step": cpu_rng}
+
+
+def _digest(state: torch.Tensor) -> str:
+    return hashlib.sha1(state.numpy().tobytes()).hexdigest()[:12]
 
 
 def compare(ref_dir: Path, other_dir: Path, steps: int, top: int = 8) -> list[dict[str, Any]]:
@@ -135,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             if "error" not in r and "error" not in ref and r is not ref:
                 entry["steps"] = compare(ref["folder"], r["folder"], ns.steps)
                 entry["loss_diff"] = [b - a for a, b in zip(ref["losses"], r["losses"])]
-                entry["same_cpu_rng_before_step"] = [a == b for a, b in zip(ref["cpu_rng_before_step"],
-                                                                            r["cpu_rng_before_step"])]
+                for key in ("host_rng_before_step", "cpu_rng_before_step"):
+                    entry[f"same_{key}"] = [a == b for a, b in zip(ref[key], r[key])]
             payload["results"].append(entry)
     tmp_out = ns.out.with_name(f".{ns.out.name}.tmp")
     tmp_out.write_text(json.dumps(payload, indent=1))

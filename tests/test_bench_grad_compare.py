@@ -21,7 +21,8 @@ def test_tiny_grad_compare_finds_the_same_gradients(tiny_snapshot, tmp_path):
     for row in other["steps"]:
         assert row["grad_rel_diff"] < 1e-5 and row["worst"], row
     assert max(abs(d) for d in other["loss_diff"]) < 1e-5
-    assert other["same_cpu_rng_before_step"] == [True, True]  # the compiled step draws nothing from the CPU stream
+    assert other["same_host_rng_before_step"] == [True, True]  # the same timesteps
+    assert ref["host_rng_before_step"][0] != ref["host_rng_before_step"][1]  # the step draws them there
 
 
 def test_grad_compare_needs_two_known_configurations(capsys):

@@ -367,17 +367,40 @@ def test_trainer_skip_blocks(tiny_snapshot, tmp_path):
                         "--checkpointing_skip_blocks", "99"))
 
 
-@pytest.mark.parametrize("mode, backend, graphsafe", [
-    ("default", "inductor", False), ("max-autotune-no-cudagraphs", "inductor", False), ("default", "aot_eager", False),
-    ("reduce-overhead", "inductor", True), ("max-autotune", "inductor", True), ("default", "cudagraphs", True)])
-def test_compile_keeps_the_cpu_random_stream(mode, backend, graphsafe):
-    """The graph-safe RNG functionalisation seeds its generators with torch.randint on the global CPU generator (where
-    the timesteps come from) at the first run of each compiled graph that recomputes attention on CUDA; --compile
-    turns it off except where CUDA graphs need it (their modes and backend)."""
-    import torch._functorch.config as functorch_config
+def test_draws_on_the_global_generator_leave_the_steps_timesteps_and_module_dropout(tiny_snapshot, tmp_path,
+                                                                                     monkeypatch):
+    """Compiled code may draw on torch's global CPU generator (on CUDA, the graph-safe RNG functionalisation, which
+    --compile keeps, seeds its generators there at the first run of each checkpointed compiled graph). The step
+    draws its timesteps and its module-dropout decisions on a generator of its own (library.training.host_random),
+    so such draws change neither."""
+    from library.moss_image.dit import MossImage
+    from networks.lora_generic import LoRAModule
+    from tests.test_trainer import base_args, make_toy_dataset, train
 
-    from library.runtime.compile import keep_cpu_random_stream
+    data = make_toy_dataset(tmp_path / "data", n=2)
+    forward, add_delta = MossImage.forward, LoRAModule.add_delta
 
-    with functorch_config.patch(graphsafe_rng_functionalization=True):  # restored afterwards
-        keep_cpu_random_stream(mode, backend)
-        assert functorch_config.graphsafe_rng_functionalization is graphsafe
+    def run(perturb: bool) -> tuple[torch.Tensor, list[int]]:
+        timesteps, deltas = [], []
+
+        def dit_forward(self, x, t, *args, **kwargs):
+            timesteps.append(t.detach().clone())
+            deltas.append(0)
+            if perturb:
+                torch.randint(0, 2**31 - 1, (3,))  # as the graph-safe functionalisation's seeding does
+            return forward(self, x, t, *args, **kwargs)
+
+        def counted_add_delta(self, out, x):
+            deltas[-1] += 1
+            return add_delta(self, out, x)
+
+        monkeypatch.setattr(MossImage, "forward", dit_forward)
+        monkeypatch.setattr(LoRAModule, "add_delta", counted_add_delta)
+        train(base_args(tiny_snapshot, data, tmp_path / f"out{perturb}", "--max_train_steps", "4",
+                        "--network_args", "module_dropout=0.5"))
+        return torch.cat(timesteps), deltas
+
+    seen = {perturb: run(perturb) for perturb in (False, True)}
+    assert torch.equal(seen[True][0], seen[False][0])
+    assert seen[True][1] == seen[False][1]
+    assert len(set(seen[False][1])) > 1  # module dropout did drop modules (a different number each step)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from library.errors import UserError
-from library.training import checkpoints, state_io
+from library.training import checkpoints, host_random, state_io
 from library.training.checkpoints import RunFingerprint, TrainState
 from tests.test_write_failures import MainProcess
 
@@ -25,6 +25,7 @@ def write_files(run: str):
         torch.save({"last_epoch": 3}, temp / "scheduler.bin")
         torch.save({"random_state": (3, tuple(range(625)), None), "numpy_random_seed": ("MT19937",),
                     "torch_manual_seed": torch.get_rng_state()}, temp / "random_states_0.pkl")
+        host_random.save_host_generator(host_random.new_host_generator(7), temp, 0)
         (temp / "network.safetensors").write_bytes(run.encode() * 100)
         TrainState(1, 3, fingerprint()).write(temp)
     return write
@@ -46,8 +47,8 @@ def saved(tmp_path: Path, run: str = "first") -> Path:
 def test_a_state_is_sealed_with_a_manifest_and_verified(tmp_path):
     folder = saved(tmp_path)
     entries = state_io.verify_folder(folder)
-    assert set(entries) == {"optimizer.bin", "scheduler.bin", "random_states_0.pkl", "network.safetensors",
-                            "train_state.json"}
+    assert set(entries) == {"optimizer.bin", "scheduler.bin", "random_states_0.pkl", "host_random_0.safetensors",
+                            "network.safetensors", "train_state.json"}
     assert entries["network.safetensors"].size == 500
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no temp or aside folder left
     assert checkpoints.check_resume_folder(str(folder)) == folder
@@ -188,6 +189,26 @@ def test_states_of_earlier_versions_need_resume_inexact(tmp_path):
     with pytest.raises(UserError, match="no manifest.json.*does not record the seed"):
         checkpoints.check_resume(folder, fingerprint(), 0, inexact=False)
     assert checkpoints.check_resume(folder, fingerprint(), 0, inexact=True).step == 3
+
+
+def test_the_steps_random_state_is_restored_and_checked(tmp_path):
+    folder = saved(tmp_path)
+    g = host_random.new_host_generator(7)
+    first = torch.rand(4, generator=g)
+    restored = torch.Generator().manual_seed(123)
+    assert host_random.load_host_generator(restored, folder, 0)
+    assert torch.equal(torch.rand(4, generator=restored), first)  # the saved state is the one before any draw
+    assert not torch.equal(torch.rand(4, generator=host_random.new_host_generator(7, 1)), first)  # per process
+    (folder / "host_random_0.safetensors").unlink()
+    state_io.write_manifest(folder)
+    with pytest.raises(UserError, match="host_random_0.safetensors is missing .a state of an earlier version"):
+        checkpoints.check_resume(folder, fingerprint(), 0, inexact=False)
+    assert checkpoints.check_resume(folder, fingerprint(), 0, inexact=True).step == 3
+    assert not host_random.load_host_generator(restored, folder, 0)  # untouched: the run goes on inexactly
+    (folder / "host_random_0.safetensors").write_bytes(b"not a safetensors file")
+    state_io.write_manifest(folder)
+    with pytest.raises(UserError, match="host_random_0.safetensors cannot be read"):
+        checkpoints.check_resume(folder, fingerprint(), 0, inexact=False)
 
 
 def test_seed_of_the_state_is_used_without_seed(tmp_path):

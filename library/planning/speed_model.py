@@ -41,15 +41,10 @@ SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.953, (True, "int8"
 # with the eager forms of library.runtime.eager_fusion, which took more off bf16's step than off INT8's (the fourth
 # run's 541.4 vs 549.6 ms measured the plain forms). The INT8 steps were unsteady (422-721 ms); the block bench of the
 # same call gives INT8 1.19-1.23x bf16's time even at its fastest decile. Compiled, fourth run: 334.5 vs 339.1 ms
-# (the TMA GEMMs launched raw), with AOTAutograd's graph-safe RNG functionalisation.
+# (the TMA GEMMs launched raw), with AOTAutograd's graph-safe RNG functionalisation. The seventh run (2026-12-02,
+# full checkpointing with every operator of the compiled checkpoint tagged, one call) had INT8 at 332.3-355.2 ms in
+# two processes against bf16's 344.7 ms: the same factor. (The sixth run's 379.2 ms was its call's first process.)
 INT8_FACTOR = {False: 1.306, True: 0.986}
-# compiled full checkpointing of the INT8 DiT as the trainer runs it now, sixth run (2026-12-02, one call): 379.2 ms
-# against bf16's 346.7 ms, both with every operator of the compiled checkpoint tagged for recomputation and with the
-# older RNG functionalisation that keeps the CPU random stream (library.runtime.compile.keep_cpu_random_stream). The
-# graph-safe one gave INT8 331.8 ms in the same call, so the loss is the recomputed attention's RNG state handling;
-# bf16 shows no such loss (346.7 here against 339.1-353.1 ms with the graph-safe one in earlier calls). Selective
-# checkpointing keeps attention (nothing random is recomputed) and no checkpointing recomputes nothing.
-INT8_FULL_COMPILED_FACTOR = 379.2 / 346.7
 # --checkpointing_skip_blocks as the planner may choose it, per checkpointing mode: at most the values where the
 # measured step still followed the line above (bench.checkpointing, fifth H200 run, one call: bf16 gc + compile,
 # skip 20, 306.9 ms against 303.8 predicted from the 344.4 ms without; INT8 selective + compile: 301.3 ms at skip
@@ -84,8 +79,7 @@ def training_step_factor(setup: Setup, w: Workload, num_blocks: int) -> float:
     if setup.skip_blocks and setup.checkpointing in SKIP_BLOCK_MODES:
         factor -= (factor - table["none"]) * min(setup.skip_blocks, num_blocks) / num_blocks
     if setup.dit == "int8":
-        full_compiled = w.compile and setup.checkpointing == "full"
-        factor *= INT8_FULL_COMPILED_FACTOR if full_compiled else INT8_FACTOR[w.compile]
+        factor *= INT8_FACTOR[w.compile]
     factor *= 1 + SWAP_H2D_PER_BLOCK * setup.blocks_to_swap
     if w.text_encoder_in_step:
         te = TE_LORA_STEP["convrot_int8" if setup.te_variant != "none" else "none"]

@@ -2,8 +2,8 @@
 
 Names (sd-scripts style): `<name>-<epoch:06d>.safetensors` per epoch, `<name>-step<step:08d>.safetensors` per step,
 `<name>.safetensors` at the end; states beside them as `<same stem>-state/` folders holding accelerate's state
-(optimizer, scheduler, RNGs, data order), `network.safetensors` (exact fp32 LoRA weights), `train_state.json` and
-`manifest.json`; the folders are written and checked by `library.training.state_io`.
+(optimizer, scheduler, RNGs, data order), `host_random_<i>.safetensors` (the step's own generator, `host_random`),
+`network.safetensors` (exact fp32 LoRA weights), `train_state.json` and `manifest.json`; the folders are written and checked by `library.training.state_io`.
 
 `train_state.json` holds the epoch and step, and what a resume must repeat to continue exactly (`RunFingerprint`):
 the seed, the batch sizes, the gradient accumulation, the number of processes and two hashes of the dataset (its
@@ -30,7 +30,7 @@ import torch
 
 from library.errors import UserError
 from library.files.safetensors_io import write_text_atomic
-from library.training import state_io
+from library.training import host_random, state_io
 
 logger = logging.getLogger(__name__)
 
@@ -219,9 +219,10 @@ def check_resume(folder: Path, current: RunFingerprint, process_index: int, inex
         problems.append(f"its {STATE_FILE} does not record the seed, batch sizes and dataset of its run")
     else:
         problems += current.differences(state.run)
-    random_problem = random_state_problem(folder, process_index)
-    if random_problem:
-        problems.append(random_problem)
+    for random_problem in (random_state_problem(folder, process_index),
+                           host_random.host_random_problem(folder, process_index)):
+        if random_problem:
+            problems.append(random_problem)
     if problems:
         what = "; ".join(problems)
         if not inexact:

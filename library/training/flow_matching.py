@@ -426,6 +426,7 @@ def get_noisy_model_input_and_timesteps(
     sigmas: torch.Tensor | None = None,
     ip_noise: InputPerturbation | None = None,
     noise_scheduler: FlowMatchEulerDiscreteScheduler | None = None,
+    host_generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Noise a batch of latents ``[B, C, h, w]`` for one training step.
 
@@ -434,13 +435,16 @@ def get_noisy_model_input_and_timesteps(
     per sample, broadcastable against the latents, as sd-scripts returns them). Pass ``sigmas`` (one value or [B]) to
     use fixed noise levels instead of sampling (validation). With ``ip_noise`` (--ip_noise_gamma; None for none, as
     in validation) the input gets extra noise ``gamma * xi`` scaled by sigma; the training target ``noise - latents``
-    is unchanged.
+    is unchanged. ``generator`` draws everything (the validation's fixed streams); ``host_generator`` (default
+    ``generator``) only the draws made on the host, the sigmas and the ip-noise strength, while the noise tensors come
+    from ``generator`` or the device's stream (the trainer's step, ``library.training.host_random``).
     """
     bsz = latents.shape[0]
+    host_generator = host_generator if host_generator is not None else generator
     device = torch.device(device) if device is not None else latents.device
     if sigmas is None:
         flat, timesteps = sample_sigmas_and_timesteps(
-            sampling, bsz, latents.shape[-2:], None, generator, timestep_sampling_offset, noise_scheduler
+            sampling, bsz, latents.shape[-2:], None, host_generator, timestep_sampling_offset, noise_scheduler
         )
     else:
         flat = torch.as_tensor(sigmas, dtype=torch.float32).detach().cpu().flatten()
@@ -459,7 +463,7 @@ def get_noisy_model_input_and_timesteps(
     if gamma:
         xi = _ip_noise_like(latents, generator)
         if ip_noise.random_strength:
-            gamma = float(_draw("uniform", 1, generator)[0]) * gamma
+            gamma = float(_draw("uniform", 1, host_generator)[0]) * gamma
         noisy = (1.0 - s) * latents.float() + s * (noise.float() + gamma * xi.float())
     else:
         noisy = (1.0 - s) * latents.float() + s * noise.float()

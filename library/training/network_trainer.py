@@ -34,7 +34,7 @@ from library.runtime.compile import apply_cuda_backend_options
 from library.runtime.checkpointing import check_checkpointing_args, skip_blocks
 from library.training import checkpoints as train_checkpoints
 from library.training import flow_matching
-from library.training import nonfinite, run_checks, sensitive_options, state_io, trackers
+from library.training import host_random, nonfinite, run_checks, sensitive_options, state_io, trackers
 from library.training.args import check_sd_scripts_options
 from library.training.grad_reduce import all_reduce_mean_bucketed
 from library.training.run_options import RunOptions
@@ -76,6 +76,7 @@ class RunState:
     last_validation_loss: float | None = None
     final_path: Path | None = None
     base_model_hashes: base_model_hash.BaseModelHashes | None = None  # ss_sd_model_* / ss_vae_* (main process)
+    host_generator: torch.Generator | None = None  # the step's host draws: timesteps, ... (`host_random`)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -267,6 +268,11 @@ class NetworkTrainer(abc.ABC):
         )
         return acc
 
+    def _start_host_random(self, run: RunState) -> None:
+        """The step's own generator of its host draws (`host_random`), from --seed and the process index."""
+        seed = run.args.seed if run.args.seed is not None else 0
+        run.host_generator = host_random.new_host_generator(seed, run.accelerator.process_index)
+
     def _create_network(self, run: RunState) -> None:
         args = run.args
         try:
@@ -305,6 +311,8 @@ class NetworkTrainer(abc.ABC):
             info = network.load_weights(args.network_weights)
             logger.info("loaded network weights from %s: %s", args.network_weights, info)
         run.network = network
+        if hasattr(network, "set_host_generator"):  # --network_args module_dropout= draws on the step's generator
+            network.set_host_generator(run.host_generator)
 
     def _optimizer_and_scheduler(self, run: RunState) -> None:
         from library.training import optimizers
@@ -394,6 +402,7 @@ class NetworkTrainer(abc.ABC):
         self.assert_extra_args(args, run.train_group, run.val_group)
 
         run.accelerator = self._prepare_accelerator(args, options.log_with)
+        self._start_host_random(run)
         _version, run.text_encoders, run.vae, run.unet = self.load_target_model(args, run.weight_dtype, run.accelerator)
         if args.cache_latents:
             self.cache_latents(run)
@@ -789,6 +798,7 @@ class NetworkTrainer(abc.ABC):
 
         def write(temp: Path) -> None:
             acc.save_state(str(temp))
+            host_random.save_host_generator(run.host_generator, temp, acc.process_index)
             if acc.is_main_process:
                 run.network.save_weights(str(temp / train_checkpoints.NETWORK_STATE_FILE), torch.float32, None)
                 train_checkpoints.TrainState(run.epoch, run.global_step, fingerprint).write(temp)
@@ -801,6 +811,7 @@ class NetworkTrainer(abc.ABC):
         current = train_checkpoints.run_fingerprint(run.args, run.train_group, acc.num_processes)
         state = train_checkpoints.check_resume(folder, current, acc.process_index, run.args.resume_inexact)
         train_checkpoints.load_accelerator_state(acc, folder)
+        host_random.load_host_generator(run.host_generator, folder, acc.process_index)
         run.network.load_weights(str(folder / train_checkpoints.NETWORK_STATE_FILE))
         self._start_at_step(run, state.step, skip=True)
         logger.info("resumed from %s at step %d (epoch %d)", folder, run.global_step, run.epoch + 1)
