@@ -16,6 +16,8 @@ warm-up).
 run with CUDA's sync debug mode to count the host syncs per step and name their Python lines (`host_sync_sites`).
 `--block_memory` adds one step that records the allocated memory each main block's forward adds (what the block
 keeps for backward, and its output): a checkpointed full-size block keeps about its 25.5 MiB output.
+`--memory_cap_gib G` lets each configuration's process reserve at most G GiB (a card of that size): the step must fit,
+and `num_alloc_retries` counts the times the allocator had to free its cache to do so.
 Every configuration sees the same inputs, noise and initial LoRA, so the losses must agree (`max_rel_loss_diff`
 against `gc_full_compile`, bf16 rounding aside). Each configuration runs in a process of its own (clean memory
 statistics); `--tiny` runs them in this process.
@@ -84,7 +86,7 @@ CONFIGS: dict[str, list[str]] = {
 # the curve of --checkpointing_skip_blocks beyond the measured 10 / 13 / 16 (the planner's speed model assumes each
 # skipped block saves its recomputation; the fourth run's 16 was slower and unsteady): INT8 selective and bf16 full,
 # each also with expandable segments (the allocator question)
-for _n in (20, 26, 32):
+for _n in (18, 20, 26, 32):
     CONFIGS[f"gc_selective_compile_int8_skip{_n}"] = [*SELECTIVE, "--checkpointing_skip_blocks", str(_n), "--compile",
                                                       "--convrot_int8"]
     CONFIGS[f"gc_selective_compile_int8_skip{_n}_expandable"] = [*CONFIGS[f"gc_selective_compile_int8_skip{_n}"],
@@ -114,14 +116,15 @@ PLAIN_FORMS_SUFFIX = "_plain_forms"
 for _name in ("no_gc_eager", "gc_full_eager", "gc_full_eager_int8", "gc_selective_eager"):
     CONFIGS[_name + PLAIN_FORMS_SUFFIX] = CONFIGS[_name]
 # bench-only: full checkpointing inside compiled blocks as torch's plain checkpoint tags it (dynamo tags the traced body;
-# library.runtime.checkpointing.COMPILED_FULL), and with AOTAutograd's graph-safe RNG functionalisation left on
-# (library.runtime.compile.keep_cpu_random_stream not applied): the two suspects of the INT8 full-checkpointing memory
+# library.runtime.checkpointing.COMPILED_FULL), and with AOTAutograd's older RNG functionalisation (the trainer's
+# setting until its host draws got their own generator, library.training.host_random). `_graphsafe_rng`, the
+# sixth run's name for the graph-safe one, is the trainer's default now: those names run the plain configuration.
 PLAIN_FULL_TAGS = "_plain_full_tags"
 GRAPHSAFE_RNG = "_graphsafe_rng"
-for _name in ("gc_full_compile_int8", "gc_full_compile"):
-    CONFIGS[_name + PLAIN_FULL_TAGS] = CONFIGS[_name]
-    CONFIGS[_name + GRAPHSAFE_RNG] = CONFIGS[_name]
-    CONFIGS[_name + PLAIN_FULL_TAGS + GRAPHSAFE_RNG] = CONFIGS[_name]
+OLDER_RNG = "_older_rng"
+for _name in ("gc_full_compile_int8", "gc_full_compile", "swap8_h2d_full_compile_int8"):
+    for _variant in (PLAIN_FULL_TAGS, GRAPHSAFE_RNG, OLDER_RNG, PLAIN_FULL_TAGS + GRAPHSAFE_RNG):
+        CONFIGS.setdefault(_name + _variant, CONFIGS[_name])
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -134,10 +137,10 @@ class Shape(SimpleNamespace):
 
 
 FULL = Shape(image=1024, text_tokens=256, rank=16, device="cuda", precision="bf16", backend="inductor", steps=20,
-             warmup=3, profile=False, host_profile=False, block_memory=False)
+             warmup=3, profile=False, host_profile=False, block_memory=False, memory_cap_gib=None)
 # fp32 on the CPU (bf16 matmuls there are slow) and dynamo without code generation: a smoke run in seconds
 TINY = Shape(image=64, text_tokens=8, rank=4, device="cpu", precision="no", backend="eager", steps=3, warmup=1,
-             profile=False, host_profile=False, block_memory=False)
+             profile=False, host_profile=False, block_memory=False, memory_cap_gib=None)
 
 
 class _OneBucket:
@@ -181,6 +184,7 @@ def build(snapshot: Path, flags: list[str], shape: Shape, out_dir: Path, total_s
     trainer._check_swap_and_int8_args(args)
     run = RunState(args, RunOptions.from_args(args, False))
     run.accelerator = trainer._prepare_accelerator(args, run.options.log_with)
+    trainer._start_host_random(run)
     run.train_group, run.text_encoders, run.max_train_steps = _OneBucket(shape.image), [None], total_steps
     run.unet, run.text_encoders = trainer.load_unet_lazily(args, run.weight_dtype, run.accelerator, run.text_encoders)
     trainer._create_network(run)
@@ -300,20 +304,21 @@ def block_memory(dit: Any, step: Callable[[], None]) -> list[float]:
 @contextlib.contextmanager
 def bench_variant(name: str) -> Any:
     """What a bench-only configuration name changes while it runs (restored afterwards, for --tiny's configurations in
-    one process): the plain forms, dynamo's own checkpoint tags, the graph-safe RNG functionalisation."""
-    from library.runtime import checkpointing
-    from library.runtime import compile as compile_setup
+    one process): the plain forms, dynamo's own checkpoint tags, the older RNG functionalisation."""
+    import torch._functorch.config as functorch_config
 
-    saved = checkpointing.COMPILED_FULL["per_operator_tags"], compile_setup.keep_cpu_random_stream
+    from library.runtime import checkpointing
+
+    saved = checkpointing.COMPILED_FULL["per_operator_tags"]
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
-    if GRAPHSAFE_RNG in name:
-        compile_setup.keep_cpu_random_stream = lambda *a, **k: None
+    older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
     try:
-        with plain_forms() if name.endswith(PLAIN_FORMS_SUFFIX) else contextlib.nullcontext():
+        with (functorch_config.patch(graphsafe_rng_functionalization=False) if older_rng else contextlib.nullcontext(),
+              plain_forms() if name.endswith(PLAIN_FORMS_SUFFIX) else contextlib.nullcontext()):
             yield
     finally:
-        checkpointing.COMPILED_FULL["per_operator_tags"], compile_setup.keep_cpu_random_stream = saved
+        checkpointing.COMPILED_FULL["per_operator_tags"] = saved
 
 
 def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
@@ -322,6 +327,11 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
     if "--blocks_to_swap" in flags and device.type != "cuda":
         return {"config": name, "flags": flags, "ok": False, "skipped": "block swap needs a CUDA device"}
     torch.manual_seed(0)
+    if "--cuda_expandable_segments" in flags:  # before the cap below starts CUDA, as the trainer sets it before loading
+        from library.runtime.compile import enable_expandable_segments
+
+        enable_expandable_segments()
+    cap = cap_memory(shape.memory_cap_gib, device)
     total = shape.warmup + shape.steps + 3
     with tempfile.TemporaryDirectory() as out, bench_variant(name):
         t0 = time.perf_counter()
@@ -364,7 +374,7 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
         "peak_reserved_with_load_gib": round(max(with_load, peak[0]) / GIB, 2),
         "host_syncs_per_step": syncs, "host_sync_sites": sync_sites, **({"profile": profile} if profile else {}),
         **({"host_profile": host} if host else {}), **({"block_memory_mib": grown} if grown else {}),
-        "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
+        "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1), **cap, **allocator_retries(device),
         "checkpointing": run.unet.checkpoint_mode, "policy": run.unet.checkpoint_policy,
         "losses": losses,
     }
@@ -373,6 +383,26 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
 
         result["dynamo_stats"] = {k: int(v) for k, v in counters["stats"].items()}
     return result
+
+
+def cap_memory(gib: float | None, device: torch.device) -> dict[str, Any]:
+    """--memory_cap_gib: the caching allocator of this process may reserve at most `gib` GiB, as on a card of that
+    size (less its driver memory), so the step must fit: at the cap the allocator frees its cached blocks and
+    retries before it gives up (`num_alloc_retries` counts those), and reserved memory above the cap is not there to
+    be measured."""
+    if gib is None or device.type != "cuda":
+        return {}
+    index = torch.cuda.current_device() if device.index is None else device.index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), index)
+    return {"memory_cap_gib": gib}
+
+
+def allocator_retries(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"num_alloc_retries": int(stats.get("num_alloc_retries", 0)), "num_ooms": int(stats.get("num_ooms", 0))}
 
 
 def compare(results: list[dict[str, Any]]) -> None:
@@ -401,7 +431,8 @@ def _child(name: str, ns: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.checkpointing", "--single", name, "--snapshot", str(ns.snapshot),
            "--steps", str(ns.steps), "--warmup", str(ns.warmup), *(["--profile"] if ns.profile else []),
            *(["--host_profile"] if ns.host_profile else []),
-           *(["--block_memory"] if ns.block_memory else [])]
+           *(["--block_memory"] if ns.block_memory else []),
+           *(["--memory_cap_gib", str(ns.memory_cap_gib)] if ns.memory_cap_gib is not None else [])]
     t0 = time.perf_counter()
     result, error = run_child(cmd, ns.timeout_s)
     if result is None:
@@ -444,6 +475,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="also run 3 steps under cProfile: the Python functions with the most own and total time")
     p.add_argument("--block_memory", action="store_true",
                    help="also record, for one step, the allocated memory each main block's forward adds (MiB)")
+    p.add_argument("--memory_cap_gib", type=float, default=None,
+                   help="let each configuration's process reserve at most this much GPU memory (a card of that size)")
     p.add_argument("--single", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -457,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     shape.profile = ns.profile
     shape.host_profile = ns.host_profile
     shape.block_memory = ns.block_memory
+    shape.memory_cap_gib = ns.memory_cap_gib
     ns.steps, ns.warmup = shape.steps, shape.warmup
     names = [n.strip() for n in (ns.configs or ",".join(CONFIGS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]

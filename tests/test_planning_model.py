@@ -232,7 +232,9 @@ H200_ROWS = [
     ("checkpointing: INT8 no checkpointing + compile", _w(text_tokens=256, compile=True), M.Setup("int8", "none"),
      "training", 24.99, 26.12),
     # bench.checkpointing, fifth H200 run (JSON in docs/bench_results/h200_2026-12-01e/): the eager forms and their
-    # plain twins in one run; the --checkpointing_skip_blocks curve with expandable segments
+    # plain twins in one run; the --checkpointing_skip_blocks curve. Its `_expandable` configurations did not have
+    # expandable segments: the bench's set-up never applied --cuda_expandable_segments (found in the seventh run), so
+    # those rows are the plain allocator's
     ("fifth run: no checkpointing, eager", _w5(), M.Setup("bf16", "none"), "training", 32.08, 32.32),
     ("fifth run: no checkpointing, eager, plain forms", _w5(eager_forms=False), M.Setup("bf16", "none"), "training",
      36.27, 37.25),
@@ -244,13 +246,13 @@ H200_ROWS = [
     ("fifth run: gc + compile", _w5(compile=True), M.Setup("bf16", "full"), "training", 12.00, 12.71),
     ("fifth run: INT8 selective + compile, skip 13", _w5(compile=True), M.Setup("int8", "selective", skip_blocks=13),
      "training", 13.29, 14.36),
-    ("fifth run: INT8 selective + compile, skip 16, expandable", _w5(compile=True, expandable_segments=True),
+    ("fifth run: INT8 selective + compile, skip 16", _w5(compile=True),
      M.Setup("int8", "selective", skip_blocks=16), "training", 14.51, 15.54),
-    ("fifth run: INT8 selective + compile, skip 20, expandable", _w5(compile=True, expandable_segments=True),
+    ("fifth run: INT8 selective + compile, skip 20", _w5(compile=True),
      M.Setup("int8", "selective", skip_blocks=20), "training", 16.12, 17.15),
-    ("fifth run: INT8 selective + compile, skip 26, expandable", _w5(compile=True, expandable_segments=True),
+    ("fifth run: INT8 selective + compile, skip 26", _w5(compile=True),
      M.Setup("int8", "selective", skip_blocks=26), "training", 18.55, 19.57),
-    ("fifth run: gc + compile, skip 20, expandable", _w5(compile=True, expandable_segments=True),
+    ("fifth run: gc + compile, skip 20", _w5(compile=True),
      M.Setup("bf16", "full", skip_blocks=20), "training", 19.98, 20.73),
     # sixth run (docs/benchmarks.md): compiled full checkpointing with every operator tagged, INT8 with a few blocks
     # swapped (h2d-only) for the <= 9 GiB row
@@ -258,14 +260,23 @@ H200_ROWS = [
     ("sixth run: gc + compile", _w5(compile=True), M.Setup("bf16", "full"), "training", 12.00, 12.71),
     ("sixth run: INT8 selective + compile, swap 4", _w5(compile=True), M.Setup("int8", "selective", 4), "training",
      8.04, 9.26),
-    ("sixth run: INT8 selective + compile, swap 4, expandable", _w5(compile=True, expandable_segments=True),
+    ("sixth run: INT8 selective + compile, swap 4 (plain allocator, as above)", _w5(compile=True),
      M.Setup("int8", "selective", 4), "training", 8.04, 9.14),
     ("sixth run: INT8 selective + compile, swap 6", _w5(compile=True), M.Setup("int8", "selective", 6), "training",
      7.83, 9.04),
     ("sixth run: INT8 selective + compile, swap 8", _w5(compile=True), M.Setup("int8", "selective", 8), "training",
      7.62, 8.72),
-    ("sixth run: INT8 selective + compile, expandable", _w5(compile=True, expandable_segments=True),
+    ("sixth run: INT8 selective + compile (plain allocator, as above)", _w5(compile=True),
      M.Setup("int8", "selective"), "training", 8.46, 9.69),
+    # seventh run (docs/bench_results/h200_2026-12-02b/), under a memory cap (bench.checkpointing --memory_cap_gib),
+    # with expandable segments in effect: the trainer's flag, or PYTORCH_CUDA_ALLOC_CONF set before the process
+    ("seventh run: INT8 selective + compile, expandable, 9 GiB cap", _w5(compile=True, expandable_segments=True),
+     M.Setup("int8", "selective"), "training", 8.46, 8.73),
+    ("seventh run: INT8 selective + compile, swap 4, expandable, 9 GiB cap",
+     _w5(compile=True, expandable_segments=True), M.Setup("int8", "selective", 4), "training", 8.04, 8.30),
+    ("seventh run: INT8 selective + compile, skip 18, expandable, 16 GiB cap",
+     _w5(compile=True, expandable_segments=True), M.Setup("int8", "selective", skip_blocks=18), "training",
+     15.24, 15.43),
     # caching table (16 images of 1024 x 1024)
     ("caching: cache_latents.py", _w(), M.Setup(), "caching latents", 3.37, 3.90),
     ("caching: cache_text_encoder_outputs.py, bf16", _w(), M.Setup(), "caching text-encoder outputs", 14.85, 14.86),

@@ -7,17 +7,25 @@ import os
 import numpy as np
 
 
-def test_expandable_segments_option_sets_the_allocator_config(monkeypatch):
+def test_expandable_segments_option_sets_the_running_allocator(monkeypatch):
+    """torch reads PYTORCH_CUDA_ALLOC_CONF when it is imported: the option tells the running allocator (on the H200
+    the variable set at run time had no effect, docs/benchmarks.md), and sets the variable for child processes."""
+    import torch
+
     from library.runtime.compile import enable_expandable_segments
     from moss_image_train_network import setup_parser
 
     assert "--cuda_expandable_segments" in setup_parser().format_help()
+    told: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", told.append, raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     enable_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert told == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    enable_expandable_segments()  # the user's own setting wins
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    enable_expandable_segments()  # the user's own setting wins (torch read it at import)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128" and told == ["expandable_segments:True"]
 
 
 def test_fullgraph_compile_with_convrot_int8_trains(tiny_snapshot, tmp_path):

@@ -95,7 +95,6 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
     from library.quant.convrot_ops import enable_inductor_quantize_dedupe  # torch and triton: loaded when compiling
 
     enable_inductor_quantize_dedupe()  # INT8 inference graphs: q, k and v share one quantised input
-    keep_cpu_random_stream(args.compile_mode, args.compile_backend)
     dynamic = {"true": True, "false": False}.get(args.compile_dynamic, None)
     if dynamic is None:
         dynamic = True if num_shapes > 1 else None
@@ -109,39 +108,25 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
                         fullgraph=args.compile_fullgraph)
 
 
-# modes and backends whose compiled graphs run as CUDA graphs (torch.compile's mode presets, dynamo's backend)
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-CUDA_GRAPH_BACKENDS = ("cudagraphs",)
-
-
-def keep_cpu_random_stream(mode: str, backend: str = "inductor") -> None:
-    """Keep the compiled training step from drawing on the global CPU generator, which draws the timesteps.
-
-    With full checkpointing inside a compiled block, attention (an op torch tags as random, for its dropout) is
-    recomputed in backward. On CUDA, AOTAutograd's "graph-safe" RNG functionalisation then seeds a private generator
-    for each such op at the first run of each compiled graph, with `torch.randint` on the CPU: the later steps of the
-    run draw other timesteps than eager or selective checkpointing would (the likely cause of the other loss
-    sequence of full checkpointing + compile on the H200, docs/benchmarks.md), and a resumed run, which compiles
-    again, other ones than the uninterrupted run. The older functionalisation saves and restores the CUDA
-    generator's state around the op instead and draws nothing. The CUDA-graph modes and backend need the graph-safe
-    one (a CUDA graph cannot capture that save and restore), so they keep it and its draws."""
-    import torch._functorch.config as functorch_config
-
-    # a torch without the setting (before the graph-safe functionalisation existed) has only the older one
-    if (mode not in CUDA_GRAPH_MODES and backend not in CUDA_GRAPH_BACKENDS
-            and hasattr(functorch_config, "graphsafe_rng_functionalization")):
-        functorch_config.graphsafe_rng_functionalization = False
-
-
 def enable_expandable_segments() -> None:
-    """--cuda_expandable_segments (trainer and inference): the allocator's expandable segments, set before CUDA
-    starts (a setting the user made in PYTORCH_CUDA_ALLOC_CONF wins)."""
+    """--cuda_expandable_segments (trainer and inference): the allocator's expandable segments (a setting the user
+    made in PYTORCH_CUDA_ALLOC_CONF wins). torch reads that variable once, when it is imported, so setting it here
+    would reach only child processes: the running allocator is told through its settings call instead (measured on
+    the H200: INT8 selective + compile fitted a 9 GiB cap only this way, docs/benchmarks.md)."""
     import os
 
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        logger.warning("--cuda_expandable_segments: CUDA is already initialised in this process, so the setting has"
-                       " no effect; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting instead")
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        logger.info("--cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=%s is set and wins",
+                    os.environ["PYTORCH_CUDA_ALLOC_CONF"])
         return
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # child processes (data-loader workers)
+    if not torch.cuda.is_available():
+        return
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        logger.warning("--cuda_expandable_segments: this torch cannot change the allocator's settings at run time;"
+                       " set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting instead")
+        return
+    setter("expandable_segments:True")
