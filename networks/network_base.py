@@ -179,7 +179,6 @@ class AdapterModule(nn.Module, ABC):
         self.dropout = dropout
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
-        self.host_generator: torch.Generator | None = None  # module dropout's draws (None: torch's global generator)
         self.enabled = True
         self._org_module = [org_module]  # a list keeps it out of this module's children and state_dict
         self._org_forward = None
@@ -217,7 +216,9 @@ class AdapterModule(nn.Module, ABC):
         out = self._org_forward(x, *args, **kwargs)
         if not self.enabled or self.multiplier == 0:
             return out
-        if self.training and self.module_dropout and torch.rand((), generator=self.host_generator) < self.module_dropout:
+        # on torch's global CPU generator, which checkpointing saves and restores, so that a recomputed forward makes
+        # the same decision as the first one (a generator of the trainer's own would not be restored)
+        if self.training and self.module_dropout and torch.rand(()) < self.module_dropout:
             return out
         return self.add_delta(out, x)
 
@@ -397,12 +398,6 @@ class AdapterNetwork(nn.Module):
         self.multiplier = float(multiplier)
         for lora in self.text_encoder_loras + self.unet_loras:
             lora.multiplier = self.multiplier
-
-    def set_host_generator(self, generator: torch.Generator | None) -> None:
-        """The CPU generator of the modules' module-dropout decisions (the trainer's step generator; None: torch's
-        global one)."""
-        for lora in self.text_encoder_loras + self.unet_loras:
-            lora.host_generator = generator
 
     def set_enabled(self, enabled: bool) -> None:
         for lora in self.text_encoder_loras + self.unet_loras:

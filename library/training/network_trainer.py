@@ -311,8 +311,6 @@ class NetworkTrainer(abc.ABC):
             info = network.load_weights(args.network_weights)
             logger.info("loaded network weights from %s: %s", args.network_weights, info)
         run.network = network
-        if hasattr(network, "set_host_generator"):  # --network_args module_dropout= draws on the step's generator
-            network.set_host_generator(run.host_generator)
 
     def _optimizer_and_scheduler(self, run: RunState) -> None:
         from library.training import optimizers
