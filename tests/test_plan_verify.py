@@ -10,12 +10,12 @@ from bench import plan_verify
 
 def test_plan_verify_tiny_runs(tmp_path):
     out = tmp_path / "out"
-    assert plan_verify.main(["--tiny", "--root", str(tmp_path / "work"), "--out", str(out), "--budgets", "1.4,8",
+    assert plan_verify.main(["--tiny", "--root", str(tmp_path / "work"), "--out", str(out), "--budgets", "1,8",
                              "--steps", "2", "--images", "1"]) == 0
     report = json.loads((out / "plan_verify.json").read_text())
     too_small, trained = report["runs"]
-    assert too_small["budget_gib"] == 1.4 and too_small["returncode"] == 2
-    assert too_small["error"].startswith("--vram_budget 1.4 GiB is too small for this run")
+    assert too_small["budget_gib"] == 1 and too_small["returncode"] == 2
+    assert too_small["error"].startswith("--vram_budget 1 GiB is too small for this run")
     assert trained["returncode"] == 0 and trained["error"] is None and not trained["oom"]
     assert len(trained["steps_s"]) == 2 and trained["step_median_s"] > 0
     plan = trained["plan"]

@@ -8,8 +8,9 @@ import numpy as np
 
 
 def test_expandable_segments_option_sets_the_running_allocator(monkeypatch):
-    """torch reads PYTORCH_CUDA_ALLOC_CONF when it is imported: the option tells the running allocator (on the H200
-    the variable set at run time had no effect, docs/benchmarks.md), and sets the variable for child processes."""
+    """torch reads PYTORCH_CUDA_ALLOC_CONF when its allocator settings are first used, which may be before the option
+    is read (on the H200 the variable set at run time had no effect, docs/benchmarks.md): the option tells the running
+    allocator, and sets the variable for child processes."""
     import torch
 
     from library.runtime.compile import enable_expandable_segments
@@ -18,13 +19,13 @@ def test_expandable_segments_option_sets_the_running_allocator(monkeypatch):
     assert "--cuda_expandable_segments" in setup_parser().format_help()
     told: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", told.append, raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", told.append, raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     enable_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert told == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    enable_expandable_segments()  # the user's own setting wins (torch read it at import)
+    enable_expandable_segments()  # the user's own setting wins
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128" and told == ["expandable_segments:True"]
 
 

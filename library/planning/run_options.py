@@ -8,7 +8,10 @@ counts) or when it appears on the command line (`--te_quant none` too). The plan
   `--te_quant`, `--te_device`, `--checkpointing_skip_blocks` (a given value is kept and modelled, full or selective
   checkpointing only; otherwise unswapped full/selective candidates get a twin with the most blocks left out that fits,
   up to `speed_model.PLANNED_SKIP_MAX`);
-- inference: `--convrot_int8`, `--blocks_to_swap`, `--convrot_int8_text_encoder`, `--te_quant`, `--text_encoder_cpu`.
+- inference: `--convrot_int8`, `--blocks_to_swap`, `--convrot_int8_text_encoder`, `--te_quant`, `--text_encoder_cpu`;
+- both: `--cuda_expandable_segments`, on unless PYTORCH_CUDA_ALLOC_CONF is set (then its own `expandable_segments`
+  value is modelled): the allocator's slack is smaller with it, and on the H200 it was what let ConvRot INT8 with
+  selective checkpointing and `--compile` fit 9 GiB (docs/benchmarks.md, seventh run).
 
 The workload: the largest image of the run (training: the resolution of each dataset of the dataset config or of
 `--resolution`, whose area bounds every bucket, times its batch size), `TEXT_TOKENS_ASSUMED` text tokens per caption
@@ -123,6 +126,15 @@ def optimizer_name(args: argparse.Namespace) -> str:
     return getattr(args, "optimizer_type", None) or "AdamW"
 
 
+def plans_expandable_segments(args: argparse.Namespace) -> bool:
+    """Whether the planned run has the allocator's expandable segments: a PYTORCH_CUDA_ALLOC_CONF of the user's decides
+    (it wins over the option); otherwise the planner turns --cuda_expandable_segments on."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if conf is not None:
+        return "expandable_segments:true" in conf.replace(" ", "").lower()
+    return hasattr(args, "cuda_expandable_segments")
+
+
 def training_workload(args: argparse.Namespace) -> tuple[Workload, str]:
     """The workload of a training run and a short description of it."""
     w, h, batch = max(_dataset_sizes(args), key=lambda d: image_tokens(d[0], d[1]) * d[2])
@@ -131,7 +143,7 @@ def training_workload(args: argparse.Namespace) -> tuple[Workload, str]:
         image_tokens=image_tokens(w, h), text_tokens=text_tokens(args), batch_size=batch,
         float_bytes=4 if args.mixed_precision == "no" else 2, lora_rank=args.network_dim or DEFAULT_LORA_RANK,
         lora_bytes=2 if (args.full_bf16 or args.full_fp16) else 4, optimizer=optimizer_name(args),
-        compile=bool(args.compile), expandable_segments=bool(args.cuda_expandable_segments),
+        compile=bool(args.compile), expandable_segments=plans_expandable_segments(args),
         cache_latents=bool(args.cache_latents or args.cache_latents_to_disk), vae_batch_size=args.vae_batch_size or 1,
         cache_text_encoder_outputs=cache_te, train_text_encoder=not args.network_train_unet_only and not cache_te,
         highvram=bool(args.highvram), lowram=bool(args.lowram), sample_images=bool(args.sample_prompts),
@@ -238,6 +250,7 @@ def training_options(plan: Plan, args: argparse.Namespace, explicit: frozenset[s
         values["checkpointing_policy"] = s.checkpointing
     if plan.choices.skip_max:
         values["checkpointing_skip_blocks"] = s.skip_blocks
+    values["cuda_expandable_segments"] = plans_expandable_segments(args)
     if plan.choices.te_planned:
         values["convrot_int8_text_encoder"] = s.te_variant == "convrot_int8" and plan.choices.te_int8_source == "at load"
         values["te_quant"] = {"bnb_int8": "int8", "bnb_nf4": "nf4"}.get(s.te_variant, "none")
@@ -327,7 +340,7 @@ def make_inference_plan(args: argparse.Namespace, explicit: frozenset[str], imag
     work = InferenceWorkload(
         image_tokens=image_tokens(w, h), text_tokens=text_tokens(args), float_bytes=4 if dtype == "fp32" else 2,
         compile=bool(getattr(args, "compile", False)),
-        expandable_segments=bool(getattr(args, "cuda_expandable_segments", False)),
+        expandable_segments=plans_expandable_segments(args),
         decode=getattr(args, "output_type", "images") != "latent", interactive=bool(getattr(args, "interactive", False)),
     )
     over = overheads or Overheads()
@@ -338,7 +351,8 @@ def make_inference_plan(args: argparse.Namespace, explicit: frozenset[str], imag
     plan = plan_inference(models.dit, models.te, models.vae, work, choices, budget, over, header)
     s = plan.chosen.setup
     values: dict[str, Any] = {"convrot_int8": s.dit == "int8" and choices.dit_int8_source == "at load",
-                              "blocks_to_swap": s.blocks_to_swap or None}
+                              "blocks_to_swap": s.blocks_to_swap or None,
+                              "cuda_expandable_segments": plans_expandable_segments(args)}
     if choices.te_planned:
         values["convrot_int8_text_encoder"] = s.te_variant == "convrot_int8" and choices.te_int8_source == "at load"
         values["te_quant"] = {"bnb_int8": "int8", "bnb_nf4": "nf4"}.get(s.te_variant, "none")

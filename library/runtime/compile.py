@@ -110,9 +110,10 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
 
 def enable_expandable_segments() -> None:
     """--cuda_expandable_segments (trainer and inference): the allocator's expandable segments (a setting the user
-    made in PYTORCH_CUDA_ALLOC_CONF wins). torch reads that variable once, when it is imported, so setting it here
-    would reach only child processes: the running allocator is told through its settings call instead (measured on
-    the H200: INT8 selective + compile fitted a 9 GiB cap only this way, docs/benchmarks.md)."""
+    made in PYTORCH_CUDA_ALLOC_CONF wins). torch reads that variable when its allocator settings are first used, which
+    may have happened already: set at run time, the variable had no effect in the bench's processes on the H200. So
+    the running allocator is told through torch's settings call (measured: INT8 selective + compile then fitted a
+    9 GiB cap, docs/benchmarks.md), and the variable is set for child processes."""
     import os
 
     import torch
@@ -121,10 +122,12 @@ def enable_expandable_segments() -> None:
         logger.info("--cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=%s is set and wins",
                     os.environ["PYTORCH_CUDA_ALLOC_CONF"])
         return
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # child processes (data-loader workers)
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if not torch.cuda.is_available():
         return
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # torch 2.9+ has the accelerator-wide call (and deprecates the CUDA one); older ones have only the CUDA one
+    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+              or getattr(torch.cuda.memory, "_set_allocator_settings", None))
     if setter is None:
         logger.warning("--cuda_expandable_segments: this torch cannot change the allocator's settings at run time;"
                        " set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting instead")
