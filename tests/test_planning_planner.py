@@ -326,3 +326,19 @@ def test_the_inference_script_applies_the_plan(monkeypatch, no_bitsandbytes):
     args = inference_script.setup_parser().parse_args(argv)
     with pytest.raises(UserError, match="this run has none"):
         run_options.apply_inference_vram_budget(args, inference_script.setup_parser, [(1024, 1024)], argv)
+
+
+def test_plans_turn_expandable_segments_on_unless_the_environment_sets_the_allocator(monkeypatch, no_bitsandbytes):
+    """The planner sets --cuda_expandable_segments (its smaller allocator slack is what the plan counts); a
+    PYTORCH_CUDA_ALLOC_CONF of the user's wins, and the plan then counts what it says."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    plan, values, _ = training_plan(["--vram_budget", "12", *RUN])
+    assert values["cuda_expandable_segments"] is True
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    plain, values, _ = training_plan(["--vram_budget", "12", *RUN])
+    assert values["cuda_expandable_segments"] is False
+    assert plain.chosen.reserved > plan.chosen.reserved or plain.chosen.setup != plan.chosen.setup
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    again, values, _ = training_plan(["--vram_budget", "12", *RUN])
+    assert again.chosen.setup == plan.chosen.setup and again.chosen.reserved == plan.chosen.reserved

@@ -21,12 +21,17 @@ def test_expandable_segments_option_sets_the_running_allocator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", told.append, raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     enable_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert told == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     enable_expandable_segments()  # the user's own setting wins
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128" and told == ["expandable_segments:True"]
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # torch's newer name wins as well
+    enable_expandable_segments()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and told == ["expandable_segments:True"]
 
 
 def test_fullgraph_compile_with_convrot_int8_trains(tiny_snapshot, tmp_path):

@@ -9,8 +9,8 @@ counts) or when it appears on the command line (`--te_quant none` too). The plan
   checkpointing only; otherwise unswapped full/selective candidates get a twin with the most blocks left out that fits,
   up to `speed_model.PLANNED_SKIP_MAX`);
 - inference: `--convrot_int8`, `--blocks_to_swap`, `--convrot_int8_text_encoder`, `--te_quant`, `--text_encoder_cpu`;
-- both: `--cuda_expandable_segments`, on unless PYTORCH_CUDA_ALLOC_CONF is set (then its own `expandable_segments`
-  value is modelled): the allocator's slack is smaller with it, and on the H200 it was what let ConvRot INT8 with
+- both: `--cuda_expandable_segments`, on unless PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) is set (then its
+  own `expandable_segments` value is modelled): the allocator's slack is smaller with it, and on the H200 it was what let ConvRot INT8 with
   selective checkpointing and `--compile` fit 9 GiB (docs/benchmarks.md, seventh run).
 
 The workload: the largest image of the run (training: the resolution of each dataset of the dataset config or of
@@ -39,6 +39,7 @@ from library.planning.memory_model import InferenceWorkload, Workload
 from library.planning.planner import Choices, Overheads, Plan, plan_inference, plan_training
 from library.planning.speed_model import PLANNED_SKIP_MAX
 from library.runtime.checkpointing import skip_blocks
+from library.runtime.compile import allocator_conf_set
 from library.text_encoder.quant import bitsandbytes_available
 
 logger = logging.getLogger(__name__)
@@ -129,9 +130,9 @@ def optimizer_name(args: argparse.Namespace) -> str:
 def plans_expandable_segments(args: argparse.Namespace) -> bool:
     """Whether the planned run has the allocator's expandable segments: a PYTORCH_CUDA_ALLOC_CONF of the user's decides
     (it wins over the option); otherwise the planner turns --cuda_expandable_segments on."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    conf = allocator_conf_set()
     if conf is not None:
-        return "expandable_segments:true" in conf.replace(" ", "").lower()
+        return "expandable_segments:true" in conf[1].replace(" ", "").lower()
     return hasattr(args, "cuda_expandable_segments")
 
 

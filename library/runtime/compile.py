@@ -108,6 +108,19 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
                         fullgraph=args.compile_fullgraph)
 
 
+ALLOCATOR_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch's CUDA name, its newer name
+
+
+def allocator_conf_set() -> tuple[str, str] | None:
+    """(variable, value) of the allocator settings the environment gives, or None."""
+    import os
+
+    for name in ALLOCATOR_CONF_VARIABLES:
+        if name in os.environ:
+            return name, os.environ[name]
+    return None
+
+
 def enable_expandable_segments() -> None:
     """--cuda_expandable_segments (trainer and inference): the allocator's expandable segments (a setting the user
     made in PYTORCH_CUDA_ALLOC_CONF wins). torch reads that variable when its allocator settings are first used, which
@@ -118,9 +131,9 @@ def enable_expandable_segments() -> None:
 
     import torch
 
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
-        logger.info("--cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=%s is set and wins",
-                    os.environ["PYTORCH_CUDA_ALLOC_CONF"])
+    conf = allocator_conf_set()
+    if conf is not None:
+        logger.info("--cuda_expandable_segments: %s=%s is set and wins", *conf)
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if not torch.cuda.is_available():

@@ -3,7 +3,8 @@
 Names (sd-scripts style): `<name>-<epoch:06d>.safetensors` per epoch, `<name>-step<step:08d>.safetensors` per step,
 `<name>.safetensors` at the end; states beside them as `<same stem>-state/` folders holding accelerate's state
 (optimizer, scheduler, RNGs, data order), `host_random_<i>.safetensors` (the step's own generator, `host_random`),
-`network.safetensors` (exact fp32 LoRA weights), `train_state.json` and `manifest.json`; the folders are written and checked by `library.training.state_io`.
+`network.safetensors` (exact fp32 LoRA weights), `train_state.json` and `manifest.json`; the folders are written and
+checked by `library.training.state_io`.
 
 `train_state.json` holds the epoch and step, and what a resume must repeat to continue exactly (`RunFingerprint`):
 the seed, the batch sizes, the gradient accumulation, the number of processes and two hashes of the dataset (its

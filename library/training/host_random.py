@@ -1,15 +1,14 @@
 """The training step's own generator for the random numbers it draws on the host.
 
-The step draws its timesteps (and `--ip_noise_gamma_random_strength`'s factor) from a CPU generator of its own,
-not from torch's global one. Compiled
-code may draw on the global generator: on CUDA, AOTAutograd's graph-safe RNG functionalisation seeds a private
-generator for each random operator that a checkpointed compiled graph recomputes (attention is tagged random), with
-`torch.randint` on the global CPU generator, at the first run of each such graph. With the timesteps on the global
-generator, a compiled run would draw other timesteps than an eager one, and a resumed run, which compiles again,
-other ones than the uninterrupted run. With their own generator, the compiled step keeps the faster graph-safe
-functionalisation (`library.runtime.compile`) and the timesteps stay those of eager mode. The LoRA modules'
-`module_dropout` decisions stay on the global generator: they are drawn inside the checkpointed blocks, and
-checkpointing restores only torch's own generators before it recomputes a block.
+The step draws its timesteps (and `--ip_noise_gamma_random_strength`'s factor) from a CPU generator of its own, not
+from torch's global one. Compiled code may draw on the global generator: on CUDA, AOTAutograd's graph-safe RNG
+functionalisation seeds a private generator for each random operator that a checkpointed compiled graph recomputes
+(attention is tagged random), with `torch.randint` on the global CPU generator, at the first run of each such graph.
+With the timesteps on the global generator, a compiled run would draw other timesteps than an eager one, and a resumed
+run, which compiles again, other ones than the uninterrupted run. With their own generator, `--compile` keeps torch's
+default functionalisation (the graph-safe one, which the CUDA-graph modes need) and the timesteps stay those of eager
+mode. The LoRA modules' `module_dropout` decisions stay on the global generator: they are drawn inside the
+checkpointed blocks, and checkpointing restores only torch's own generators before it recomputes a block.
 
 The generator is seeded from `--seed` and the process index (each process of a multi-GPU run draws its own
 timesteps), and saved in the state folder beside accelerate's random states, one safetensors file per process.
@@ -17,12 +16,9 @@ timesteps), and saved in the state folder beside accelerate's random states, one
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 HOST_RANDOM_FILE = "host_random_{index}.safetensors"
 _KEY = "cpu_generator_state"
