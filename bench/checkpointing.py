@@ -86,7 +86,7 @@ CONFIGS: dict[str, list[str]] = {
 # the curve of --checkpointing_skip_blocks beyond the measured 10 / 13 / 16 (the planner's speed model assumes each
 # skipped block saves its recomputation; the fourth run's 16 was slower and unsteady): INT8 selective and bf16 full,
 # each also with expandable segments (the allocator question)
-for _n in (18, 20, 26, 32):
+for _n in (14, 18, 20, 26, 32):
     CONFIGS[f"gc_selective_compile_int8_skip{_n}"] = [*SELECTIVE, "--checkpointing_skip_blocks", str(_n), "--compile",
                                                       "--convrot_int8"]
     CONFIGS[f"gc_selective_compile_int8_skip{_n}_expandable"] = [*CONFIGS[f"gc_selective_compile_int8_skip{_n}"],
