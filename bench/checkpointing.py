@@ -423,7 +423,7 @@ def run_child(cmd: list[str], timeout_s: float) -> tuple[dict[str, Any] | None, 
         return None, f"timeout after {timeout_s} s"
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        return None, proc.stderr[-2000:]
+        return None, proc.stderr.replace(f"{REPO}/", "")[-2000:]  # the repository's files by their own paths
     return json.loads(lines[-1][len("RESULT "):]), ""
 
 
@@ -496,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         print(f"unknown configurations {unknown}: choose from {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    if ns.memory_cap_gib is not None and (ns.tiny or ns.memory_cap_gib <= 0):
+        print("--memory_cap_gib caps a CUDA GPU's memory: give a size above 0, and not with --tiny", file=sys.stderr)
         return 2
     if not ns.tiny and not torch.cuda.is_available():
         print("bench.checkpointing needs a CUDA GPU (or --tiny for the CPU smoke run)", file=sys.stderr)

@@ -158,7 +158,6 @@ class Phase:
     allocated: int
     activations: int  # the part of `allocated` that is not weights or LoRA/optimizer state (for the slack)
     int8_training: bool = False
-    compiled: bool = False
 
     def reserved(self, expandable: bool) -> int:
         # measured with the allocator setting in effect: e2e run C (eager) and the seventh H200 run (compiled INT8,
@@ -317,7 +316,7 @@ def training_estimate(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workloa
         act = max(act, te_encode_bytes(te, setup.te_variant, w.text_tokens))
     if not w.cache_latents:
         act = max(act, vae_encode_bytes(vae, w.pixels, w.batch_size))
-    phases.append(Phase("training", static + act, act, int8_training=setup.dit == "int8", compiled=w.compile))
+    phases.append(Phase("training", static + act, act, int8_training=setup.dit == "int8"))
 
     if w.sample_images:  # the training state stays; the VAE joins it; denoise, then decode
         extra = 0 if (w.highvram or not w.cache_latents) else vae_w

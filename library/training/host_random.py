@@ -67,7 +67,9 @@ def host_random_problem(folder: Path, process_index: int) -> str | None:
 def load_host_generator(generator: torch.Generator, folder: Path, process_index: int) -> bool:
     """Restore the generator from a state folder; False (generator untouched) when the file is missing or
     unreadable, which `check_resume` has reported already (an error, or a warning with --resume_inexact)."""
-    if host_random_problem(folder, process_index) is not None:
+    try:
+        state = _read_state(host_random_path(folder, process_index))
+    except Exception:  # noqa: BLE001 (reported by host_random_problem)
         return False
-    generator.set_state(_read_state(host_random_path(folder, process_index)))
+    generator.set_state(state)
     return True
