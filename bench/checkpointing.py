@@ -125,6 +125,12 @@ OLDER_RNG = "_older_rng"
 for _name in ("gc_full_compile_int8", "gc_full_compile", "swap8_h2d_full_compile_int8"):
     for _variant in (PLAIN_FULL_TAGS, GRAPHSAFE_RNG, OLDER_RNG, PLAIN_FULL_TAGS + GRAPHSAFE_RNG):
         CONFIGS.setdefault(_name + _variant, CONFIGS[_name])
+# bench-only: the ConvRot INT8 configurations with the previous default activation quantiser ("rows") instead of
+# "quarters" (library.quant.convrot_quant_kernels), for the ratio of the two in one run
+ROWS_QUANTISER = "_rows_quantiser"
+for _name in ("gc_full_compile_int8", "gc_selective_compile_int8", "gc_selective_compile_int8_skip16",
+              "gc_full_eager_int8", "no_gc_compile_int8"):
+    CONFIGS[_name + ROWS_QUANTISER] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -304,12 +310,17 @@ def block_memory(dit: Any, step: Callable[[], None]) -> list[float]:
 @contextlib.contextmanager
 def bench_variant(name: str) -> Any:
     """What a bench-only configuration name changes while it runs (restored afterwards, for --tiny's configurations in
-    one process): the plain forms, dynamo's own checkpoint tags, the older RNG functionalisation."""
+    one process): the plain forms, dynamo's own checkpoint tags, the older RNG functionalisation, the previous
+    activation quantiser."""
     import torch._functorch.config as functorch_config
 
+    from library.quant import convrot_kernels
     from library.runtime import checkpointing
 
     saved = checkpointing.COMPILED_FULL["per_operator_tags"]
+    saved_quantiser = convrot_kernels._TUNING["quantiser"]
+    if name.endswith(ROWS_QUANTISER):
+        convrot_kernels.set_quantiser("rows")
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
@@ -319,6 +330,7 @@ def bench_variant(name: str) -> Any:
             yield
     finally:
         checkpointing.COMPILED_FULL["per_operator_tags"] = saved
+        convrot_kernels.set_quantiser(saved_quantiser)
 
 
 def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:

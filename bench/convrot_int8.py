@@ -12,8 +12,9 @@ Parts (`--parts`, comma-separated; default: all the device supports):
   the components (quantiser with its GB/s, GEMM, each backward kernel, dequantisation). Medians over `--iters`
   (>= 20) timed iterations after warm-up, each measured with CUDA events after an L2 flush.
 - ``quantiser`` (GPU): the activation quantiser at M = 4352 and K = 3072 / 8192 / 16384 in TB/s, the one-pass
-  "rows" kernel (default) against the two-pass "stream" kernel, the tensor-core rotation "rows_mma" and the copy
-  rate, their codes against each other and the eager reference, and a sweep of the rows kernel's launch shape.
+  "quarters" kernel (default) against the one-pass "rows" kernel (the previous default), the two-pass "stream"
+  kernel, the tensor-core rotations "rows_mma" and "tiles_mma" and the copy rate, their codes against each other
+  and the eager reference, and sweeps of the one-pass kernels' launch shapes.
 - ``overhead`` (GPU): microseconds per int8 Linear call against F.linear at M = 64 and 4352 (3072 x 3072, 1000
   calls, one sync at the end), with the raw launches (default), the compiled kernels' launchers and every launch
   through ``JITFunction.run``, the quantiser and GEMM alone, and a cProfile of the module call at M = 64.
@@ -397,9 +398,9 @@ def _tuning_sweep(kernel: str, settings: list[dict], nx: Callable[[], torch.Tens
 
 
 def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep: bool = True) -> list[dict]:
-    """The activation quantiser at M x K (bf16 -> int8 + scale, rotation included): the one-pass "rows" kernel
-    (default) against the two-pass "stream" kernel (the previous default) and the copy rate of x; codes and scales
-    of both against each other and against the eager reference; a small sweep of the rows kernel's launch shape."""
+    """The activation quantiser at M x K (bf16 -> int8 + scale, rotation included): every kernel of
+    `K.QUANTISERS` ("quarters" the default) and the copy rate of x; codes and scales against each other and against
+    the eager reference; small sweeps of the one-pass kernels' launch shapes."""
     out = []
     for k in ks:
         torch.manual_seed(0)
@@ -425,6 +426,12 @@ def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep
         r["tiles_mma_vs_eager_s_mismatch"] = int((s_t != s_e.view(-1)).sum())
         r["tiles_mma_vs_rows_q_mismatch"] = int((q_t != q_r).sum())
         r["tiles_mma_vs_rows_s_mismatch"] = int((s_t != s_r).sum())
+        q_4, s_4 = K._quantize_rows_triton(xs[0], G, kernel="quarters")
+        r["quarters_plan"] = str(K._quarters_launch(k, G))
+        r["quarters_vs_eager_q_mismatch"] = int((q_4 != q_e).sum())
+        r["quarters_vs_eager_s_mismatch"] = int((s_4 != s_e.view(-1)).sum())
+        r["quarters_vs_rows_q_mismatch"] = int((q_4 != q_r).sum())
+        r["quarters_vs_rows_s_mismatch"] = int((s_4 != s_r).sum())
         for kernel in K.QUANTISERS:
             t = time_ms(lambda kernel=kernel, nx=nx: K._quantize_rows_triton(nx(), G, kernel=kernel), device, iters)
             r[kernel] = {**t, "TBps": nbytes / (t["median_ms"] * 1e-3) / 1e12}
@@ -433,6 +440,7 @@ def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep
         r["rows_over_stream"] = r["stream"]["median_ms"] / r["rows"]["median_ms"]
         r["rows_mma_over_rows"] = r["rows"]["median_ms"] / r["rows_mma"]["median_ms"]
         r["tiles_mma_over_rows"] = r["rows"]["median_ms"] / r["tiles_mma"]["median_ms"]
+        r["quarters_over_rows"] = r["rows"]["median_ms"] / r["quarters"]["median_ms"]
         if sweep:
             saved = dict(K._TUNING)
             r["rows_sweep"] = _tuning_sweep(
@@ -441,7 +449,11 @@ def bench_quantiser(m: int, device: str, iters: int, ks: tuple = QUANT_KS, sweep
             r["tiles_sweep"] = _tuning_sweep(
                 "tiles_mma", [{"tiles_bm": bm, "tiles_warps": w} for bm in (16, 32, 64) for w in (4, 8)], nx, nbytes,
                 device, iters)
-            K.set_row_tuning(**{name: saved[name] for name in ("rows_elems", "rows_ept", "tiles_bm", "tiles_warps")})
+            r["quarters_sweep"] = _tuning_sweep(
+                "quarters", [{"quarters_ept": e} for e in (32, 64, 96, 128)], nx, nbytes, device, iters,
+                lambda k=k: {"plan": str(K._quarters_launch(k, G))})
+            K.set_row_tuning(**{name: saved[name] for name in ("rows_elems", "rows_ept", "tiles_bm", "tiles_warps",
+                                                               "quarters_ept")})
         out.append(r)
     return out
 

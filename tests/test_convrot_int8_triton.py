@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # (M, K, N, group size): K over several column tiles of the streaming kernels (and not a power of two), a tile
 # wider than K, a group wider than the default tile, no rotation
 CASES = [(5, 512, 48, 256), (17, 1280, 24, 256), (33, 192, 40, 64), (3, 64, 24, 16), (6, 2048, 16, 1024),
-         (7, 96, 8, 0), (4, 512, 32, 256)]  # the last: rows and K fill the one-pass quantiser's tiles (no masks)
+         (7, 96, 8, 0), (4, 512, 32, 256),  # rows and K fill the one-pass quantisers' tiles (no masks)
+         (3, 1792, 16, 256)]  # 7 groups: the "quarters" kernel's second part rounded up to 4 groups (masked)
 
 
 def run_checks(device: str) -> dict:
@@ -36,7 +37,8 @@ def run_checks(device: str) -> dict:
             x = (torch.randn(2, m, k, device=device) * 2).to(dt)
             x[0, 0, 3] = 40.0
             bias = torch.randn(n, device=device).to(dt)
-            q_t, s_t = K._quantize_rows_triton(x.reshape(-1, k), g)  # the default one-pass "rows" kernel
+            q_t, s_t = K._quantize_rows_triton(x.reshape(-1, k), g)  # the default one-pass "quarters" kernel
+            q_r, s_r = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="rows")  # the one-pass "rows" kernel
             q_st, s_st = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="stream")
             q_mm, s_mm = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="rows_mma")  # tensor-core rotation
             q_tm, s_tm = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="tiles_mma")  # two passes, 64-blocks
@@ -48,6 +50,8 @@ def run_checks(device: str) -> dict:
                 "q_mismatch": int((q_t != q_e).sum()), "s_mismatch": int((s_t != s_e.reshape(-1)).sum()),
                 "rows_vs_stream_q_mismatch": int((q_t != q_st).sum()),
                 "rows_vs_stream_s_mismatch": int((s_t != s_st).sum()),
+                "quarters_vs_rows_q_mismatch": int((q_t != q_r).sum()),
+                "quarters_vs_rows_s_mismatch": int((s_t != s_r).sum()),
                 "mma_q_mismatch": int((q_mm != q_e).sum()), "mma_s_mismatch": int((s_mm != s_e.reshape(-1)).sum()),
                 "tiles_mma_q_mismatch": int((q_tm != q_e).sum()),
                 "tiles_mma_s_mismatch": int((s_tm != s_e.reshape(-1)).sum()),
@@ -174,10 +178,13 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
         assert c["y_dtype_ok"], c
         # the one-pass and the streaming quantiser run the same arithmetic per group: identical codes and scales
         # (compiled, inexact fp32 sums may be reduced in another order: then within the tolerance against eager)
+        # ("quarters", the default, holds a row in another layout: the same sums per group, the same codes)
         if exact or not on_cuda:
             assert c["rows_vs_stream_q_mismatch"] == 0 and c["rows_vs_stream_s_mismatch"] == 0, c
+            assert c["quarters_vs_rows_q_mismatch"] == 0 and c["quarters_vs_rows_s_mismatch"] == 0, c
         else:
             assert c["rows_vs_stream_q_mismatch"] <= 0.01 * 2 * c["shape"][0] * c["shape"][1], c
+            assert c["quarters_vs_rows_q_mismatch"] <= 0.01 * 2 * c["shape"][0] * c["shape"][1], c
         if exact:  # the tensor-core rotation ("rows_mma"; other shapes and dtypes run "rows") equals eager as well
             assert c["mma_q_mismatch"] == 0 and c["mma_s_mismatch"] <= (_few_rows(c) if on_cuda else 0), c
             # the same for the two-pass tensor-core quantiser ("tiles_mma"; other groups and dtypes run "rows")
@@ -228,6 +235,21 @@ def _interpreter_runs_int8_dots() -> bool:
 
 
 @pytest.mark.skipif(not _interpreter_runs_int8_dots(), reason="needs triton >= 3.9 for the CPU interpreter")
+def test_bf16_codes_by_reciprocal_equal_the_division():
+    """The "quarters" quantiser's bf16 codes multiply by the row's fp32 reciprocal instead of dividing: for every
+    positive finite bf16 value y and a spread of bf16 scales s, bf16(y * fp32(1 / s)) is bf16(fp32(y / s)), the
+    eager ``bf16 / bf16`` (quotients kept inside fp32's normal range)."""
+    y = torch.arange(1, 0x7F80, dtype=torch.int16).view(torch.bfloat16).float()  # every positive finite bf16
+    g = torch.Generator().manual_seed(0)
+    s = torch.cat([torch.tensor([1.0, 1.5, 3.0, 127.0, 1e-30, 3e36]),
+                   torch.exp2(torch.rand(250, generator=g) * 200 - 100)]).bfloat16().float()
+    for si in s:
+        by_division = y / si
+        ok = (by_division.abs() > 2.0**-120) & (by_division.abs() < 2.0**120)
+        by_reciprocal = (y * (1.0 / si)).bfloat16()
+        assert torch.equal(by_reciprocal[ok], by_division.bfloat16()[ok]), float(si)
+
+
 def test_triton_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run(

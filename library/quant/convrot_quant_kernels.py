@@ -2,13 +2,26 @@
 `library.quant.convrot_kernels`, which re-exports the entry points used elsewhere).
 
 - `_quantize_rows_triton`: rotate (blockwise regular Hadamard) and quantise the rows of an activation to int8 codes
-  + fp32 scales, with comfy-kitchen's eager numerics. Two kernels: "rows" (default) loads each row once, holds it in
-  registers as chunks of whole groups, rotates it once, takes its absmax and writes codes and scale; "stream" (rows
-  wider than "rows" holds, and the column-scaled quantisation of the int8 backward) streams over column tiles in two
-  passes. Two more for 256-groups of bf16/fp16 rows rotate on the tensor cores: "rows_mma" (measured slower than
-  "rows") and "tiles_mma" (two passes over the groups, each as four 64-column blocks times H_64 and one radix-4
-  stage in registers; bit-identical to eager under the interpreter, not yet timed on a GPU).
-  `set_quantiser` chooses, `set_row_tuning` overrides their launch shapes (benchmark sweeps).
+  + fp32 scales, with comfy-kitchen's eager numerics. Five kernels; `set_quantiser` chooses, `set_row_tuning`
+  overrides their launch shapes (benchmark sweeps):
+  - "quarters" (default): one pass over whole rows held in registers, as two parts of a power-of-two count of groups
+    (K = 3072 is 8 + 4 groups of 256: nothing padded) and each group as its four quarters, so that the top digit of
+    the rotation is element-wise and only the digits inside a quarter move data between threads; bf16 codes divide
+    by multiplying with the row's reciprocal (`FAST_DIV`, exact: see below). About half the instructions a value of
+    "rows" (counted in the sm_90 code);
+  - "rows": one pass, each row held as chunks of whole groups padded to a power of two (K = 3072 as 4096), rotated
+    by `_fwht_rows` across the row's threads;
+  - "stream": rows wider than the one-pass kernels hold, and the column-scaled quantisation of the int8 backward;
+    two passes over column tiles;
+  - "rows_mma" and "tiles_mma": 256-groups of bf16/fp16 rows rotated on the tensor cores (both measured slower than
+    "rows").
+
+  Why `FAST_DIV` gives the codes of the IEEE division for bf16: the code is ``round(bf16(y / s))`` with y and s bf16
+  values (8-bit significands). A quotient of two 8-bit significands either terminates, and then it has at most 8
+  significant bits (a bf16 value, never a midpoint between two), or it lies at least 2^-17 (relative) from every
+  midpoint between bf16 values. ``y * fp32(1 / s)`` is within 2^-23 of the quotient, so it rounds to the same bf16
+  value as the correctly rounded quotient does (and as the eager ``bf16 / bf16`` does). fp16 (11-bit significands)
+  leaves no such margin, so fp16 and fp32 rows keep the division.
 - `_scale_rotate_triton`: rotate(fp32(x) * row scale) per row (dequantisation, the int8 backward's output).
 - the shared @triton.jit helpers: `_fwht_rows` (the radix-4 transform), `_round_to_dtype`, `_cast_rne`.
 
@@ -196,6 +209,135 @@ if _TRITON_IMPORTED:
             tl.store(q_ptr + offs_q, v, mask=mask)
 
     @triton.jit
+    def _round_fast(x, T_CODE: tl.constexpr, GATHER: tl.constexpr):
+        """`_round_to_dtype` by the hardware conversion (round to nearest even) on the GPU; the interpreter, whose
+        bf16 conversion truncates, keeps the bit-level rounding. The same values either way."""
+        if GATHER or T_CODE == 0:
+            x = _round_to_dtype(x, T_CODE)
+        elif T_CODE == 1:
+            x = x.to(tl.float16).to(tl.float32)
+        else:
+            x = x.to(tl.bfloat16).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _quarters_load(x_ptr, rows64, row_ok, col0, stride_xm, K,
+                       BM: tl.constexpr, NCH: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr):
+        """NCH groups of G columns from column col0 of BM rows, as four fp32 tensors [BM, NCH, G / 4]: the four
+        quarters of each group (the top base-4 digit of the index inside the group)."""
+        qw: tl.constexpr = G // 4
+        cols = col0 + tl.arange(0, NCH)[:, None] * G + tl.arange(0, qw)[None, :]
+        base = x_ptr + rows64[:, None, None] * stride_xm + cols[None, :, :]
+        if EVEN:
+            z0 = tl.load(base).to(tl.float32)
+            z1 = tl.load(base + qw).to(tl.float32)
+            z2 = tl.load(base + 2 * qw).to(tl.float32)
+            z3 = tl.load(base + 3 * qw).to(tl.float32)
+        else:
+            mask = row_ok[:, None, None] & (cols[None, :, :] < K)
+            z0 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+            z1 = tl.load(base + qw, mask=mask, other=0.0).to(tl.float32)
+            z2 = tl.load(base + 2 * qw, mask=mask, other=0.0).to(tl.float32)
+            z3 = tl.load(base + 3 * qw, mask=mask, other=0.0).to(tl.float32)
+        return z0, z1, z2, z3
+
+    @triton.jit
+    def _quarters_rotate(z0, z1, z2, z3, T_CODE: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr,
+                         NCH: tl.constexpr, G: tl.constexpr, GATHER: tl.constexpr):
+        """Rotate groups held as four quarter tensors: the low LOG4G - 1 digits inside each quarter
+        (`_fwht_rows`), then the top digit across the quarters, element-wise (out_j = 0.5 * sum_i z_i - z_(3-j),
+        the sum in the order of the radix-4 stage); rounded to T. Returns the four rotated quarters and their
+        per-row absmax."""
+        qw: tl.constexpr = G // 4
+        if LOG4G > 1:
+            z0 = tl.reshape(_fwht_rows(tl.reshape(z0, (BM * NCH, qw)), BM * NCH, qw, LOG4G - 1, GATHER),
+                            (BM, NCH, qw))
+            z1 = tl.reshape(_fwht_rows(tl.reshape(z1, (BM * NCH, qw)), BM * NCH, qw, LOG4G - 1, GATHER),
+                            (BM, NCH, qw))
+            z2 = tl.reshape(_fwht_rows(tl.reshape(z2, (BM * NCH, qw)), BM * NCH, qw, LOG4G - 1, GATHER),
+                            (BM, NCH, qw))
+            z3 = tl.reshape(_fwht_rows(tl.reshape(z3, (BM * NCH, qw)), BM * NCH, qw, LOG4G - 1, GATHER),
+                            (BM, NCH, qw))
+        half = 0.5 * (((z0 + z1) + z2) + z3)
+        y0 = _round_fast(half - z3, T_CODE, GATHER)
+        y1 = _round_fast(half - z2, T_CODE, GATHER)
+        y2 = _round_fast(half - z1, T_CODE, GATHER)
+        y3 = _round_fast(half - z0, T_CODE, GATHER)
+        m = tl.maximum(tl.maximum(tl.abs(y0), tl.abs(y1)), tl.maximum(tl.abs(y2), tl.abs(y3)))
+        return y0, y1, y2, y3, tl.max(tl.max(m, axis=2), axis=1)
+
+    @triton.jit
+    def _quarters_codes(y, r, s_t, T_CODE: tl.constexpr, FAST_DIV: tl.constexpr, GATHER: tl.constexpr):
+        """int8 codes of rotated values y (rounded to T) [BM, NCH, G / 4]: T(y / s_t) rounded half to even and
+        clamped. FAST_DIV (bf16): y times the row's reciprocal r, which rounds to the same bf16 value as the
+        correctly rounded quotient (the module's docstring says why); otherwise the IEEE division."""
+        if FAST_DIV:
+            v = y * r[:, None, None]
+        else:
+            v = tl.math.div_rn(y, tl.broadcast_to(s_t[:, None, None], y.shape))
+        v = _round_fast(v, T_CODE, GATHER)
+        v = (v + 12582912.0) - 12582912.0  # round half to even (|v| <= 2^22)
+        return tl.minimum(tl.maximum(v, -128.0), 127.0).to(tl.int8)
+
+    @triton.jit
+    def _quarters_store(q_ptr, rows64, row_ok, col0, stride_qm, K, y0, y1, y2, y3, r, s_t,
+                        T_CODE: tl.constexpr, NCH: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+                        FAST_DIV: tl.constexpr, GATHER: tl.constexpr):
+        qw: tl.constexpr = G // 4
+        cols = col0 + tl.arange(0, NCH)[:, None] * G + tl.arange(0, qw)[None, :]
+        base = q_ptr + rows64[:, None, None] * stride_qm + cols[None, :, :]
+        c0 = _quarters_codes(y0, r, s_t, T_CODE, FAST_DIV, GATHER)
+        c1 = _quarters_codes(y1, r, s_t, T_CODE, FAST_DIV, GATHER)
+        c2 = _quarters_codes(y2, r, s_t, T_CODE, FAST_DIV, GATHER)
+        c3 = _quarters_codes(y3, r, s_t, T_CODE, FAST_DIV, GATHER)
+        if EVEN:
+            tl.store(base, c0)
+            tl.store(base + qw, c1)
+            tl.store(base + 2 * qw, c2)
+            tl.store(base + 3 * qw, c3)
+        else:
+            mask = row_ok[:, None, None] & (cols[None, :, :] < K)
+            tl.store(base, c0, mask=mask)
+            tl.store(base + qw, c1, mask=mask)
+            tl.store(base + 2 * qw, c2, mask=mask)
+            tl.store(base + 3 * qw, c3, mask=mask)
+
+    @triton.jit
+    def _rot_quant_quarters_kernel(
+        x_ptr, q_ptr, s_ptr, h_ptr, M, K, stride_xm, stride_qm,
+        T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH_A: tl.constexpr,
+        NCH_B: tl.constexpr, EVEN: tl.constexpr, FAST_DIV: tl.constexpr, GATHER: tl.constexpr,
+    ):
+        """Rotate and quantise BM whole rows in one pass (eager numerics), the row held in registers as two parts
+        of whole groups (NCH_A groups, then NCH_B more; both powers of two or NCH_B = 0, so K = 3072 is 8 + 4 groups
+        of 256 and nothing is padded) and each part as the four quarters of its groups, so that the top digit of the
+        rotation is element-wise and only the digits inside a quarter move data between threads. EVEN: the parts
+        fill K and M % BM == 0 (no masks). h_ptr is unused (the launch signature of the other quantisers)."""
+        g: tl.constexpr = 1 << (2 * LOG4G)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        rows64 = rows.to(tl.int64)
+        a0, a1, a2, a3 = _quarters_load(x_ptr, rows64, row_ok, 0, stride_xm, K, BM, NCH_A, g, EVEN)
+        a0, a1, a2, a3, amax = _quarters_rotate(a0, a1, a2, a3, T_CODE, LOG4G, BM, NCH_A, g, GATHER)
+        if NCH_B > 0:
+            b0, b1, b2, b3 = _quarters_load(x_ptr, rows64, row_ok, NCH_A * g, stride_xm, K, BM, NCH_B, g, EVEN)
+            b0, b1, b2, b3, amax_b = _quarters_rotate(b0, b1, b2, b3, T_CODE, LOG4G, BM, NCH_B, g, GATHER)
+            amax = tl.maximum(amax, amax_b)
+        s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
+        s_t = _round_fast(s, T_CODE, GATHER)
+        s_t = tl.where(s_t == 0.0, TINY, s_t)
+        r = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), s_t)
+        if EVEN:
+            tl.store(s_ptr + rows, s)
+        else:
+            tl.store(s_ptr + rows, s, mask=row_ok)
+        _quarters_store(q_ptr, rows64, row_ok, 0, stride_qm, K, a0, a1, a2, a3, r, s_t, T_CODE, NCH_A, g, EVEN,
+                        FAST_DIV, GATHER)
+        if NCH_B > 0:
+            _quarters_store(q_ptr, rows64, row_ok, NCH_A * g, stride_qm, K, b0, b1, b2, b3, r, s_t, T_CODE, NCH_B,
+                            g, EVEN, FAST_DIV, GATHER)
+
+    @triton.jit
     def _rotate256_tile(x_ptr, rows64, row_ok, k0, stride_xm, h, BM: tl.constexpr, GATHER: tl.constexpr):
         """One 256-group of BM rows, rotated (H_256 = H_4 (x) H_64), in fp32, as its four 64-column blocks: each
         block times H_64 on the tensor cores (products exact, fp32 sums), then the radix-4 stage of the high
@@ -293,14 +435,15 @@ _TINY = {dt: float(torch.finfo(dt).tiny) for dt in _FLOAT_DTYPES}
 
 
 # Launch parameters (the benchmark can override them): elements per program and per thread of the row kernels (a
-# tile is BM rows x BK columns), the column tile of the streaming kernels, the activation quantiser ("rows": one pass
-# over whole rows held in registers, up to "rows_max" elements a row, "rows_elems" elements and "rows_ept" elements a
-# thread per program; "stream": two passes over column tiles), and, for `library.quant.convrot_kernels`, the forward
-# GEMM kernel ("auto", or a variant of `library.quant.int8_gemm_kernels.GEMM_VARIANTS`) and the backward.
-_TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "quantiser": "rows", "rows_max": 16384,
-                 "rows_elems": 2048, "rows_ept": 16, "tiles_bm": 32, "tiles_warps": 4, "gemm": "auto",
-                 "backward": "dequant", "first_config": False}
-QUANTISERS: tuple[str, ...] = ("rows", "stream", "rows_mma", "tiles_mma")
+# tile is BM rows x BK columns), the column tile of the streaming kernels, the activation quantiser ("quarters" and
+# "rows": one pass over whole rows held in registers, up to "rows_max" elements a row; "rows_elems" elements and
+# "rows_ept" elements a thread per program of "rows", about "quarters_ept" elements a thread of "quarters"; "stream":
+# two passes over column tiles), and, for `library.quant.convrot_kernels`, the forward GEMM kernel ("auto", or a
+# variant of `library.quant.int8_gemm_kernels.GEMM_VARIANTS`) and the backward.
+_TUNING: dict = {"row_elems": 4096, "elems_per_thread": 16, "tile_k": 256, "quantiser": "quarters",
+                 "rows_max": 16384, "rows_elems": 2048, "rows_ept": 16, "quarters_ept": 64, "tiles_bm": 32,
+                 "tiles_warps": 4, "gemm": "auto", "backward": "dequant", "first_config": False}
+QUANTISERS: tuple[str, ...] = ("rows", "stream", "rows_mma", "tiles_mma", "quarters")
 # (device, dtype) -> H_64 (normalised, exact in bf16/fp16) for the "rows_mma" quantiser
 _H64: dict[tuple, torch.Tensor] = {}
 # (kernel, K, group size, dtype, has column scale, device) -> launch plan of the rotate + quantise kernel
@@ -308,24 +451,28 @@ _QUANT_PLANS: dict[tuple, tuple] = {}
 
 
 def set_quantiser(name: str) -> None:
-    """Choose the activation quantiser kernel: "rows" (default; one pass, whole rows in registers, rows wider than
+    """Choose the activation quantiser kernel: "rows" (one pass, whole rows in registers, rows wider than
     ``_TUNING["rows_max"]`` fall back to "stream"), "stream" (two passes over column tiles), "rows_mma" ("rows"
     with the 256-group rotation of bf16/fp16 rows on the tensor cores; other rows as "rows") or "tiles_mma" (two
     passes over 256-groups of bf16/fp16 rows, each group rotated as four 64-column blocks on the tensor cores and
-    one radix-4 stage in registers; other rows as "rows")."""
+    one radix-4 stage in registers; other rows as "rows") or "quarters" (default; one pass, whole rows as two parts of a
+    power-of-two count of groups, each group as four quarter tensors: the top digit of the rotation element-wise,
+    no padding; rows without rotation, wider than ``_TUNING["rows_max"]`` or of more than two parts as "rows")."""
     if name not in QUANTISERS:
         raise ValueError(f"unknown ConvRot quantiser {name!r}; choose one of {QUANTISERS}")
     _TUNING["quantiser"] = name
 
 def set_row_tuning(row_elems: int | None = None, elems_per_thread: int | None = None, tile_k: int | None = None,
                    rows_elems: int | None = None, rows_ept: int | None = None, rows_max: int | None = None,
-                   tiles_bm: int | None = None, tiles_warps: int | None = None) -> None:
+                   tiles_bm: int | None = None, tiles_warps: int | None = None,
+                   quarters_ept: int | None = None) -> None:
     """Override the tile shapes of the row kernels (benchmark sweeps): the streaming rotate + quantise and scale +
-    rotate kernels (`row_elems`, `elems_per_thread`, `tile_k`), the one-pass quantiser (`rows_*`) and the
-    "tiles_mma" quantiser (`tiles_bm` rows a program, at least 16; `tiles_warps`)."""
+    rotate kernels (`row_elems`, `elems_per_thread`, `tile_k`), the one-pass quantiser (`rows_*`), the
+    "tiles_mma" quantiser (`tiles_bm` rows a program, at least 16; `tiles_warps`) and the "quarters" quantiser
+    (`quarters_ept`: about that many elements a thread)."""
     for name, value in (("row_elems", row_elems), ("elems_per_thread", elems_per_thread), ("tile_k", tile_k),
                         ("rows_elems", rows_elems), ("rows_ept", rows_ept), ("rows_max", rows_max),
-                        ("tiles_bm", tiles_bm), ("tiles_warps", tiles_warps)):
+                        ("tiles_bm", tiles_bm), ("tiles_warps", tiles_warps), ("quarters_ept", quarters_ept)):
         if value is not None:
             _TUNING[name] = int(value)
     _QUANT_PLANS.clear()
@@ -358,6 +505,25 @@ def _rows_launch(k: int, group_size: int) -> tuple[int, int, int, int] | None:
     return bm, nch, ch, _pow2_floor(warps)
 
 
+def _quarters_launch(k: int, group_size: int) -> tuple[int, int, int, int, bool] | None:
+    """(BM rows, NCH_A groups, NCH_B groups, warps, whether the parts fill K) of the "quarters" quantiser, or None
+    where it does not apply (no rotation, K not whole groups, rows wider than ``_TUNING["rows_max"]``). The groups
+    of a row are split into two power-of-two parts (12 = 8 + 4, 48 = 32 + 16); a count of more than two bits rounds
+    its second part up (masked)."""
+    if group_size < 4 or k % group_size or k > _TUNING["rows_max"]:
+        return None
+    groups = k // group_size
+    nch_a = _pow2_floor(groups)
+    rest = groups - nch_a
+    nch_b = _next_pow2(rest) if rest else 0
+    ept = max(8, _TUNING["quarters_ept"])
+    bm = _next_pow2(max(1, -(-32 * ept // k)))
+    if bm > 64:
+        return None
+    warps = max(1, min(16, _pow2_floor(max(1, bm * k // (32 * ept)))))
+    return bm, nch_a, nch_b, warps, nch_a + nch_b == groups
+
+
 def _h64(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """H_64 = H_4 (x) H_4 (x) H_4 / 8 with H_4's -1 where row + column == 3 (the ConvRot regular Hadamard)."""
     h = _H64.get((device, dtype))
@@ -371,8 +537,8 @@ def _h64(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _quant_plan(k: int, group_size: int, dtype: torch.dtype, has_cs: bool, device: int, kernel: str) -> tuple:
-    """(kernel name: "rows", "rows_mma", "tiles_mma" or "stream"; rows a program; its DirectLaunchers (masked, and
-    for whole tiles); whether K fills the row tile) for a shape."""
+    """(kernel name: "quarters", "rows", "rows_mma", "tiles_mma" or "stream"; rows a program; its DirectLaunchers
+    (masked, and for whole tiles); whether K fills the row tile) for a shape."""
     key = (kernel, k, group_size, dtype, has_cs, device)
     plan = _QUANT_PLANS.get(key)
     if plan is not None:
@@ -386,7 +552,17 @@ def _quant_plan(k: int, group_size: int, dtype: torch.dtype, has_cs: bool, devic
                                   {"num_warps": _TUNING["tiles_warps"]})
         plan = _QUANT_PLANS[key] = ("tiles_mma", bm, (launcher, launcher), False)
         return plan
-    rows = _rows_launch(k, group_size) if kernel in ("rows", "rows_mma", "tiles_mma") and not has_cs else None
+    quarters = _quarters_launch(k, group_size) if kernel == "quarters" and not has_cs else None
+    if quarters is not None:
+        bm, nch_a, nch_b, warps, fills = quarters
+        const = {"T_CODE": _T_CODE[dtype], "TINY": _TINY[dtype], "LOG4G": log4g, "BM": bm, "NCH_A": nch_a,
+                 "NCH_B": nch_b, "FAST_DIV": dtype == torch.bfloat16, "GATHER": _INTERPRET}
+        launchers = tuple(DirectLauncher(_rot_quant_quarters_kernel, {**const, "EVEN": even}, {"num_warps": warps})
+                          for even in (False, True))
+        plan = _QUANT_PLANS[key] = ("quarters", bm, launchers, fills)
+        return plan
+    rows = (_rows_launch(k, group_size) if kernel in ("rows", "rows_mma", "tiles_mma", "quarters") and not has_cs
+            else None)
     if rows is not None:
         bm, nch, ch, warps = rows
         mma = (kernel == "rows_mma" and group_size == 256 and ch == 256 and bm * nch >= 4
