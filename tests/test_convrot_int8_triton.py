@@ -234,7 +234,6 @@ def _interpreter_runs_int8_dots() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _interpreter_runs_int8_dots(), reason="needs triton >= 3.9 for the CPU interpreter")
 def test_bf16_codes_by_reciprocal_equal_the_division():
     """The "quarters" quantiser's bf16 codes multiply by the row's fp32 reciprocal instead of dividing: for every
     positive finite bf16 value y and a spread of bf16 scales s, bf16(y * fp32(1 / s)) is bf16(fp32(y / s)), the
@@ -250,6 +249,7 @@ def test_bf16_codes_by_reciprocal_equal_the_division():
         assert torch.equal(by_reciprocal[ok], by_division.bfloat16()[ok]), float(si)
 
 
+@pytest.mark.skipif(not _interpreter_runs_int8_dots(), reason="needs triton >= 3.9 for the CPU interpreter")
 def test_triton_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run(

@@ -47,13 +47,14 @@ from typing import Any
 
 import torch
 
-from library.quant.convrot_quant_kernels import (  # noqa: F401 - QUANTISERS, set_*, _rows_launch: re-exported
+from library.quant.convrot_quant_kernels import (  # noqa: F401 - QUANTISERS, set_*, _*_launch: re-exported
     _QUANT_PLANS,
     _TUNING,
     QUANTISERS,
     _h64,
     _next_pow2,
     _quantize_rows_triton,
+    _quarters_launch,
     _rows_launch,
     _scale_rotate_triton,
     set_quantiser,
