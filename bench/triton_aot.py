@@ -9,8 +9,9 @@ which may differ from another version's.
     python -m bench.triton_aot --out aot.json               # the default tiles of each kernel, sm_90
     python -m bench.triton_aot --sweep --arch 90 --out aot.json
 
-Kernels: the one-kernel forward of few rows (`fused`), the two-pass tensor-core quantiser (`tiles_mma`), the default
-one-pass quantiser at K = 3072 (`rows`) and the pointer GEMM at the pinned table's pointer configurations (`ptr`).
+Kernels: the one-kernel forward of few rows (`fused`), the two-pass tensor-core quantiser (`tiles_mma`), the
+one-pass quantisers at K = 3072 (`rows`, and `quarters`, the default, also at 8192 with --sweep) and the pointer GEMM
+at the pinned table's pointer configurations (`ptr`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-KINDS = ("fused", "tiles_mma", "rows", "ptr")
+KINDS = ("fused", "tiles_mma", "rows", "quarters", "ptr")
 
 
 def _triton() -> Any:
@@ -114,6 +115,15 @@ def jobs(kinds: tuple[str, ...], sweep: bool) -> list[Job]:
         out.append((Q._rot_quant_rows_kernel, sig, {**bf16, "LOG4G": 4, "BM": bm, "NCH": nch, "CH": ch,
                                                      "EVEN": False, "MMA": False, "GATHER": False},
                     {"num_warps": warps}, ("K", "stride_xm", "stride_qm")))
+    if "quarters" in kinds:  # the default quantiser at the DiT's widths (K = 3072: two parts, 8 + 4 groups)
+        sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "h_ptr": "*fp32", "M": "i32", "K": "i32",
+               "stride_xm": "i32", "stride_qm": "i32"}
+        for k in (3072, 8192) if sweep else (3072,):
+            bm, nch_a, nch_b, warps, fills = Q._quarters_launch(k, 256)
+            out.append((Q._rot_quant_quarters_kernel, sig, {**bf16, "LOG4G": 4, "BM": bm, "NCH_A": nch_a,
+                                                             "NCH_B": nch_b, "EVEN": fills, "FAST_DIV": True,
+                                                             "GATHER": False},
+                        {"num_warps": warps}, ("K", "stride_xm", "stride_qm")))
     if "ptr" in kinds:
         sig = {"a_ptr": "*i8", "b_ptr": "*i8", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
                "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32", "stride_am": "i32",

@@ -509,7 +509,8 @@ def _quarters_launch(k: int, group_size: int) -> tuple[int, int, int, int, bool]
     """(BM rows, NCH_A groups, NCH_B groups, warps, whether the parts fill K) of the "quarters" quantiser, or None
     where it does not apply (no rotation, K not whole groups, rows wider than ``_TUNING["rows_max"]``). The groups
     of a row are split into two power-of-two parts (12 = 8 + 4, 48 = 32 + 16); a count of more than two bits rounds
-    its second part up (masked)."""
+    its second part up (masked). At least two warps a program: at K = 3072 they moved 1.71 TB/s against one warp's
+    1.60 (`python -m bench.convrot_int8 --parts quantiser`, the sweep of ``quarters_ept``)."""
     if group_size < 4 or k % group_size or k > _TUNING["rows_max"]:
         return None
     groups = k // group_size
@@ -520,7 +521,7 @@ def _quarters_launch(k: int, group_size: int) -> tuple[int, int, int, int, bool]
     bm = _next_pow2(max(1, -(-32 * ept // k)))
     if bm > 64:
         return None
-    warps = max(1, min(16, _pow2_floor(max(1, bm * k // (32 * ept)))))
+    warps = max(2, min(16, _pow2_floor(max(1, bm * k // (32 * ept)))))
     return bm, nch_a, nch_b, warps, nch_a + nch_b == groups
 
 
