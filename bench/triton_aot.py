@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,15 +40,34 @@ def _triton() -> Any:
     return triton, GPUTarget, ASTSource
 
 
-def resource_usage(cubin: bytes) -> dict[str, int]:
-    """REG, STACK, SHARED, LOCAL of a cubin, read with the cuobjdump that Triton's NVIDIA backend ships."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """What the cuobjdump that Triton's NVIDIA backend ships prints for a cubin with `flag`."""
     triton, _, _ = _triton()
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
-        text = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([str(tool), flag, str(path)], capture_output=True, text=True, check=True).stdout
+
+
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_counts(cubin: bytes) -> dict[str, int]:
+    """Instructions of a cubin's machine code by opcode (the part before the first dot), and "total"."""
+    counts: dict[str, int] = {}
+    for line in _cuobjdump(cubin, "-sass").splitlines():
+        m = _SASS_LINE.match(line)
+        if m:
+            op = m.group(1).split(".")[0]
+            counts[op] = counts.get(op, 0) + 1
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of a cubin, read with the cuobjdump that Triton's NVIDIA backend ships."""
+    text = _cuobjdump(cubin, "--dump-resource-usage")
     usage: dict[str, int] = {}
     for line in text.splitlines():
         if "REG:" in line:
@@ -59,11 +79,12 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def compile_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], options: dict[str, int],
-                   arch: int, divisible: tuple[str, ...] = ()) -> dict[str, Any]:
+                   arch: int, divisible: tuple[str, ...] = (), values: int = 0) -> dict[str, Any]:
     """Compile `fn` (a @triton.jit function) for sm_`arch` with these argument types, constexprs and launch options
     (num_warps, num_stages). A launch specialises as the real ones do: every pointer 16-byte aligned and the integer
     arguments named in `divisible` multiples of 16 (unit strides are given as constexprs of 1, as Triton specialises
-    them). Without that, Triton builds another kernel (for example a GEMM without its pipelined stages)."""
+    them). Without that, Triton builds another kernel (for example a GEMM without its pipelined stages). `values`: the
+    activation values (slots, padding included) one program of a quantiser holds, for its instructions per value."""
     triton, GPUTarget, ASTSource = _triton()
     names = fn.arg_names
     aligned = [k for k, v in signature.items() if v.startswith("*")] + list(divisible)
@@ -75,15 +96,22 @@ def compile_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, Any
     row = {"kernel": fn.__name__, **options, "compile_s": round(time.perf_counter() - t0, 2),
            **{k: v for k, v in constexprs.items() if k.startswith(("BLOCK", "BM", "NCH", "CH", "GROUP"))},
            **resource_usage(kernel.asm["cubin"]), "dynamic_shared": int(kernel.metadata.shared)}
+    sass = sass_counts(kernel.asm["cubin"])
+    row["sass_instructions"] = sass["total"]
+    row["sass_shuffles"] = sass.get("SHFL", 0)
+    if values:  # a quantiser: the machine instructions of one thread per activation value (slot) it holds
+        row["values_per_thread"] = values // (32 * options["num_warps"])
+        row["sass_per_value"] = round(row["sass_instructions"] / row["values_per_thread"], 2)
     row["spills"] = row.get("stack", 0) > 0 or row.get("local", 0) > 0
     return row
 
 
-Job = tuple[Any, dict[str, str], dict[str, Any], dict[str, int], tuple[str, ...]]
+Job = tuple[Any, dict[str, str], dict[str, Any], dict[str, int], tuple[str, ...], int]
 
 
 def jobs(kinds: tuple[str, ...], sweep: bool) -> list[Job]:
-    """(kernel, signature, constexprs, launch options, integer arguments that are multiples of 16) to compile, at
+    """(kernel, signature, constexprs, launch options, integer arguments that are multiples of 16, values a program
+    holds: quantisers only) to compile, at
     the shapes the product launches (K a multiple of 256, the DiT's and the encoder's widths): the defaults, and
     with `sweep` the alternatives."""
     from library.quant import convrot_quant_kernels as Q
@@ -100,21 +128,21 @@ def jobs(kinds: tuple[str, ...], sweep: bool) -> list[Job]:
         tiles += [(32, 64, 4), (16, 128, 4), (32, 128, 8), (16, 64, 8)] if sweep else []
         out += [(F._fused_quant_gemm_kernel, sig, {**bf16, "HAS_BIAS": False, "BLOCK_M": bm, "BLOCK_N": bn,
                                                    "GATHER": False}, {"num_warps": w},
-                 ("N", "K", "stride_xm", "stride_wn", "stride_cm")) for bm, bn, w in tiles]
+                 ("N", "K", "stride_xm", "stride_wn", "stride_cm"), 0) for bm, bn, w in tiles]
     if "tiles_mma" in kinds:
         sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "h_ptr": "*bf16", "M": "i32", "K": "i32",
                "stride_xm": "i32", "stride_qm": "i32"}
         tiles = [(Q._TUNING["tiles_bm"], Q._TUNING["tiles_warps"])]
         tiles += [(16, 4), (64, 8), (32, 8)] if sweep else []
         out += [(Q._rot_quant_tiles_mma_kernel, sig, {**bf16, "BM": bm, "GATHER": False}, {"num_warps": w},
-                 ("K", "stride_xm", "stride_qm")) for bm, w in tiles]
+                 ("K", "stride_xm", "stride_qm"), 0) for bm, w in tiles]  # loops over K: no count a value
     if "rows" in kinds:
         bm, nch, ch, warps = Q._rows_launch(3072, 256)
         sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "h_ptr": "*fp32", "M": "i32", "K": "i32",
                "stride_xm": "i32", "stride_qm": "i32"}
         out.append((Q._rot_quant_rows_kernel, sig, {**bf16, "LOG4G": 4, "BM": bm, "NCH": nch, "CH": ch,
                                                      "EVEN": False, "MMA": False, "GATHER": False},
-                    {"num_warps": warps}, ("K", "stride_xm", "stride_qm")))
+                    {"num_warps": warps}, ("K", "stride_xm", "stride_qm"), bm * nch * ch))
     if "quarters" in kinds:  # the default quantiser at the DiT's widths (K = 3072: two parts, 8 + 4 groups)
         sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "h_ptr": "*fp32", "M": "i32", "K": "i32",
                "stride_xm": "i32", "stride_qm": "i32"}
@@ -123,7 +151,7 @@ def jobs(kinds: tuple[str, ...], sweep: bool) -> list[Job]:
             out.append((Q._rot_quant_quarters_kernel, sig, {**bf16, "LOG4G": 4, "BM": bm, "NCH_A": nch_a,
                                                              "NCH_B": nch_b, "EVEN": fills, "FAST_DIV": True,
                                                              "GATHER": False},
-                        {"num_warps": warps}, ("K", "stride_xm", "stride_qm")))
+                        {"num_warps": warps}, ("K", "stride_xm", "stride_qm"), bm * k))
     if "ptr" in kinds:
         sig = {"a_ptr": "*i8", "b_ptr": "*i8", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
                "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32", "stride_am": "i32",
@@ -136,7 +164,7 @@ def jobs(kinds: tuple[str, ...], sweep: bool) -> list[Job]:
                                                     "HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn,
                                                     "BLOCK_K": bk, "GROUP_M": gm},
                         {"num_warps": w, "num_stages": stages}, ("N", "K", "M_BUCKET", "stride_am", "stride_bn",
-                                                                 "stride_cm")))
+                                                                 "stride_cm"), 0))
     return out
 
 
@@ -156,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the kernels' own setting (and no warning)
     triton, _, _ = _triton()
     rows = []
-    for fn, sig, const, options, divisible in jobs(kinds, ns.sweep):
+    for fn, sig, const, options, divisible, values in jobs(kinds, ns.sweep):
         try:
-            rows.append(compile_kernel(fn, sig, const, options, ns.arch, divisible))
+            rows.append(compile_kernel(fn, sig, const, options, ns.arch, divisible, values))
         except Exception as e:  # noqa: BLE001 - a kernel that does not build is a result, not a crash
             rows.append({"kernel": fn.__name__, **options, "error": f"{type(e).__name__}: {e}"[:2000]})
         print(json.dumps(rows[-1]), flush=True)

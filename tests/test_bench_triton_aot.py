@@ -30,3 +30,15 @@ def test_default_tiles_compile_for_sm90_without_spills(tmp_path):
 def test_unknown_kernels_are_refused(capsys):
     assert triton_aot.main(["--kernels", "fused,nope"]) == 2
     assert "unknown --kernels ['nope']" in capsys.readouterr().err
+
+
+def test_the_quarters_quantiser_runs_fewer_instructions_a_value_than_rows(tmp_path):
+    """What the default quantiser was built for, read off its sm_90 machine code: fewer instructions per activation
+    value held than the previous "rows" kernel at K = 3072 (which pads the row to 4096 slots), and no spills."""
+    out = tmp_path / "aot.json"
+    assert triton_aot.main(["--kernels", "rows,quarters", "--arch", "90", "--out", str(out)]) == 0
+    rows = {r["kernel"]: r for r in json.loads(out.read_text())["kernels"]}
+    quarters, old = rows["_rot_quant_quarters_kernel"], rows["_rot_quant_rows_kernel"]
+    assert not quarters["spills"] and quarters["values_per_thread"] * 32 * quarters["num_warps"] == 3072
+    assert old["values_per_thread"] * 32 * old["num_warps"] == 4096
+    assert quarters["sass_per_value"] * 1.5 < old["sass_per_value"], (quarters, old)
