@@ -110,10 +110,9 @@ Job = tuple[Any, dict[str, str], dict[str, Any], dict[str, int], tuple[str, ...]
 
 
 def jobs(kinds: tuple[str, ...], sweep: bool) -> list[Job]:
-    """(kernel, signature, constexprs, launch options, integer arguments that are multiples of 16, values a program
-    holds: quantisers only) to compile, at
-    the shapes the product launches (K a multiple of 256, the DiT's and the encoder's widths): the defaults, and
-    with `sweep` the alternatives."""
+    """(kernel, signature, constexprs, launch options, integer arguments that are multiples of 16, the values one
+    program holds: one-pass quantisers only, else 0) to compile, at the shapes the product launches (K a multiple of
+    256, the DiT's and the encoder's widths): the defaults, and with `sweep` the alternatives."""
     from library.quant import convrot_quant_kernels as Q
     from library.quant import fused_linear_kernels as F
     from library.quant import int8_gemm_kernels as G

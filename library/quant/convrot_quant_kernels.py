@@ -457,7 +457,7 @@ def set_quantiser(name: str) -> None:
     passes over 256-groups of bf16/fp16 rows, each group rotated as four 64-column blocks on the tensor cores and
     one radix-4 stage in registers; other rows as "rows") or "quarters" (default; one pass, whole rows as two parts of a
     power-of-two count of groups, each group as four quarter tensors: the top digit of the rotation element-wise,
-    no padding; rows without rotation, wider than ``_TUNING["rows_max"]`` or of more than two parts as "rows")."""
+    no padding; rows without rotation or wider than ``_TUNING["rows_max"]`` as "rows")."""
     if name not in QUANTISERS:
         raise ValueError(f"unknown ConvRot quantiser {name!r}; choose one of {QUANTISERS}")
     _TUNING["quantiser"] = name
