@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Summarise a GPU clock log by its busy phases: mean, lowest and highest SM clock and mean power of each stretch
-where the GPU drew at least `--min_power_w`, and the clock-event reasons seen.
+where the GPU drew at least a given power, and the clock-event reasons seen. A sample of at least `--min_power_w`
+watts (default 500) is busy.
 
 The log is what ``nvidia-smi`` writes beside a benchmark, for example
 
