@@ -482,8 +482,9 @@ def _host_profile(fn: Callable[[], Any], calls: int = 300, top: int = 18) -> lis
 
 def bench_overhead(m: int, k: int, n: int, device: str, calls: int) -> dict:
     """Time per call of the int8 Linear module against F.linear at M x K -> N (1000 calls, one CUDA sync at the
-    end): with the raw Triton launches (default), the compiled kernels' launchers and ``JITFunction.run``, the
-    quantiser and the GEMM alone, and where the host time goes (cProfile of the module call)."""
+    end): with the raw Triton launches (default), the compiled kernels' launchers and ``JITFunction.run``, without
+    the module's launch plans, the quantiser and the GEMM alone, and where the host time goes (cProfile of the
+    module call)."""
     torch.manual_seed(0)
     lin = nn.Linear(k, n, bias=True).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
     qlin = U.ConvRotInt8Linear.from_linear(lin, G)
@@ -509,6 +510,17 @@ def bench_overhead(m: int, k: int, n: int, device: str, calls: int) -> dict:
         r["F_linear_us_again"] = _per_call_us(lambda: F.linear(nx(), lin.weight, lin.bias), device, calls)
         triton_launch.set_direct_launch(True)
         triton_launch.set_raw_launch(True)
+        # the module without its launch plans (`library.quant.linear_plan`): the regular path on every call
+        plans, qlin._eager_plans = qlin._eager_plans, None
+        try:
+            r["int8_module_us_unplanned"] = _per_call_us(lambda: qlin(nx()), device, calls)
+            unplanned = qlin(xs[0].clone())
+        finally:
+            qlin._eager_plans = plans
+        planned = qlin(xs[0].clone())
+        r["planned_vs_unplanned_mismatch"] = int((planned != unplanned).sum())
+        r["plan_replays"] = plans.replays
+        r["int8_unplanned_over_F_linear"] = r["int8_module_us_unplanned"] / r["F_linear_us"]
         r["direct_vs_jit_run_mismatch"] = int((outs["direct"] != outs["jit_run"]).sum())
         r["raw_vs_jit_run_mismatch"] = int((outs["raw"] != outs["jit_run"]).sum())
         r["direct_launch_usable"] = triton_launch.direct_launch_enabled()

@@ -117,7 +117,44 @@ def run_checks(device: str) -> dict:
         "hits": K._ACT_CACHE.hits - hits, "same": bool(torch.equal(y1, y2)),
         "after_inplace_ok": bool(torch.equal(y3, K.int8_linear(x, q, s, None, 256, backend="eager"))),
     }
+    out["plans"] = _check_plans(device)
     return out
+
+
+def _check_plans(device: str) -> dict:
+    """The int8 Linear module's launch plans (`library.quant.linear_plan`): replayed calls give the regular path's
+    outputs and gradients bit for bit; a moved weight and a switch of kernels bind again."""
+    from library.quant import convrot as U
+    from library.quant import convrot_kernels as K
+
+    torch.manual_seed(1)
+    res: dict = {}
+    for tag, bias, g, shape in (("bias_3d", True, 256, (2, 5, 512)), ("plain_2d", False, 0, (7, 96))):
+        lin = torch.nn.Linear(shape[-1], 40, bias=bias).to(device=device, dtype=torch.bfloat16)
+        mod = U.ConvRotInt8Linear.from_linear(lin, g)
+        b = mod.bias
+
+        def regular(x, mod=mod, b=b, g=g):
+            return K.linear_forward(x, mod.weight, mod.weight_scale, b, g)
+
+        xs = [torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(4)]
+        with torch.no_grad():
+            ys = [mod(x) for x in xs] + [mod(xs[3])]  # the last one finds its codes in the activation cache
+            same = all(torch.equal(y, regular(x)) for y, x in zip(ys, [*xs, xs[3]]))
+            replays, plans = mod._eager_plans.replays, len(mod._eager_plans)
+            mod.weight.data = mod.weight.data.clone()  # a new address (block swap, .to()): bound again
+            moved = torch.equal(mod(xs[1]), ys[1]) and torch.equal(mod(xs[2]), ys[2])
+            K.set_quantiser(K._TUNING["quantiser"])  # any switch makes the bound launches stale
+            after_switch = torch.equal(mod(xs[3]), ys[3]) and torch.equal(mod(xs[1]), ys[1])
+        xg = xs[2].clone().requires_grad_(True)
+        xr = xs[2].clone().requires_grad_(True)
+        gy = torch.randn(*shape[:-1], 40, device=device, dtype=torch.bfloat16)
+        mod(xg).backward(gy)
+        mod._eager_plans.clear()
+        mod(xr).backward(gy)  # the regular path (no plan yet)
+        res[tag] = {"same": same, "replays": replays, "plans": plans, "moved": moved, "after_switch": after_switch,
+                    "replays_total": mod._eager_plans.replays, "grad_same": bool(torch.equal(xg.grad, xr.grad))}
+    return res
 
 
 def _check_launch_tuned(device: str) -> bool:
@@ -216,6 +253,9 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
             assert c["bwd_upcast_vs_model_relerr"] < 1e-3 and c["bwd_upcast_vs_dequant_relerr"] < 2e-2, c
     assert res["cache"] == {"hits": 1, "same": True, "after_inplace_ok": True}
     assert res["launch_tuned"]
+    for tag, p in res["plans"].items():  # the first call binds, the four after it replay (one from the cache)
+        assert p == {"same": True, "replays": 4, "plans": 1, "moved": True, "after_switch": True,
+                     "replays_total": 7, "grad_same": True}, (tag, p)
     assert res["one_buffer"] == {"same": True, "layout_ok": True}
 
 

@@ -341,3 +341,41 @@ def test_tma_raw_launch_is_refused_where_the_layout_is_not_known(tma_driver, mon
     if case == "no_wrapper":
         kernel.run.launch = _CLaunch([], False)  # no Python wrapper to look under: not the 3.6 TMA layout
     assert TL.TmaLauncher.of(kernel, (64,), ([64, 128], [128, 128])) is None
+
+
+def test_bound_is_the_launch_a_later_call_would_make(fake_driver):
+    """`bound(grid, key)`: nothing before the specialisation's first launch; then its raw launch (or, with raw
+    launches off, the compiled kernel's launcher; with direct launches off, nothing)."""
+    fn = _JitRaw()
+    launcher = TL.DirectLauncher(fn, {"EVEN": True, "BLOCK": 64}, {})
+    x = torch.zeros(64)
+    key = TL.spec_key((x, 64, 1))
+    assert launcher.bound((2, 1, 1), key) is None
+    launcher((2, 1, 1), (x, 64, 1))  # through Triton: compiles, keeps the raw launch
+    launch = launcher.bound((4, 1, 1), key)
+    launch((x, 80, 1))
+    assert fn.log[-1][0] == "raw" and fn.log[-1][1][:5] == (4, 1, 1, 777, 1234)
+    assert fn.log[-1][1][-1] == (x, 80, 1, 64, True)
+    TL.set_raw_launch(False)
+    launcher.bound((3, 1, 1), key)((x, 96, 1))
+    assert fn.log[-1] == ("direct", (3, 1, 1), (x, 96, 1, 64, True))
+    TL.set_direct_launch(False)
+    assert launcher.bound((3, 1, 1), key) is None
+
+
+def test_every_launch_switch_makes_bound_launches_stale():
+    from library.quant import convrot_quant_kernels as QK
+    from library.quant import fused_linear_kernels as FK
+    from library.quant import int8_gemm_kernels as GK
+
+    switches = (lambda: TL.set_direct_launch(True), lambda: TL.set_raw_launch(True),
+                lambda: QK.set_quantiser(QK._TUNING["quantiser"]), lambda: QK.set_row_tuning(),
+                lambda: GK.set_gemm_kernel(GK._TUNING["gemm"]), GK.clear_gemm_plans,
+                lambda: GK.set_gemm_table("none"), lambda: FK.set_fused_linear(FK._FUSED["max_m"]))
+    try:
+        for switch in switches:
+            before = TL.plan_epoch()
+            switch()
+            assert TL.plan_epoch() != before, switch
+    finally:
+        GK.set_gemm_table(None)

@@ -34,6 +34,7 @@ from torch import nn
 from library.errors import UserError
 from library.quant import convrot_kernels as kernels
 from library.quant import convrot_ops as ops
+from library.quant.linear_plan import LinearPlans
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +327,7 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
         self.group_size = int(group_size)
         self.bwd = _check_bwd(bwd)
         self.full_precision = bool(full_precision)
+        self._eager_plans = LinearPlans()  # the eager forward's launch plans (not state: a copy starts empty)
         self.register_buffer("weight", torch.zeros((out_features, in_features), dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.ones((out_features, 1), dtype=torch.float32, device=device))
         if bias:
@@ -382,7 +384,8 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
             return nn.functional.linear(x, w, b)
         if torch.compiler.is_compiling():  # the registered ops: the Linear stays inside the compiled graph
             return ops.linear(x, self.weight, self.weight_scale, self.bias, self.group_size, self.bwd)
-        return ops.linear_eager(x, self.weight, self.weight_scale, self.bias, self.group_size, self.bwd)
+        return ops.linear_eager(x, self.weight, self.weight_scale, self.bias, self.group_size, self.bwd,
+                                self._eager_plans)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in the original basis (a new tensor)."""

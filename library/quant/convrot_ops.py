@@ -15,7 +15,8 @@ eager torch numerics, any device) and a CUDA one (the Triton kernels where usabl
 - ``convrot_int8_dequantize(weight, weight_scale, group_size, dtype) -> W`` (layers flagged full precision).
 
 The module calls `linear` under ``torch.compile`` and `linear_eager` otherwise: the same kernels, without the
-dispatcher's per-call cost, and with the activation cache (which compiled code must not use: it reuses buffers).
+dispatcher's per-call cost, with the activation cache (which compiled code must not use: it reuses buffers) and
+the module's launch plans (`library.quant.linear_plan`).
 Inference graphs get no common-subexpression elimination from torch; `enable_inductor_quantize_dedupe` (called by
 `library.runtime.compile.compile_blocks`) adds an inductor pass that keeps one quantisation per input there too.
 """
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from library.quant import convrot_kernels as kernels
+from library.quant.linear_plan import LinearPlans
 
 __all__ = [
     "DEQUANTIZE", "LINEAR", "LINEAR_GRAD_INPUT", "QUANTIZE", "dedupe_quantize", "dequantize",
@@ -286,9 +288,9 @@ class _EagerLinear(torch.autograd.Function):
     weight, and grad_bias only if someone made the bias trainable."""
 
     @staticmethod
-    def forward(ctx, x, weight, weight_scale, bias, group_size, bwd):  # type: ignore[override]
+    def forward(ctx, x, weight, weight_scale, bias, group_size, bwd, plans):  # type: ignore[override]
         _save_for_backward(ctx, weight, weight_scale, bias, group_size, bwd)
-        return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
+        return _eager_forward(x, weight, weight_scale, bias, group_size, plans)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -298,17 +300,25 @@ class _EagerLinear(torch.autograd.Function):
             grad_x = kernels.int8_linear_grad_input(grad, weight, weight_scale, ctx.group_size, ctx.bwd)
         if ctx.needs_input_grad[3]:
             grad_bias = _bias_grad(grad, ctx.bias_dtype)
-        return grad_x, None, None, grad_bias, None, None
+        return grad_x, None, None, grad_bias, None, None, None
+
+
+def _eager_forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                   group_size: int, plans: LinearPlans | None) -> torch.Tensor:
+    if plans is not None:
+        return plans.forward(x, weight, weight_scale, bias, group_size)
+    return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
 
 
 def linear_eager(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, group_size: int,
-    bwd: str,
+    bwd: str, plans: LinearPlans | None = None,
 ) -> torch.Tensor:
-    """The int8 linear in eager mode: an autograd node only when a gradient can flow (x or the bias needs one)."""
+    """The int8 linear in eager mode: an autograd node only when a gradient can flow (x or the bias needs one).
+    `plans`: the calling module's launch plans (`library.quant.linear_plan`), which replay the forward's launches."""
     if _needs_grad(x, bias):
-        return _EagerLinear.apply(x, weight, weight_scale, bias, group_size, bwd)
-    return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
+        return _EagerLinear.apply(x, weight, weight_scale, bias, group_size, bwd, plans)
+    return _eager_forward(x, weight, weight_scale, bias, group_size, plans)
 
 
 def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -32,10 +32,11 @@ specialisation is known).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
-from library.quant.triton_launch import DirectLauncher
+from library.quant.triton_launch import DirectLauncher, invalidate_plans, spec_key
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -461,6 +462,7 @@ def set_quantiser(name: str) -> None:
     if name not in QUANTISERS:
         raise ValueError(f"unknown ConvRot quantiser {name!r}; choose one of {QUANTISERS}")
     _TUNING["quantiser"] = name
+    invalidate_plans()
 
 def set_row_tuning(row_elems: int | None = None, elems_per_thread: int | None = None, tile_k: int | None = None,
                    rows_elems: int | None = None, rows_ept: int | None = None, rows_max: int | None = None,
@@ -476,6 +478,7 @@ def set_row_tuning(row_elems: int | None = None, elems_per_thread: int | None = 
         if value is not None:
             _TUNING[name] = int(value)
     _QUANT_PLANS.clear()
+    invalidate_plans()
 
 
 def _pow2_floor(v: int) -> int:
@@ -623,6 +626,35 @@ def _quantize_rows_triton(
         cs = col_scale.to(torch.float32).contiguous() if col_scale is not None else s
         launchers[0](grid, (x2, q, s, cs, m, k, stride_xm, k))
     return q, s
+
+
+def bound_quantiser(x2: torch.Tensor, group_size: int
+                    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    """``quantise(x2, q, s)``: the launch that `_quantize_rows_triton(x2, group_size)` made for x2's shape, dtype,
+    alignment and row stride (same kernel, grid and arguments), for inputs of that same layout and new outputs q
+    [M, K] and s [M] (16-byte aligned); None where that call has not run yet, its rows are not contiguous or no
+    cheaper launch exists. Valid while `library.quant.triton_launch.plan_epoch()` is unchanged."""
+    m, k = x2.shape
+    stride_xm, stride_xk = x2.stride()
+    plan = _QUANT_PLANS.get((_TUNING["quantiser"], k, group_size, x2.dtype, False, x2.get_device()))
+    if plan is None or stride_xk != 1 or m == 0:
+        return None
+    name, bm, launchers, even_k = plan
+    grid = ((m + bm - 1) // bm, 1, 1)
+    if name == "stream":
+        aligned = (torch.int8, True), (torch.float32, True), (torch.float32, True)  # q, s and s again (no cs)
+        launch = launchers[0].bound(grid, ((x2.dtype, x2.data_ptr() % 16 == 0), *aligned,
+                                           *spec_key((m, k, stride_xm, k))))
+        if launch is None:
+            return None
+        return lambda x, q, s: launch((x, q, s, s, m, k, stride_xm, k))
+    launch = launchers[even_k and m % bm == 0].bound(grid, (x2.data_ptr() & 15, stride_xm, m == 1, m & 15))
+    if launch is None:
+        return None
+    if name in ("rows_mma", "tiles_mma"):
+        h = _h64(x2.device, x2.dtype)
+        return lambda x, q, s: launch((x, q, s, h, m, k, stride_xm, k))
+    return lambda x, q, s: launch((x, q, s, s, m, k, stride_xm, k))
 
 
 def _scale_rotate_triton(

@@ -12,7 +12,7 @@ import torch
 
 from library.quant import convrot_quant_kernels as _qk
 from library.quant.convrot_quant_kernels import _INTERPRET, _TRITON_IMPORTED, tl, triton
-from library.quant.triton_launch import DirectLauncher
+from library.quant.triton_launch import DirectLauncher, invalidate_plans
 
 if _TRITON_IMPORTED:
 
@@ -73,6 +73,7 @@ def set_fused_linear(max_m: int, block_m: int | None = None, block_n: int | None
     for name, value in (("max_m", max_m), ("block_m", block_m), ("block_n", block_n), ("warps", warps)):
         if value is not None:
             _FUSED[name] = int(value)
+    invalidate_plans()
     _FUSED_LAUNCHERS.clear()
 
 

@@ -34,7 +34,7 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from library.quant.triton_launch import (
     TmaLauncher,
     _launch_hooks_idle,
     constexpr_tail,
+    invalidate_plans,
     raw_launch_enabled,
 )
 
@@ -529,6 +530,7 @@ def set_gemm_table(path: str | Path | None) -> None:
     if str(path) == "none":
         _TABLE["rows"], _TABLE["path"] = {}, None
         _CHOICES.clear()
+        invalidate_plans()
         return
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -537,6 +539,7 @@ def set_gemm_table(path: str | Path | None) -> None:
                         f" {GEMM_TABLE_ENV}") from err
     _TABLE["rows"], _TABLE["path"] = parse_gemm_table(data, str(path)), path
     _CHOICES.clear()
+    invalidate_plans()
 
 
 def pinned_gemm(gpu_names: Sequence[str], n: int, k: int, m: int, b_kmajor: bool = True
@@ -577,6 +580,7 @@ def clear_gemm_plans() -> None:
     """Forget the per-shape choices and launch plans (the next call of each shape decides again)."""
     _CHOICES.clear()
     _GEMM_PLANS.clear()
+    invalidate_plans()
 
 
 def set_gemm_kernel(name: str) -> None:
@@ -594,6 +598,7 @@ def set_gemm_kernel(name: str) -> None:
         raise ValueError(f"the ConvRot GEMM kernel {name!r} needs a newer Triton; available here:"
                          f" {available_gemm_variants()}")
     _TUNING["gemm"] = name
+    invalidate_plans()
     _CHOICES.clear()
 
 
@@ -752,10 +757,8 @@ def _int8_gemm_triton(
     if m == 0:
         return c
     stride_bn, stride_bk = int(b_strides_nk[0]), int(b_strides_nk[1])
-    if _INTERPRET:  # the chosen variant's pointer form (TMA needs a GPU) with small blocks
-        persistent = _TUNING["gemm"] != "auto" and GEMM_VARIANTS[_TUNING["gemm"]].persistent
-        return launch_gemm_variant("ptr_persistent" if persistent else "ptr", _INTERPRET_CONFIG, a, sa, b,
-                                   b_strides_nk, sb, bias, c)
+    if _INTERPRET:
+        return _interpreted_gemm(a, sa, b, b_strides_nk, sb, bias, c)
     args = _gemm_args(a, sa, b, b_strides_nk, sb, bias, c, n)
     has_sb, has_bias = sb is not None, bias is not None
     device = a.get_device()
@@ -782,6 +785,7 @@ def _int8_gemm_triton(
                 return c
             except TypeError as e:  # this Triton's C launch wants other arguments: Triton's own launch from now on
                 plan[5][tma_key] = None
+                invalidate_plans()
                 logger.info("raw TMA launches are not usable with this Triton (%s); launching through Triton", e)
         tma_args, descs = _tma_args(args, a, b, stride_bn, n, ws)
         _launch_tuned(_TUNED_GEMMS[variant.name], _RAW_GEMMS[variant.name], key, m, n, tma_args,
@@ -800,6 +804,74 @@ def _int8_gemm_triton(
                   {"HAS_SB": has_sb, "HAS_BIAS": has_bias, "EVEN_K": k % block_k == 0}, None, direct_key,
                   pinned=pinned, programs=programs)
     return c
+
+
+def _interpreted_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, b_strides_nk: Sequence[int],
+                      sb: torch.Tensor | None, bias: torch.Tensor | None, c: torch.Tensor) -> torch.Tensor:
+    """Under the interpreter: the chosen variant's pointer form (TMA needs a GPU) with small blocks."""
+    persistent = _TUNING["gemm"] != "auto" and GEMM_VARIANTS[_TUNING["gemm"]].persistent
+    return launch_gemm_variant("ptr_persistent" if persistent else "ptr", _INTERPRET_CONFIG, a, sa, b, b_strides_nk,
+                               sb, bias, c)
+
+
+def bound_gemm(
+    a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor | None, bias: torch.Tensor | None,
+    c: torch.Tensor,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor],
+              None] | None:
+    """``gemm(a, sa, b, sb, bias, c)``: the launch that `_int8_gemm_triton` made for these operands (a [M, K] and c
+    [M, N] contiguous, the weight b [N, K] read through its strides, bias already in c's dtype), for later operands
+    of the same shapes, dtypes, strides and alignments (b, sb and bias at the same addresses where the GEMM reads
+    them through a TMA descriptor); the same kernel, configuration, grid and arguments. None where that call has not
+    run yet or no cheaper launch exists. Valid while `library.quant.triton_launch.plan_epoch()` is unchanged."""
+    m, k = a.shape
+    n = c.shape[1]
+    if m == 0 or a.stride() != (k, 1) or c.stride() != (n, 1):
+        return None
+    b_strides = b.stride()
+    if _INTERPRET:
+        def gemm_interpreted(a_, sa_, b_, sb_, bias_, c_):
+            _interpreted_gemm(a_, sa_, b_, b_strides, sb_, bias_, c_)
+
+        return gemm_interpreted
+    stride_bn, stride_bk = b_strides
+    device = a.get_device()
+    choice = _CHOICES.get((_TUNING["gemm"], m, n, k, stride_bk == 1, device))
+    if choice is None:
+        return None
+    variant, _config, _pinned, programs = choice
+    has_sb, has_bias = sb is not None, bias is not None
+    bucket = gemm_m_bucket(m)
+    if variant.tma and _tma_ok(a, b, stride_bn, stride_bk, k):
+        plan = _GEMM_PLANS.get((variant.name, m, n, k, has_sb, has_bias, c.dtype, device))
+        tma_key = (sa.data_ptr() & 15, 0 if sb is None else sb.data_ptr() & 15,
+                   0 if bias is None else bias.data_ptr() & 15)
+        tma = plan[5].get(tma_key) if plan is not None else None
+        if tma is None or not raw_launch_enabled():
+            return None
+        ws = _split_tail_workspace(a.device, 0, programs, 256, 256) if variant.split_tail else ()
+        launch_tma = tma.bound_a(plan[4], b, (n, k), (stride_bn, 1))
+
+        def gemm_tma(a_, sa_, b_, sb_, bias_, c_):  # b_ is the bound descriptor's tensor
+            launch_tma(a_, (m, k), (k, 1), (c_, sa_, sb_ if has_sb else sa_, bias_ if has_bias else sa_, *ws, m, n,
+                                            k, bucket, n, 1))
+
+        return gemm_tma
+    name = "ptr_persistent" if variant.persistent else "ptr"
+    plan = _GEMM_PLANS.get((name, m, n, k, has_sb, has_bias, c.dtype, device))
+    if plan is None or plan[3] is None:
+        return None
+    direct_key = (a.data_ptr() & 15, b.data_ptr() & 15, sa.data_ptr() & 15, 0 if sb is None else sb.data_ptr() & 15,
+                  0 if bias is None else bias.data_ptr() & 15, k, 1, stride_bk, stride_bn, n)
+    launch = plan[3].bound(plan[4], direct_key)
+    if launch is None:
+        return None
+
+    def gemm_ptr(a_, sa_, b_, sb_, bias_, c_):
+        launch((a_, b_, c_, sa_, sb_ if has_sb else sa_, bias_ if has_bias else sa_, m, n, k, bucket, k, 1,
+                stride_bk, stride_bn, n, 1))
+
+    return gemm_ptr
 
 
 def _grad_input_upcast_triton(

@@ -20,12 +20,18 @@ aligned, per integer whether it is 1, whether it is a multiple of 16 and whether
 launch refuses the arguments (a Triton whose launchers take another layout), that level is logged once and turned
 off, and the call is repeated through the next level; `set_direct_launch(False)` sends every call through Triton.
 Under ``TRITON_INTERPRET=1`` Triton returns no compiled kernel, so every call takes the normal launch.
+
+Callers that replay launches (`library.quant.linear_plan`) take the cheapest launch of an already compiled
+specialisation once (`DirectLauncher.bound`, `TmaLauncher.bound_a`) and keep it while `plan_epoch()` stays the same:
+every switch that changes which kernel or launch path a call takes (here and in the kernel modules) calls
+`invalidate_plans`.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,14 +46,28 @@ except Exception:  # noqa: BLE001 - a missing or broken triton (or one without k
     triton = None  # type: ignore[assignment]
     _knobs = None  # type: ignore[assignment]
 
+_INTERPRET_MODE = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _STATE = {"enabled": True, "failed": False, "raw": True, "raw_failed": False}
+# bumped by every switch that changes the kernel or the launch path of a call: replayed launches check it
+_EPOCH = [0]
 # the launcher layout of this Triton ("v36", "generic" or None for unknown), recognised on the first kernel
 _LAYOUT: dict[type, str | None] = {}
+
+
+def plan_epoch() -> int:
+    """A number that changes whenever a launch bound earlier may no longer be the one a call would take."""
+    return _EPOCH[0]
+
+
+def invalidate_plans() -> None:
+    """Make every bound launch (`DirectLauncher.bound`, `TmaLauncher.bound_a`) stale: callers bind again."""
+    _EPOCH[0] += 1
 
 
 def set_direct_launch(enabled: bool) -> None:
     """Turn the direct launches on (default) or off (every launch through ``JITFunction.run``)."""
     _STATE["enabled"] = bool(enabled)
+    invalidate_plans()
 
 
 def direct_launch_enabled() -> bool:
@@ -59,6 +79,7 @@ def set_raw_launch(enabled: bool) -> None:
     """Turn the raw launches (the C launch function called directly) on (default) or off (direct launches then go
     through ``CompiledKernel[grid]``)."""
     _STATE["raw"] = bool(enabled)
+    invalidate_plans()
 
 
 def raw_launch_enabled() -> bool:
@@ -203,6 +224,7 @@ class DirectLauncher:
                 return
             except TypeError as e:  # this launch function wants other arguments: the compiled kernel's launcher
                 state["raw_failed"] = True
+                invalidate_plans()
                 logger.info("raw Triton launches are not usable with this Triton (%s); using CompiledKernel[grid]",
                             e)
         kernel = self.compiled.get(key, False)
@@ -223,8 +245,29 @@ class DirectLauncher:
             kernel[grid](*args, *self.tail)
         except TypeError as e:  # this Triton's launcher wants other arguments: launch through Triton from now on
             state["failed"] = True
+            invalidate_plans()
             logger.info("direct Triton launches are not usable with this Triton (%s); using kernel[grid]", e)
             self.fn[grid](*args, **self.constexprs, **self.options)
+
+
+    def bound(self, grid: tuple[int, int, int], key: tuple) -> Callable[[tuple], None] | None:
+        """The cheapest launch of the specialisation `key` (as `__call__` would key it) on `grid`: a function of the
+        runtime arguments alone, or None where that specialisation has not been launched yet. Under the interpreter
+        (no compiled kernels) it is the normal launch. Valid while `plan_epoch()` is unchanged and no launch hook is
+        registered (the caller checks `_launch_hooks_idle`)."""
+        if triton is not None and _INTERPRET_MODE:
+            fn, constexprs, options = self.fn, self.constexprs, self.options
+            return lambda args: fn[grid](*args, **constexprs, **options)
+        if not direct_launch_enabled():
+            return None
+        raw = self.raw.get(key)
+        if raw is not None and raw_launch_enabled():
+            return lambda args: raw(grid, args)
+        kernel = self.compiled.get(key)
+        if not kernel:  # not launched yet (False) or only through Triton (None)
+            return None
+        runner, tail = kernel[grid], self.tail
+        return lambda args: runner(*args, *tail)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -310,6 +353,24 @@ class TmaLauncher:
             logger.debug("no raw TMA launch for %s", getattr(kernel, "name", kernel))
             return None
         return cls(c_launch, kernel, launcher, metas, [list(b) for b in blocks], tail, expand)
+
+    def bound_a(self, grid: tuple, b: torch.Tensor, b_shape: tuple, b_strides: tuple
+                ) -> Callable[[torch.Tensor, tuple, tuple, tuple], None]:
+        """``launch(a, a_shape, a_strides, args)``: this kernel on `grid` with its second descriptor fixed to `b`
+        (encoded once, here) and the first one per call (encoded once per address, shape and strides)."""
+        b_enc = self._encoded(1, b, b_shape, b_strides)
+        c_launch, function, coop, pdl, packed, tail = (self.c_launch, self.function, self.coop, self.pdl,
+                                                       self.packed, self.tail)
+        drv = triton.runtime.driver.active
+        get_stream, get_device = drv.get_current_stream, drv.get_current_device
+        encoded = self._encoded
+        gx, gy, gz = grid
+
+        def launch(a: torch.Tensor, a_shape: tuple, a_strides: tuple, args: tuple) -> None:
+            c_launch(gx, gy, gz, get_stream(get_device()), function, coop, pdl, None, None, packed, None, None, None,
+                     *encoded(0, a, a_shape, a_strides), *b_enc, *args, *tail)
+
+        return launch
 
     def _encoded(self, i: int, tensor: torch.Tensor, shape: tuple, strides: tuple) -> tuple:
         key = (i, tensor.data_ptr(), shape, strides)

@@ -1,0 +1,130 @@
+"""The eager ConvRot INT8 Linear's forward replayed from a per-module launch plan.
+
+An eager int8 Linear call on CUDA is two kernels (rotate + quantise the input rows, then the int8 GEMM with its
+epilogue), and finding them costs more host time than launching them: the quantiser's and the GEMM's plan lookups,
+the variant choice, the TMA checks, the argument tuples and the specialisation keys are rebuilt on every call. At a
+few dozen rows (the text encoder's captions, the text refiner) and in eager training, where the GPU waits for the
+host, that host time is the step's time.
+
+`LinearPlans` (one per `ConvRotInt8Linear`) keeps, per input layout (rows, dtype, alignment, row stride) and weight
+address, the two launches that the regular path (`library.quant.convrot_kernels.linear_forward`) made the first time:
+the quantiser's and the GEMM's cheapest launch functions with their grids and every argument that does not change
+between calls (`bound_quantiser`, `bound_gemm`). A later call allocates the codes, the scales and the output and
+launches both. The kernels, configurations, grids and arguments are those of the regular path, so the outputs are
+identical (tested on CUDA and under Triton's interpreter). The activation cache (q, k and v share one quantised
+input) works as before.
+
+A plan is rebuilt when the weight, its scales or the bias move (block swap's slots, `.to()`), and dropped when a
+switch changes which kernel or launch a call would take (`library.quant.triton_launch.plan_epoch`). With a launch
+hook registered (a profiler such as proton) calls take the regular path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from library.quant import convrot_kernels as kernels
+from library.quant.convrot_quant_kernels import _codes_and_scales, bound_quantiser
+from library.quant.int8_gemm_kernels import bound_gemm
+from library.quant.triton_launch import _EPOCH, _launch_hooks_idle
+
+__all__ = ["LinearPlans"]
+
+_MAX_PLANS = 64  # per module: input layouts x weight addresses (block swap's slots); cleared when exceeded
+_MAX_TRIES = 3  # calls of one key that may fail to bind (a first autotuned launch) before it stops trying (per epoch)
+
+
+class _Plan:
+    """The two bound launches of one key, and the epoch they were bound in."""
+
+    __slots__ = ("epoch", "gemm", "m", "n", "quantise")
+
+    def __init__(self, epoch: int, m: int, n: int, quantise: Callable | None, gemm: Callable | None):
+        self.epoch, self.m, self.n, self.quantise, self.gemm = epoch, m, n, quantise, gemm
+
+
+class LinearPlans:
+    """The launch plans of one int8 Linear's eager forward (see the module docstring)."""
+
+    __slots__ = ("plans", "replays", "tries")
+
+    def __init__(self) -> None:
+        self.plans: dict[tuple, _Plan] = {}
+        self.tries: dict[tuple, tuple[int, int]] = {}  # key -> (epoch, calls that could not bind in it)
+        self.replays = 0  # calls served from a plan
+
+    def __reduce__(self) -> tuple:
+        return LinearPlans, ()  # a copy or a pickle starts empty: plans name addresses of this process
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def clear(self) -> None:
+        self.plans.clear()
+        self.tries.clear()
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                group_size: int) -> torch.Tensor:
+        """``linear_forward(x, weight, weight_scale, bias, group_size)``, from the plan of x's layout where there is
+        one; otherwise the regular path, whose launches are then bound for the next call."""
+        n, k = weight.shape
+        if x.shape[-1] != k:
+            raise ValueError(f"input features {x.shape[-1]} do not match the weight's {k}")
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        key = (x2.shape[0], x2.dtype, x2.data_ptr() & 15, x2.stride(0), x2.stride(1), weight.data_ptr(),
+               weight_scale.data_ptr(), 0 if bias is None else bias.data_ptr())
+        plan = self.plans.get(key)
+        if plan is not None and plan.epoch == _EPOCH[0] and _launch_hooks_idle():
+            self.replays += 1
+            out = self._replay(plan, x, x2, weight, weight_scale, bias, group_size)
+        elif self._plannable(x2, weight, bias, group_size):  # the regular path's two steps, then bound
+            q, s = kernels.cached_quantized_activation(x, group_size)
+            out = kernels.int8_gemm(q, s, weight, weight_scale, bias, x.dtype)
+            self._bind(key, x2, weight, weight_scale, bias, group_size, q, s, out)
+        else:
+            return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    @staticmethod
+    def _replay(plan: _Plan, x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+        cache = kernels._ACT_CACHE
+        qs = cache.get(x, group_size, True)
+        if qs is None:
+            qs = _codes_and_scales(plan.m, x2.shape[1], x2.device)
+            plan.quantise(x2, qs[0], qs[1])
+            cache.put(x, group_size, True, qs)
+        out = torch.empty((plan.m, plan.n), dtype=x2.dtype, device=x2.device)
+        plan.gemm(qs[0], qs[1], weight, weight_scale, bias, out)
+        return out
+
+    def _bind(self, key: tuple, x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              bias: torch.Tensor | None, group_size: int, q: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
+        """Bind the launches of a regular call (codes q, scales s, output out) for `key`, where both can be bound
+        (a shape's first, autotuned launch cannot: a few more calls try again)."""
+        epoch = _EPOCH[0]
+        tried_in, tries = self.tries.get(key, (epoch, 0))
+        if tried_in == epoch and tries >= _MAX_TRIES:
+            return
+        quantise = bound_quantiser(x2, group_size)
+        gemm = bound_gemm(q, s, weight, weight_scale, bias, out) if quantise is not None else None
+        if gemm is None:
+            self.tries[key] = (epoch, tries + 1 if tried_in == epoch else 1)
+            return
+        if len(self.plans) >= _MAX_PLANS:
+            self.clear()
+        self.plans[key] = _Plan(epoch, x2.shape[0], weight.shape[0], quantise, gemm)
+
+    @staticmethod
+    def _plannable(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> bool:
+        """Whether `linear_forward` runs the quantiser + GEMM pair on these operands as they are (Triton, rows
+        contiguous, a bias in the output dtype, not the one-kernel fused forward)."""
+        if not kernels.HAS_TRITON or not (x2.is_cuda or (kernels._INTERPRET and x2.device.type == "cpu")):
+            return False
+        if x2.shape[0] == 0 or x2.stride(1) != 1:
+            return False
+        if bias is not None and (bias.dtype != x2.dtype or not bias.is_contiguous()):
+            return False
+        return not (kernels._FUSED["max_m"] and kernels.fused_linear_ok(x2, weight, group_size))
