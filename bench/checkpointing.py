@@ -131,6 +131,11 @@ ROWS_QUANTISER = "_rows_quantiser"
 for _name in ("gc_full_compile_int8", "gc_selective_compile_int8", "gc_selective_compile_int8_skip16",
               "gc_full_eager_int8", "no_gc_compile_int8"):
     CONFIGS[_name + ROWS_QUANTISER] = CONFIGS[_name]
+# bench-only: the eager ConvRot INT8 configurations without the int8 Linears' launch plans (library.quant.linear_plan),
+# every call through the regular path, for the ratio of the two in one run
+UNPLANNED = "_unplanned"
+for _name in ("gc_full_eager_int8", "no_gc_eager_int8"):
+    CONFIGS[_name + UNPLANNED] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -311,16 +316,18 @@ def block_memory(dit: Any, step: Callable[[], None]) -> list[float]:
 def bench_variant(name: str) -> Any:
     """What a bench-only configuration name changes while it runs (restored afterwards, for --tiny's configurations in
     one process): the plain forms, dynamo's own checkpoint tags, the older RNG functionalisation, the previous
-    activation quantiser."""
+    activation quantiser, the int8 Linears without their launch plans."""
     import torch._functorch.config as functorch_config
 
-    from library.quant import convrot_kernels
+    from library.quant import convrot_kernels, linear_plan
     from library.runtime import checkpointing
 
     saved = checkpointing.COMPILED_FULL["per_operator_tags"]
     saved_quantiser = convrot_kernels._TUNING["quantiser"]
     if name.endswith(ROWS_QUANTISER):
         convrot_kernels.set_quantiser("rows")
+    if name.endswith(UNPLANNED):
+        linear_plan.set_linear_plans(False)
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
@@ -331,6 +338,7 @@ def bench_variant(name: str) -> Any:
     finally:
         checkpointing.COMPILED_FULL["per_operator_tags"] = saved
         convrot_kernels.set_quantiser(saved_quantiser)
+        linear_plan.set_linear_plans(True)
 
 
 def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from library.moss_image.dit import MossImage, MossImageConfig, rope_cos_sin
 from library.moss_image.loaders import quantize_dit
 from library.quant import convrot as U
 from library.quant import convrot_kernels as K
-from library.quant import convrot_ops, int8_gemm_kernels, triton_launch
+from library.quant import convrot_ops, int8_gemm_kernels, linear_plan, triton_launch
 from library.runtime.compile import compile_blocks
 from networks import lora_generic
 
@@ -545,7 +545,7 @@ def bench_te_linears(ms: tuple, device: str, iters: int, layers: int = 32, shrin
     """The Linear layers of the Qwen3.5-9B text model (`TE_UNIT` repeated to `layers` layers, random weights) at
     M tokens, eager: bf16 nn.Linear against the ConvRot INT8 module, ms per caption. Only the Linears: the whole
     encoder (attention, DeltaNet, norms) per caption is bench.te_throughput's (it needs a full snapshot). INT8 with
-    and without the raw Triton launches."""
+    and without the raw Triton launches and the modules' launch plans."""
     torch.manual_seed(0)
     unit = [(i // shrink, o // shrink, g) for i, o, g in TE_UNIT]  # `shrink`: smaller widths for a smoke run
     bf16 = [nn.Linear(i, o, bias=False).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
@@ -573,6 +573,11 @@ def bench_te_linears(ms: tuple, device: str, iters: int, layers: int = 32, shrin
                 tqd = time_ms(lambda: run(int8), device, iters, warmup=3)
             finally:
                 triton_launch.set_raw_launch(True)
+            linear_plan.set_linear_plans(False)  # every call through the regular path (no launch plans)
+            try:
+                tqu = time_ms(lambda: run(int8), device, iters, warmup=3)
+            finally:
+                linear_plan.set_linear_plans(True)
             K.set_fused_linear(m)  # the one-kernel forward for these rows (off by default)
             try:
                 tqf = time_ms(lambda: run(int8), device, iters, warmup=3)
@@ -580,6 +585,8 @@ def bench_te_linears(ms: tuple, device: str, iters: int, layers: int = 32, shrin
                 K.set_fused_linear(0)
         r["rows"].append({"M": m, "bf16_ms_per_caption": tb["median_ms"], "int8_ms_per_caption": tq["median_ms"],
                           "int8_over_bf16": tq["median_ms"] / tb["median_ms"],
+                          "int8_unplanned_ms_per_caption": tqu["median_ms"],
+                          "int8_unplanned_over_bf16": tqu["median_ms"] / tb["median_ms"],
                           "int8_no_raw_launch_ms_per_caption": tqd["median_ms"],
                           "int8_no_raw_launch_over_bf16": tqd["median_ms"] / tb["median_ms"],
                           "int8_fused_ms_per_caption": tqf["median_ms"],

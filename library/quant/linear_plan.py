@@ -28,12 +28,20 @@ import torch
 from library.quant import convrot_kernels as kernels
 from library.quant.convrot_quant_kernels import _codes_and_scales, bound_quantiser
 from library.quant.int8_gemm_kernels import bound_gemm
-from library.quant.triton_launch import _EPOCH, _launch_hooks_idle
+from library.quant.triton_launch import _EPOCH, _launch_hooks_idle, invalidate_plans
 
-__all__ = ["LinearPlans"]
+__all__ = ["LinearPlans", "set_linear_plans"]
 
+_STATE = {"enabled": True}
 _MAX_PLANS = 64  # per module: input layouts x weight addresses (block swap's slots); cleared when exceeded
 _MAX_TRIES = 3  # calls of one key that may fail to bind (a first autotuned launch) before it stops trying (per epoch)
+
+
+def set_linear_plans(enabled: bool) -> None:
+    """Let the int8 Linear modules replay their launches (default), or send every call through the regular path
+    (the benchmark's same-run comparison)."""
+    _STATE["enabled"] = bool(enabled)
+    invalidate_plans()
 
 
 class _Plan:
@@ -121,7 +129,7 @@ class LinearPlans:
     def _plannable(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> bool:
         """Whether `linear_forward` runs the quantiser + GEMM pair on these operands as they are (Triton, rows
         contiguous, a bias in the output dtype, not the one-kernel fused forward)."""
-        if not kernels.HAS_TRITON or not (x2.is_cuda or (kernels._INTERPRET and x2.device.type == "cpu")):
+        if not _STATE["enabled"] or not kernels.HAS_TRITON or not (x2.is_cuda or (kernels._INTERPRET and x2.device.type == "cpu")):
             return False
         if x2.shape[0] == 0 or x2.stride(1) != 1:
             return False
