@@ -356,6 +356,8 @@ def test_bound_is_the_launch_a_later_call_would_make(fake_driver):
     launch((x, 80, 1))
     assert fn.log[-1][0] == "raw" and fn.log[-1][1][:5] == (4, 1, 1, 777, 1234)
     assert fn.log[-1][1][-1] == (x, 80, 1, 64, True)
+    launcher.bound((4, 1, 1), key, device=5)((x, 80, 1))  # another device's current stream
+    assert fn.log[-1][1][:5] == (4, 1, 1, 0, 1234)
     TL.set_raw_launch(False)
     launcher.bound((3, 1, 1), key)((x, 96, 1))
     assert fn.log[-1] == ("direct", (3, 1, 1), (x, 96, 1, 64, True))

@@ -585,10 +585,15 @@ def _quant_plan(k: int, group_size: int, dtype: torch.dtype, has_cs: bool, devic
     return plan
 
 
+def scales_offset(m: int, k: int) -> int:
+    """Where `_codes_and_scales` puts the scales in its buffer: the next 16-byte boundary after m x k codes."""
+    return (m * k + 15) & ~15
+
+
 def _codes_and_scales(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes [m, k] and fp32 scales [m] in one allocation: the codes first, the scales after them at the next
     16-byte boundary (one allocator call instead of two)."""
-    off = (m * k + 15) & ~15
+    off = scales_offset(m, k)
     buf = torch.empty((off + 4 * m,), dtype=torch.int8, device=device)
     return buf.as_strided((m, k), (k, 1)), buf[off:].view(torch.float32)
 
@@ -641,14 +646,15 @@ def bound_quantiser(x2: torch.Tensor, group_size: int
         return None
     name, bm, launchers, even_k = plan
     grid = ((m + bm - 1) // bm, 1, 1)
+    device = x2.get_device()
     if name == "stream":
         aligned = (torch.int8, True), (torch.float32, True), (torch.float32, True)  # q, s and s again (no cs)
         launch = launchers[0].bound(grid, ((x2.dtype, x2.data_ptr() % 16 == 0), *aligned,
-                                           *spec_key((m, k, stride_xm, k))))
+                                           *spec_key((m, k, stride_xm, k))), device)
         if launch is None:
             return None
         return lambda x, q, s: launch((x, q, s, s, m, k, stride_xm, k))
-    launch = launchers[even_k and m % bm == 0].bound(grid, (x2.data_ptr() & 15, stride_xm, m == 1, m & 15))
+    launch = launchers[even_k and m % bm == 0].bound(grid, (x2.data_ptr() & 15, stride_xm, m == 1, m & 15), device)
     if launch is None:
         return None
     if name in ("rows_mma", "tiles_mma"):

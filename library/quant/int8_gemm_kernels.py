@@ -850,7 +850,7 @@ def bound_gemm(
         if tma is None or not raw_launch_enabled():
             return None
         ws = _split_tail_workspace(a.device, 0, programs, 256, 256) if variant.split_tail else ()
-        launch_tma = tma.bound_a(plan[4], b, (n, k), (stride_bn, 1))
+        launch_tma = tma.bound_a(plan[4], b, (n, k), (stride_bn, 1), device)
 
         def gemm_tma(a_, sa_, b_, sb_, bias_, c_):  # b_ is the bound descriptor's tensor
             launch_tma(a_, (m, k), (k, 1), (c_, sa_, sb_ if has_sb else sa_, bias_ if has_bias else sa_, *ws, m, n,
@@ -863,7 +863,7 @@ def bound_gemm(
         return None
     direct_key = (a.data_ptr() & 15, b.data_ptr() & 15, sa.data_ptr() & 15, 0 if sb is None else sb.data_ptr() & 15,
                   0 if bias is None else bias.data_ptr() & 15, k, 1, stride_bk, stride_bn, n)
-    launch = plan[3].bound(plan[4], direct_key)
+    launch = plan[3].bound(plan[4], direct_key, device)
     if launch is None:
         return None
 

@@ -142,10 +142,13 @@ def _launcher_layout(launcher: Any) -> str | None:
     return layout
 
 
-def raw_launcher(kernel: Any, tail: tuple) -> Callable[[tuple, tuple], None] | None:
+def raw_launcher(kernel: Any, tail: tuple, grid: tuple | None = None, device: int | None = None
+                 ) -> Callable[..., None] | None:
     """A function ``launch(grid3, args)`` that calls the C launch function of the compiled `kernel` directly with
     the runtime arguments `args` followed by the constexprs `tail`, or None where this kernel or Triton does not
-    allow it (unknown launcher layout, scratch memory, a tensor-descriptor wrapper, a sanitizer)."""
+    allow it (unknown launcher layout, scratch memory, a tensor-descriptor wrapper, a sanitizer). With `grid` given,
+    ``launch(args)`` on that grid; with `device` given too, on that device's current stream (else the current
+    device's)."""
     if triton is None:
         return None
     try:
@@ -167,6 +170,9 @@ def raw_launcher(kernel: Any, tail: tuple) -> Callable[[tuple, tuple], None] | N
     coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
     drv = triton.runtime.driver.active
     get_device, get_stream = drv.get_current_device, drv.get_current_stream
+    if grid is not None:
+        return _fixed_grid_launch(launch, layout, launcher, function, packed, coop, pdl, tail, grid, device,
+                                  get_device, get_stream)
     if layout == "v36":
         def launch_v36(grid: tuple, args: tuple) -> None:
             launch(grid[0], grid[1], grid[2], get_stream(get_device()), function, coop, pdl, None, None, packed,
@@ -180,6 +186,25 @@ def raw_launcher(kernel: Any, tail: tuple) -> Callable[[tuple, tuple], None] | N
                None, None, annotations, signature, args + tail)
 
     return launch_generic
+
+
+def _fixed_grid_launch(launch: Any, layout: str, launcher: Any, function: Any, packed: Any, coop: Any, pdl: Any,
+                       tail: tuple, grid: tuple, device: int | None, get_device: Callable[[], int],
+                       get_stream: Callable[[int], int]) -> Callable[[tuple], None]:
+    """`raw_launcher`'s ``launch(args)`` on a fixed grid (and device, where one is given): one Python frame."""
+    gx, gy, gz = grid
+    if layout == "v36":
+        if device is None:
+            return lambda args: launch(gx, gy, gz, get_stream(get_device()), function, coop, pdl, None, None, packed,
+                                       None, None, None, *args, *tail)
+        return lambda args: launch(gx, gy, gz, get_stream(device), function, coop, pdl, None, None, packed, None,
+                                   None, None, *args, *tail)
+    annotations, signature = launcher.arg_annotations, launcher.kernel_signature
+    if device is None:
+        return lambda args: launch(gx, gy, gz, get_stream(get_device()), function, coop, pdl, packed, None, None,
+                                   None, None, None, annotations, signature, args + tail)
+    return lambda args: launch(gx, gy, gz, get_stream(device), function, coop, pdl, packed, None, None, None, None,
+                               None, annotations, signature, args + tail)
 
 
 def constexpr_tail(fn: Any, constexprs: dict[str, Any]) -> tuple:
@@ -250,20 +275,23 @@ class DirectLauncher:
             self.fn[grid](*args, **self.constexprs, **self.options)
 
 
-    def bound(self, grid: tuple[int, int, int], key: tuple) -> Callable[[tuple], None] | None:
-        """The cheapest launch of the specialisation `key` (as `__call__` would key it) on `grid`: a function of the
-        runtime arguments alone, or None where that specialisation has not been launched yet. Under the interpreter
-        (no compiled kernels) it is the normal launch. Valid while `plan_epoch()` is unchanged and no launch hook is
-        registered (the caller checks `_launch_hooks_idle`)."""
+    def bound(self, grid: tuple[int, int, int], key: tuple, device: int | None = None
+              ) -> Callable[[tuple], None] | None:
+        """The cheapest launch of the specialisation `key` (as `__call__` would key it) on `grid` (and on the current
+        stream of `device` where given, else of the current device): a function of the runtime arguments alone, or
+        None where that specialisation has not been launched yet. Under the interpreter (no compiled kernels) it is
+        the normal launch. Valid while `plan_epoch()` is unchanged and no launch hook is registered (the caller
+        checks `_launch_hooks_idle`)."""
         if triton is not None and _INTERPRET_MODE:
             fn, constexprs, options = self.fn, self.constexprs, self.options
             return lambda args: fn[grid](*args, **constexprs, **options)
         if not direct_launch_enabled():
             return None
-        raw = self.raw.get(key)
-        if raw is not None and raw_launch_enabled():
-            return lambda args: raw(grid, args)
         kernel = self.compiled.get(key)
+        if self.raw.get(key) is not None and raw_launch_enabled():
+            fixed = raw_launcher(kernel, self.tail, grid, device)
+            if fixed is not None:
+                return fixed
         if not kernel:  # not launched yet (False) or only through Triton (None)
             return None
         runner, tail = kernel[grid], self.tail
@@ -354,20 +382,20 @@ class TmaLauncher:
             return None
         return cls(c_launch, kernel, launcher, metas, [list(b) for b in blocks], tail, expand)
 
-    def bound_a(self, grid: tuple, b: torch.Tensor, b_shape: tuple, b_strides: tuple
+    def bound_a(self, grid: tuple, b: torch.Tensor, b_shape: tuple, b_strides: tuple, device: int
                 ) -> Callable[[torch.Tensor, tuple, tuple, tuple], None]:
-        """``launch(a, a_shape, a_strides, args)``: this kernel on `grid` with its second descriptor fixed to `b`
-        (encoded once, here) and the first one per call (encoded once per address, shape and strides)."""
+        """``launch(a, a_shape, a_strides, args)``: this kernel on `grid`, on the current stream of `device`, with
+        its second descriptor fixed to `b` (encoded once, here) and the first one per call (encoded once per
+        address, shape and strides)."""
         b_enc = self._encoded(1, b, b_shape, b_strides)
         c_launch, function, coop, pdl, packed, tail = (self.c_launch, self.function, self.coop, self.pdl,
                                                        self.packed, self.tail)
-        drv = triton.runtime.driver.active
-        get_stream, get_device = drv.get_current_stream, drv.get_current_device
+        get_stream = triton.runtime.driver.active.get_current_stream
         encoded = self._encoded
         gx, gy, gz = grid
 
         def launch(a: torch.Tensor, a_shape: tuple, a_strides: tuple, args: tuple) -> None:
-            c_launch(gx, gy, gz, get_stream(get_device()), function, coop, pdl, None, None, packed, None, None, None,
+            c_launch(gx, gy, gz, get_stream(device), function, coop, pdl, None, None, packed, None, None, None,
                      *encoded(0, a, a_shape, a_strides), *b_enc, *args, *tail)
 
         return launch
