@@ -290,6 +290,7 @@ class _EagerLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, weight_scale, bias, group_size, bwd, plans):  # type: ignore[override]
         _save_for_backward(ctx, weight, weight_scale, bias, group_size, bwd)
+        ctx.plans = plans
         return _eager_forward(x, weight, weight_scale, bias, group_size, plans)
 
     @staticmethod
@@ -297,7 +298,10 @@ class _EagerLinear(torch.autograd.Function):
         weight, weight_scale = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = kernels.int8_linear_grad_input(grad, weight, weight_scale, ctx.group_size, ctx.bwd)
+            if ctx.plans is not None:
+                grad_x = ctx.plans.grad_input(grad, weight, weight_scale, ctx.group_size, ctx.bwd)
+            else:
+                grad_x = kernels.int8_linear_grad_input(grad, weight, weight_scale, ctx.group_size, ctx.bwd)
         if ctx.needs_input_grad[3]:
             grad_bias = _bias_grad(grad, ctx.bias_dtype)
         return grad_x, None, None, grad_bias, None, None, None

@@ -679,6 +679,27 @@ def _scale_rotate_triton(
     return y
 
 
+def bound_dequantiser(weight: torch.Tensor, row_scale: torch.Tensor, group_size: int, dtype: torch.dtype
+                      ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    """``dequantise(weight, y, row_scale)``: the launch that `_scale_rotate_triton(weight, row_scale, group_size,
+    dtype)` made for this weight's shape, layout and alignment (fp32 contiguous row scales), into a new y [M, K] of
+    `dtype`; None where that call has not run yet. Valid while `library.quant.triton_launch.plan_epoch()` is
+    unchanged."""
+    m, k = weight.shape
+    plan = _QUANT_PLANS.get(("scale_rotate", k, group_size, True))
+    if (plan is None or m == 0 or weight.stride(1) != 1 or row_scale.dtype != torch.float32
+            or not row_scale.is_contiguous()):
+        return None
+    bm, bk, launcher = plan
+    stride = weight.stride(0)
+    key = ((weight.dtype, weight.data_ptr() % 16 == 0), (dtype, True), (torch.float32, row_scale.data_ptr() % 16 == 0),
+           *spec_key((m, k, stride, k)))
+    launch = launcher.bound(((m + bm - 1) // bm, (k + bk - 1) // bk, 1), key, weight.get_device())
+    if launch is None:
+        return None
+    return lambda w, y, rs: launch((w, y, rs, m, k, stride, k))
+
+
 def _scale_rotate_plan(k: int, group_size: int, has_rs: bool) -> tuple[int, int, DirectLauncher]:
     """(BM, BK, its DirectLauncher) of `_scale_rotate_kernel` for a shape (the weight dequantisation runs once per
     int8 Linear in every eager backward: a launch without Triton's per-call bookkeeping)."""

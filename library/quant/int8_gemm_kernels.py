@@ -609,6 +609,7 @@ def set_backward_kernel(name: str) -> None:
     if name not in BACKWARD_KERNELS:
         raise ValueError(f"unknown ConvRot backward kernel {name!r}; choose one of {BACKWARD_KERNELS}")
     _TUNING["backward"] = name
+    invalidate_plans()
 
 
 @contextlib.contextmanager
@@ -620,6 +621,7 @@ def backward_kernel(name: str) -> Iterator[None]:
         yield
     finally:
         _TUNING["backward"] = saved
+        invalidate_plans()
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""The eager ConvRot INT8 Linear's forward replayed from a per-module launch plan.
+"""The eager ConvRot INT8 Linear's forward (and its backward's weight dequantisation) replayed from a per-module
+launch plan.
 
 An eager int8 Linear call on CUDA is two kernels (rotate + quantise the input rows, then the int8 GEMM with its
 epilogue), and finding them costs more host time than launching them: the quantiser's and the GEMM's plan lookups,
@@ -12,7 +13,8 @@ the quantiser's and the GEMM's cheapest launch functions with their grids and ev
 between calls (`bound_quantiser`, `bound_gemm`). A later call allocates the codes, the scales and the output and
 launches both. The kernels, configurations, grids and arguments are those of the regular path, so the outputs are
 identical (tested on CUDA and under Triton's interpreter). The activation cache (q, k and v share one quantised
-input) works as before.
+input) works as before. The backward's default form (dequantise the weight with one kernel, then cuBLAS) keeps its
+dequantisation's launch the same way (`LinearPlans.grad_input`, `bound_dequantiser`).
 
 A plan is rebuilt when the weight, its scales or the bias move (block swap's slots, `.to()`), and dropped when a
 switch changes which kernel or launch a call would take (`library.quant.triton_launch.plan_epoch`). With a launch
@@ -26,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from library.quant import convrot_kernels as kernels
-from library.quant.convrot_quant_kernels import bound_quantiser, scales_offset
+from library.quant.convrot_quant_kernels import bound_dequantiser, bound_quantiser, scales_offset
 from library.quant.int8_gemm_kernels import bound_gemm
 from library.quant.triton_launch import _EPOCH, _launch_hooks_idle, invalidate_plans
 
@@ -35,6 +37,15 @@ __all__ = ["LinearPlans", "set_linear_plans"]
 _STATE = {"enabled": True}
 _MAX_PLANS = 64  # per module: input layouts x weight addresses (block swap's slots); cleared when exceeded
 _MAX_TRIES = 3  # calls of one key that may fail to bind (a first autotuned launch) before it stops trying (per epoch)
+
+
+class _GradPlan:
+    """The backward's bound weight dequantisation of one key, and the epoch it was bound in."""
+
+    __slots__ = ("dequantise", "epoch")
+
+    def __init__(self, epoch: int, dequantise: Callable):
+        self.epoch, self.dequantise = epoch, dequantise
 
 
 def set_linear_plans(enabled: bool) -> None:
@@ -61,7 +72,7 @@ class LinearPlans:
     __slots__ = ("plans", "replays", "tries")
 
     def __init__(self) -> None:
-        self.plans: dict[tuple, _Plan] = {}
+        self.plans: dict[tuple, _Plan | _GradPlan] = {}
         self.tries: dict[tuple, tuple[int, int]] = {}  # key -> (epoch, calls that could not bind in it)
         self.replays = 0  # calls served from a plan
 
@@ -104,6 +115,44 @@ class LinearPlans:
         else:
             return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    def grad_input(self, grad: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+                   bwd: str) -> torch.Tensor:
+        """``int8_linear_grad_input(grad, weight, weight_scale, group_size, bwd)``: where that dequantises the
+        weight with the Triton kernel and multiplies (the default), the dequantisation's launch from a plan of the
+        weight's address and the gradient's dtype (bound after a regular call), then the same product."""
+        n, k = weight.shape
+        key = (grad.dtype, weight.data_ptr(), weight_scale.data_ptr())  # forward keys have 8 items
+        plan = self.plans.get(key)
+        if plan is not None and plan.epoch == _EPOCH[0] and _launch_hooks_idle():
+            self.replays += 1
+            w = torch.empty((n, k), dtype=grad.dtype, device=grad.device)
+            plan.dequantise(weight, w, weight_scale.view(-1))
+            return kernels._mm(grad.reshape(-1, n), w).view(*grad.shape[:-1], k)
+        out = kernels.int8_linear_grad_input(grad, weight, weight_scale, group_size, bwd)
+        if self._dequantises(grad, weight, weight_scale, group_size, bwd):
+            epoch = _EPOCH[0]
+            dequantise = bound_dequantiser(weight, weight_scale.view(-1), group_size, grad.dtype)
+            if dequantise is not None:
+                if len(self.plans) >= _MAX_PLANS:
+                    self.clear()
+                self.plans[key] = _GradPlan(epoch, dequantise)
+        return out
+
+    @staticmethod
+    def _dequantises(grad: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+                     bwd: str) -> bool:
+        """Whether `int8_linear_grad_input` dequantises the weight with the Triton kernel (its "bf16" mode, not the
+        upcast GEMM), reading fp32 row scales in place."""
+        if not _STATE["enabled"] or bwd != "bf16" or not group_size or grad.dtype not in kernels._FLOAT_DTYPES:
+            return False
+        if not kernels._use_triton(weight, "auto") or weight.stride(1) != 1:
+            return False
+        if (kernels._TUNING["backward"] == "upcast" and grad.dtype in (torch.bfloat16, torch.float16)
+                and group_size <= 256):
+            return False
+        return weight_scale.dtype == torch.float32 and weight_scale.is_contiguous() and \
+            weight_scale.numel() == weight.shape[0]
 
     def _bind(self, key: tuple, x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
               bias: torch.Tensor | None, group_size: int, q: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
