@@ -373,7 +373,8 @@ def test_every_launch_switch_makes_bound_launches_stale():
     switches = (lambda: TL.set_direct_launch(True), lambda: TL.set_raw_launch(True),
                 lambda: QK.set_quantiser(QK._TUNING["quantiser"]), lambda: QK.set_row_tuning(),
                 lambda: GK.set_gemm_kernel(GK._TUNING["gemm"]), GK.clear_gemm_plans,
-                lambda: GK.set_gemm_table("none"), lambda: FK.set_fused_linear(FK._FUSED["max_m"]))
+                lambda: GK.set_gemm_table("none"), lambda: FK.set_fused_linear(FK._FUSED["max_m"]),
+                lambda: GK.set_backward_kernel(GK._TUNING["backward"]))
     try:
         for switch in switches:
             before = TL.plan_epoch()
