@@ -48,6 +48,7 @@ import torch
 import moss_image_train_network as trainer_script
 from bench.gpu_profile import kernel_profile
 from bench.host_profile import host_profile
+from library.quant import int8_gemm_kernels
 from library.runtime.eager_fusion import plain_forms
 from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState
@@ -218,9 +219,13 @@ def build(snapshot: Path, flags: list[str], shape: Shape, out_dir: Path, total_s
     return trainer, run, batch
 
 
-def _marks(batch: dict[str, Any], n: int, device: torch.device, marks: list[Any]) -> Any:
-    """`n` times the batch; a mark (CUDA event, or the host clock on the CPU) at every step boundary."""
+def _marks(batch: dict[str, Any], n: int, device: torch.device, marks: list[Any],
+           host: list[tuple[float, int]] | None = None) -> Any:
+    """`n` times the batch; a mark (CUDA event, or the host clock on the CPU) at every step boundary, and in `host`
+    the host clock and the TMA descriptors encoded so far."""
     for _ in range(n + 1):
+        if host is not None:
+            host.append((time.perf_counter(), int8_gemm_kernels.tma_encodes()))
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -369,8 +374,9 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             marks: list[Any] = []
+            host_marks: list[tuple[float, int]] = []
             t0 = time.perf_counter()
-            trainer._run_epoch(run, _marks(batch, shape.steps, device, marks), _Progress(), *loop)
+            trainer._run_epoch(run, _marks(batch, shape.steps, device, marks, host_marks), _Progress(), *loop)
             times = _step_ms(marks, device)
             wall_s = time.perf_counter() - t0
             peak = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()) if device.type == "cuda" \
@@ -389,6 +395,10 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
     result: dict[str, Any] = {
         "config": name, "flags": flags, "ok": True, "steps": shape.steps, "warmup": shape.warmup,
         "step_ms_median": round(statistics.median(times), 1), "step_ms": [round(t, 1) for t in times],
+        # the host's time from one step's start to the next one's (the GPU's queue lets it run ahead) and the TMA
+        # descriptors the int8 GEMMs encoded in each step
+        "host_step_ms": [round((b[0] - a[0]) * 1000, 1) for a, b in itertools.pairwise(host_marks)],
+        "tma_encodes_per_step": [b[1] - a[1] for a, b in itertools.pairwise(host_marks)],
         "wall_ms_per_step": round(wall_s * 1000 / shape.steps, 1),
         "peak_reserved_gib": round(peak[0] / GIB, 2), "peak_allocated_gib": round(peak[1] / GIB, 2),
         "peak_reserved_with_load_gib": round(max(with_load, peak[0]) / GIB, 2),

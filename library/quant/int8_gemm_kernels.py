@@ -576,6 +576,11 @@ def _choose(device: torch.device, m: int, n: int, k: int, b_kmajor: bool) -> tup
     return GEMM_VARIANTS[setting], (pinned[1] if pinned and pinned[0] == setting else None)
 
 
+def tma_encodes() -> int:
+    """Tensor descriptors encoded so far by the raw TMA launches of the forward GEMMs (each a cache miss)."""
+    return sum(t.encodes for plan in _GEMM_PLANS.values() for t in plan[5].values() if t is not None)
+
+
 def clear_gemm_plans() -> None:
     """Forget the per-shape choices and launch plans (the next call of each shape decides again)."""
     _CHOICES.clear()

@@ -345,7 +345,8 @@ class TmaLauncher:
     runtime arguments; the kernel's constexprs (`tail`) follow. Build with `TmaLauncher.of`, which returns None
     where this Triton or kernel does not allow it (then launch through Triton)."""
 
-    __slots__ = ("blocks", "c_launch", "cache", "coop", "expand", "function", "metas", "packed", "pdl", "tail")
+    __slots__ = ("blocks", "c_launch", "cache", "coop", "encodes", "expand", "function", "metas", "packed", "pdl",
+                 "tail")
 
     def __init__(self, c_launch: Any, kernel: Any, launcher: Any, metas: list[dict], blocks: list[list[int]],
                  tail: tuple, expand: Callable[[Any, dict], list]):
@@ -355,6 +356,7 @@ class TmaLauncher:
         self.coop, self.pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
         self.metas, self.blocks, self.tail, self.expand = metas, blocks, tail, expand
         self.cache: dict[tuple, tuple] = {}
+        self.encodes = 0  # descriptors encoded (cache misses): the benchmark counts them per step
 
     @classmethod
     def of(cls, kernel: Any, tail: tuple, blocks: Sequence[Sequence[int]]) -> TmaLauncher | None:
@@ -406,6 +408,7 @@ class TmaLauncher:
         if enc is None:
             if len(self.cache) >= _TMA_CACHE_LIMIT:
                 self.cache.clear()
+            self.encodes += 1
             desc = _TensorDescriptor(tensor, list(shape), list(strides), self.blocks[i])
             enc = self.cache[key] = tuple(self.expand(desc, self.metas[i]))
         return enc
