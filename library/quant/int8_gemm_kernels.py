@@ -29,7 +29,6 @@ used elsewhere.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import json
 import logging

@@ -175,7 +175,9 @@ class LinearPlans:
     def _plannable(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> bool:
         """Whether `linear_forward` runs the quantiser + GEMM pair on these operands as they are (Triton, rows
         contiguous, a bias in the output dtype, not the one-kernel fused forward)."""
-        if not _STATE["enabled"] or not kernels.HAS_TRITON or not (x2.is_cuda or (kernels._INTERPRET and x2.device.type == "cpu")):
+        if not _STATE["enabled"] or not kernels.HAS_TRITON:
+            return False
+        if not (x2.is_cuda or (kernels._INTERPRET and x2.device.type == "cpu")):
             return False
         if x2.shape[0] == 0 or x2.stride(1) != 1:
             return False
