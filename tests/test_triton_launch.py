@@ -250,8 +250,13 @@ def test_the_v36_layout_needs_a_known_triton_version(fake_driver, monkeypatch):
     launch = TL.raw_launcher(kernel, (64, True))
     x = torch.zeros(4)
     launch((7, 1, 1), (x, 3))
-    assert log == [("raw", (7, 1, 1, 777, 99, False, True, None, None, (8, 1, 512), None, None, None, x, 3, 64,
-                            True))]
+    expected = (7, 1, 1, 777, 99, False, True, None, None, (8, 1, 512), None, None, None, x, 3, 64, True)
+    assert log == [("raw", expected)]
+    # on a fixed grid (the launch plans' form): the same call, with the current device's or a given device's stream
+    TL.raw_launcher(kernel, (64, True), (7, 1, 1))((x, 3))
+    TL.raw_launcher(kernel, (64, True), (7, 1, 1), 3)((x, 3))
+    TL.raw_launcher(kernel, (64, True), (7, 1, 1), 5)((x, 3))
+    assert log[1:] == [("raw", expected), ("raw", expected), ("raw", (*expected[:3], 0, *expected[4:]))]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -315,6 +320,20 @@ def test_tma_raw_launch_encodes_each_operand_once_and_calls_the_c_function(tma_d
     a2 = torch.zeros(32, 512, dtype=torch.int8)[:, :256]  # another base and row stride: a new encoding for A only
     tma((3, 1, 1), ((a2, (32, 256), (512, 1)), descs[1]), (c, 32))
     assert len(tma_driver) == 3 and tma_driver[2][:3] == (a2.data_ptr(), (32, 256), (512, 1))
+
+
+def test_tma_bound_launch_makes_the_same_call_with_b_encoded_once(tma_driver):
+    log: list = []
+    tma = TL.TmaLauncher.of(_tma_kernel(log), (64,), ([64, 128], [128, 128]))
+    a, b, c = torch.zeros(32, 256, dtype=torch.int8), torch.zeros(48, 256, dtype=torch.int8), torch.zeros(4)
+    tma((3, 1, 1), ((a, (32, 256), (256, 1)), (b, (48, 256), (256, 1))), (c, 32))
+    launch = tma.bound_a((3, 1, 1), b, (48, 256), (256, 1), 3)
+    launch(a, (32, 256), (256, 1), (c, 32))
+    assert log[1] == log[0] and len(tma_driver) == 2  # nothing encoded again
+    a2 = torch.zeros(32, 256, dtype=torch.int8)
+    launch(a2, (32, 256), (256, 1), (c, 32))  # a new A: encoded once, B kept
+    assert len(tma_driver) == 3 and tma_driver[2][0] == a2.data_ptr() and log[2][1][18:23] == log[0][1][18:23]
+    assert tma.encodes == 3
 
 
 def test_tma_raw_launch_cache_is_bounded(tma_driver, monkeypatch):
