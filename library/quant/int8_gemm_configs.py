@@ -7,6 +7,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from library.quant.convrot_quant_kernels import _next_pow2
+
 __all__ = ["DEFAULT_GEMM_TABLE", "GEMM_KERNELS", "GEMM_KERNEL_ENV", "GEMM_TABLE_ENV", "GEMM_VARIANTS", "GemmConfig",
            "GemmVariant", "gemm_m_bucket"]
 
@@ -79,4 +81,4 @@ class GemmConfig:
 
 def gemm_m_bucket(m: int) -> int:
     """The M bucket of the autotuner key and of the pinned table: the next power of two, at most 8192."""
-    return min(1 << max(0, (int(m) - 1).bit_length()), _M_BUCKET_MAX)
+    return min(_next_pow2(m), _M_BUCKET_MAX)
