@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,6 +54,11 @@ from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState
 from library.training.run_options import RunOptions
 from library.training.step_loop import StepGarbageCollector
+
+try:  # the main thread's CPU time and preemptions (Unix)
+    import resource
+except ImportError:  # pragma: no cover
+    resource = None  # type: ignore[assignment]
 
 logger = logging.getLogger("bench.checkpointing")
 
@@ -137,6 +142,11 @@ for _name in ("gc_full_compile_int8", "gc_selective_compile_int8", "gc_selective
 UNPLANNED = "_unplanned"
 for _name in ("gc_full_eager_int8", "no_gc_eager_int8"):
     CONFIGS[_name + UNPLANNED] = CONFIGS[_name]
+# bench-only: eager full checkpointing in torch's non-reentrant form (the trainer's form until the reentrant one,
+# library.runtime.checkpointing.EAGER_FULL), for the ratio of the two in one run
+NONREENTRANT = "_nonreentrant"
+for _name in ("gc_full_eager", "gc_full_eager_int8"):
+    CONFIGS[_name + NONREENTRANT] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -219,13 +229,51 @@ def build(snapshot: Path, flags: list[str], shape: Shape, out_dir: Path, total_s
     return trainer, run, batch
 
 
+class HostSample(NamedTuple):
+    """The host's counters at a step boundary."""
+
+    clock: float  # perf_counter seconds
+    tma_encodes: int  # TMA descriptors the int8 GEMMs encoded so far
+    thread_cpu: float  # CPU seconds of this (the main) thread
+    involuntary_switches: int  # times the OS took the CPU from this thread
+    device_allocs: int  # cudaMalloc calls of the caching allocator so far
+
+
+def host_sample(device: torch.device) -> HostSample:
+    usage = resource.getrusage(resource.RUSAGE_THREAD) if hasattr(resource, "RUSAGE_THREAD") else None  # Linux
+    allocs = int(torch.cuda.memory_stats().get("num_device_alloc", 0)) if device.type == "cuda" else 0
+    return HostSample(time.perf_counter(), int8_gemm_kernels.tma_encodes(), time.thread_time(),
+                      usage.ru_nivcsw if usage else 0, allocs)
+
+
+def host_columns(host: list[HostSample], step_ms: list[float], cuda: bool) -> dict[str, list[float]]:
+    """Per step: the host's time from one boundary to the next, the main thread's CPU time in it, the OS's
+    preemptions of that thread, the allocator's cudaMalloc calls, the TMA encodes; and at each boundary after the
+    first, how far the GPU trails the host (`gpu_lag_ms`: the GPU's time to the boundary's event, from the first
+    boundary, less the host's; the first boundary follows a sync, so its event runs at once). A lag near 0 means the
+    GPU waited for the host there; a lag of tens of ms means the host was ahead. CUDA only: on the CPU the steps
+    are host times."""
+    pairs = list(itertools.pairwise(host))
+    gpu = list(itertools.accumulate(step_ms))
+    columns = {
+        "host_step_ms": [round((b.clock - a.clock) * 1000, 1) for a, b in pairs],
+        "host_cpu_ms": [round((b.thread_cpu - a.thread_cpu) * 1000, 1) for a, b in pairs],
+        "involuntary_switches_per_step": [b.involuntary_switches - a.involuntary_switches for a, b in pairs],
+        "device_allocs_per_step": [b.device_allocs - a.device_allocs for a, b in pairs],
+        "tma_encodes_per_step": [b.tma_encodes - a.tma_encodes for a, b in pairs],
+    }
+    if cuda:
+        columns["gpu_lag_ms"] = [round(g - (h.clock - host[0].clock) * 1000, 1) for g, h in zip(gpu, host[1:])]
+    return columns
+
+
 def _marks(batch: dict[str, Any], n: int, device: torch.device, marks: list[Any],
-           host: list[tuple[float, int]] | None = None) -> Any:
+           host: list[HostSample] | None = None) -> Any:
     """`n` times the batch; a mark (CUDA event, or the host clock on the CPU) at every step boundary, and in `host`
-    the host clock and the TMA descriptors encoded so far."""
+    the host's counters (HostSample)."""
     for _ in range(n + 1):
         if host is not None:
-            host.append((time.perf_counter(), int8_gemm_kernels.tma_encodes()))
+            host.append(host_sample(device))
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -321,18 +369,21 @@ def block_memory(dit: Any, step: Callable[[], None]) -> list[float]:
 def bench_variant(name: str) -> Any:
     """What a bench-only configuration name changes while it runs (restored afterwards, for --tiny's configurations in
     one process): the plain forms, dynamo's own checkpoint tags, the older RNG functionalisation, the previous
-    activation quantiser, the int8 Linears without their launch plans."""
+    activation quantiser, the int8 Linears without their launch plans, eager full checkpointing's non-reentrant form."""
     import torch._functorch.config as functorch_config
 
     from library.quant import convrot_kernels, linear_plan
     from library.runtime import checkpointing
 
     saved = checkpointing.COMPILED_FULL["per_operator_tags"]
+    saved_reentrant = checkpointing.EAGER_FULL["reentrant"]
     saved_quantiser = convrot_kernels._TUNING["quantiser"]
     if name.endswith(ROWS_QUANTISER):
         convrot_kernels.set_quantiser("rows")
     if name.endswith(UNPLANNED):
         linear_plan.set_linear_plans(False)
+    if name.endswith(NONREENTRANT):
+        checkpointing.EAGER_FULL["reentrant"] = False
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
@@ -342,6 +393,7 @@ def bench_variant(name: str) -> Any:
             yield
     finally:
         checkpointing.COMPILED_FULL["per_operator_tags"] = saved
+        checkpointing.EAGER_FULL["reentrant"] = saved_reentrant
         convrot_kernels.set_quantiser(saved_quantiser)
         linear_plan.set_linear_plans(True)
 
@@ -374,7 +426,7 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             marks: list[Any] = []
-            host_marks: list[tuple[float, int]] = []
+            host_marks: list[HostSample] = []
             t0 = time.perf_counter()
             trainer._run_epoch(run, _marks(batch, shape.steps, device, marks, host_marks), _Progress(), *loop)
             times = _step_ms(marks, device)
@@ -395,10 +447,7 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
     result: dict[str, Any] = {
         "config": name, "flags": flags, "ok": True, "steps": shape.steps, "warmup": shape.warmup,
         "step_ms_median": round(statistics.median(times), 1), "step_ms": [round(t, 1) for t in times],
-        # the host's time from one step's start to the next one's (the GPU's queue lets it run ahead) and the TMA
-        # descriptors the int8 GEMMs encoded in each step
-        "host_step_ms": [round((b[0] - a[0]) * 1000, 1) for a, b in itertools.pairwise(host_marks)],
-        "tma_encodes_per_step": [b[1] - a[1] for a, b in itertools.pairwise(host_marks)],
+        **host_columns(host_marks, times, device.type == "cuda"),
         "wall_ms_per_step": round(wall_s * 1000 / shape.steps, 1),
         "peak_reserved_gib": round(peak[0] / GIB, 2), "peak_allocated_gib": round(peak[1] / GIB, 2),
         "peak_reserved_with_load_gib": round(max(with_load, peak[0]) / GIB, 2),

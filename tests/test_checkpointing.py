@@ -16,6 +16,7 @@ from library.errors import UserError
 from library.memory.block_swap import place_model
 from library.moss_image.loaders import load_moss_image_model
 from library.quant.convrot import convert_model_to_convrot_int8, dit_convrot_filter
+from library.runtime import checkpointing
 from library.runtime.checkpointing import ATTENTION_OPS, check_checkpointing_args, selective_policy
 from library.runtime.eager_fusion import plain_forms
 from networks.lora_generic import create_network
@@ -83,14 +84,14 @@ def test_selective_policy_keeps_every_attention_kernel_and_recomputes_unknown_op
 
 # ------------------------------------------------------------------------------------------- the tiny DiT + LoRA
 def tiny_dit_with_lora(tiny_snapshot, policy: str | None, int8: bool = False, swap: int | None = None,
-                       h2d_only: bool = True):
+                       h2d_only: bool = True, **network_kwargs):
     model = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32)
     model.requires_grad_(False)
     if int8:
         convert_model_to_convrot_int8(model, dit_convrot_filter, group_size=64)
     if swap:
         place_model(model, "cpu", swap, h2d_only=h2d_only, allow_cpu_for_tests=True)
-    network = create_network(1.0, 4, 1.0, None, None, model)
+    network = create_network(1.0, 4, 1.0, None, None, model, **network_kwargs)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in network.parameters():
@@ -139,6 +140,63 @@ def test_selective_gives_the_lora_gradients_of_full_checkpointing_and_recomputes
     assert counts["full"].attention_forwards() == TINY_LAYERS and counts["selective"].attention_forwards() == 0
     mm = aten.mm.default
     assert counts["full"].ops[mm] - counts["selective"].ops[mm] == TINY_LAYERS * KEPT_PRODUCTS_PER_BLOCK
+
+
+@pytest.mark.parametrize("int8, swap, dropouts", [
+    (False, None, False),
+    (False, None, True),  # the recomputation draws the forward's random numbers again
+    (True, None, False),
+    (False, 14, False),
+])
+def test_eager_full_reentrant_gives_the_gradients_of_the_non_reentrant_form(tiny_snapshot, int8, swap, dropouts):
+    """Eager `full` checkpointing takes torch's reentrant form (less host time per block); the non-reentrant form,
+    the same operators on the same values: the same loss and LoRA gradients bit for bit, over two steps (the random
+    stream after a step is the same too), with ConvRot INT8 and with block swap."""
+    kwargs = {"neuron_dropout": 0.1, "rank_dropout": "0.2", "module_dropout": "0.3"} if dropouts else {}
+    results = {}
+    for reentrant in (True, False):
+        saved = checkpointing.EAGER_FULL["reentrant"]
+        checkpointing.EAGER_FULL["reentrant"] = reentrant
+        try:
+            model, network = tiny_dit_with_lora(tiny_snapshot, "full", int8=int8, swap=swap, **kwargs)
+            torch.manual_seed(5)  # module and rank dropout draw from torch's global generator
+            results[reentrant] = [_loss_and_some_grads(model, network, seed) for seed in (0, 1)]
+        finally:
+            checkpointing.EAGER_FULL["reentrant"] = saved
+    for (loss, grads), (ref_loss, ref_grads) in zip(results[True], results[False]):
+        assert torch.equal(loss, ref_loss)
+        assert grads.keys() == ref_grads.keys()
+        assert [n for n, g in grads.items() if g is None] == [n for n, g in ref_grads.items() if g is None]
+        assert sum(g is not None and g.abs().sum() > 0 for g in ref_grads.values()) > len(ref_grads) // 2
+        for name, grad in ref_grads.items():
+            assert grad is None or torch.equal(grads[name], grad), name
+
+
+def _loss_and_some_grads(model, network, seed):
+    """loss_and_grads where module dropout may leave a module out of a step (no gradient: None)."""
+    x, t, emb, mask = dit_inputs(seed)
+    network.zero_grad(set_to_none=True)
+    loss = model(x.requires_grad_(True), t, emb, mask).pow(2).mean()
+    loss.backward()
+    return loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in network.named_parameters()}
+
+
+def test_eager_full_takes_the_reentrant_form_only_with_an_input_that_requires_grad(monkeypatch):
+    """Without an input that requires grad the reentrant form would leave the parameters inside without gradients
+    (a LoRA of the text refiner, whose input is the cached text): the non-reentrant form is taken there."""
+    seen = []
+
+    def spy(fn, *args, use_reentrant, **kwargs):
+        seen.append(use_reentrant)
+        return fn(*args)
+
+    monkeypatch.setattr(checkpointing, "checkpoint", spy)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    checkpointing.checkpointed(lin, "full", x)
+    checkpointing.checkpointed(lin, "full", x.requires_grad_(True))
+    checkpointing.checkpointed(lin, "selective", x)
+    assert seen == [False, True, False]
 
 
 @pytest.mark.parametrize("h2d_only", [False, True])

@@ -96,9 +96,29 @@ def _context_fn(policy: str, compiling: bool = False) -> Callable[[], Any] | Non
     raise ValueError(f"unknown checkpointing policy {policy!r}: choose one of {', '.join(CHECKPOINTING_POLICIES)}")
 
 
+# `full` in eager mode: torch's reentrant checkpoint (True) or its non-reentrant form (False). The reentrant form runs
+# the block's forward without autograd (no graph, no saved-tensor hooks) and recomputes it inside backward with a
+# graph of its own; the non-reentrant form records the forward's graph with a pack hook per saved tensor (64 per block)
+# and recomputes from an unpack hook. Same operators on the same values, so the same gradients bit for bit
+# (tests/test_checkpointing.py); the reentrant form spends less host time per block, which is what an eager step on a
+# fast GPU waits for (docs/benchmarks.md). Selective checkpointing needs the non-reentrant form (its policy), and so
+# does a compiled region (dynamo traces only the non-reentrant checkpoint).
+EAGER_FULL = {"reentrant": True}
+
+
+def _grad_input(args: tuple[Any, ...]) -> bool:
+    """Whether an input requires grad: the reentrant form differentiates only through its inputs, so without one the
+    parameters inside (a LoRA of the text refiner) would get no gradient; the non-reentrant form gives them theirs."""
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
 def checkpointed(fn: Callable[..., torch.Tensor], policy: str, *args: Any) -> torch.Tensor:
-    """`fn(*args)` under non-reentrant activation checkpointing with `policy` ("full" or "selective")."""
-    context_fn = _context_fn(policy, torch.compiler.is_compiling())
+    """`fn(*args)` under activation checkpointing with `policy` ("full" or "selective"): reentrant for `full` in eager
+    mode (EAGER_FULL), non-reentrant otherwise."""
+    compiling = torch.compiler.is_compiling()
+    context_fn = _context_fn(policy, compiling)
+    if context_fn is None and not compiling and EAGER_FULL["reentrant"] and _grad_input(args):
+        return checkpoint(fn, *args, use_reentrant=True)
     # determinism_check "none": torch's default records the shape, dtype and device of every tensor the forward saves
     # and compares them after the recomputation (5,376 records and 42 comparisons per eager step of the full-size
     # DiT, 22 ms under cProfile on the H200); a block's shapes depend only on its inputs, so the check cannot fire
