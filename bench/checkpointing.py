@@ -237,18 +237,31 @@ class HostSample(NamedTuple):
     thread_cpu: float  # CPU seconds of this (the main) thread
     involuntary_switches: int  # times the OS took the CPU from this thread
     device_allocs: int  # cudaMalloc calls of the caching allocator so far
+    process_cpu: float = 0.0  # CPU seconds of the process (autograd runs a CUDA backward on a thread of its own)
+    steal: float = 0.0  # seconds the hypervisor ran other guests on this machine's CPUs (all CPUs, /proc/stat)
 
 
 def host_sample(device: torch.device) -> HostSample:
     usage = resource.getrusage(resource.RUSAGE_THREAD) if hasattr(resource, "RUSAGE_THREAD") else None  # Linux
     allocs = int(torch.cuda.memory_stats().get("num_device_alloc", 0)) if device.type == "cuda" else 0
     return HostSample(time.perf_counter(), int8_gemm_kernels.tma_encodes(), time.thread_time(),
-                      usage.ru_nivcsw if usage else 0, allocs)
+                      usage.ru_nivcsw if usage else 0, allocs, time.process_time(), _steal_s())
+
+
+def _steal_s() -> float:
+    """The `steal` column of /proc/stat's first line (all CPUs), in seconds; 0 where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        return 0.0
 
 
 def host_columns(host: list[HostSample], step_ms: list[float], cuda: bool) -> dict[str, list[float]]:
-    """Per step: the host's time from one boundary to the next, the main thread's CPU time in it, the OS's
-    preemptions of that thread, the allocator's cudaMalloc calls, the TMA encodes; and at each boundary after the
+    """Per step: the host's time from one boundary to the next, the main thread's and the process's CPU time in it
+    (a CUDA backward runs on autograd's own thread), the OS's preemptions of the main thread, the time the hypervisor
+    gave to other guests (all CPUs), the allocator's cudaMalloc calls, the TMA encodes; and at each boundary after the
     first, how far the GPU trails the host (`gpu_lag_ms`: the GPU's time to the boundary's event, from the first
     boundary, less the host's; the first boundary follows a sync, so its event runs at once). A lag near 0 means the
     GPU waited for the host there; a lag of tens of ms means the host was ahead. CUDA only: on the CPU the steps
@@ -258,6 +271,8 @@ def host_columns(host: list[HostSample], step_ms: list[float], cuda: bool) -> di
     columns = {
         "host_step_ms": [round((b.clock - a.clock) * 1000, 1) for a, b in pairs],
         "host_cpu_ms": [round((b.thread_cpu - a.thread_cpu) * 1000, 1) for a, b in pairs],
+        "process_cpu_ms": [round((b.process_cpu - a.process_cpu) * 1000, 1) for a, b in pairs],
+        "steal_ms": [round((b.steal - a.steal) * 1000, 1) for a, b in pairs],
         "involuntary_switches_per_step": [b.involuntary_switches - a.involuntary_switches for a, b in pairs],
         "device_allocs_per_step": [b.device_allocs - a.device_allocs for a, b in pairs],
         "tma_encodes_per_step": [b.tma_encodes - a.tma_encodes for a, b in pairs],

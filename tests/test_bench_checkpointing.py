@@ -64,9 +64,10 @@ def test_host_columns_say_where_the_gpu_waited_for_the_host():
     (the GPU kept pace with the host: lag 0, it waited); boundary 2: the host queued the next step in 50 ms while the
     GPU took 100 ms (the host 50 ms ahead)."""
     S = bench.HostSample
-    host = [S(10.0, 0, 1.0, 3, 7), S(10.1, 2, 1.09, 3, 7), S(10.15, 2, 1.13, 5, 9)]
+    host = [S(10.0, 0, 1.0, 3, 7, 2.0, 5.0), S(10.1, 2, 1.09, 3, 7, 2.25, 5.0), S(10.15, 2, 1.13, 5, 9, 2.3, 5.01)]
     cols = bench.host_columns(host, [100.0, 100.0], cuda=True)
     assert cols["host_step_ms"] == [100.0, 50.0] and cols["host_cpu_ms"] == [90.0, 40.0]
     assert cols["involuntary_switches_per_step"] == [0, 2] and cols["device_allocs_per_step"] == [0, 2]
+    assert cols["process_cpu_ms"] == [250.0, 50.0] and cols["steal_ms"] == [0.0, 10.0]
     assert cols["tma_encodes_per_step"] == [2, 0] and cols["gpu_lag_ms"] == [0.0, 50.0]
     assert "gpu_lag_ms" not in bench.host_columns(host, [100.0, 100.0], cuda=False)
