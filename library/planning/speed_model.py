@@ -34,17 +34,19 @@ COMPILED_CHECKPOINTING = {"none": 0.753, "full": 1.0, "unsloth": 1.181, "cpu_off
 # --checkpointing_policy selective against full, (--compile, DiT precision) -> factor. bf16: bench.checkpointing in
 # one H200 run (docs/benchmarks.md, 2026-12-01): compiled 332.7 vs 352.3 ms; eager, fifth run (one call): 832.9 vs
 # 426.4 ms (eager selective checkpointing is slower than full, and the trainer warns). INT8 eager: --vram_budget 12
-# on the H200 (1.05 s per step against 534 ms for INT8 gc in e2e run A: different runs, so an estimate). INT8
+# on the H200 (1.05 s per step against 534 ms for INT8 gc in e2e run A: different runs, so an estimate; 1.99 then,
+# against INT8 full checkpointing's factor 1.306 of the time, kept at the same bf16-relative time since). INT8
 # compiled: bench.checkpointing, fourth run (2026-12-01, one call): selective 323.6 vs full 353.1 ms.
-SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.953, (True, "int8"): 0.916, (False, "int8"): 1.99}
-# ConvRot INT8 DiT against bf16, gc, bench.checkpointing, each pair in one call. Eager, fifth run: 556.9 vs 426.4 ms
-# with the eager forms of library.runtime.eager_fusion, which took more off bf16's step than off INT8's (the fourth
-# run's 541.4 vs 549.6 ms measured the plain forms). The INT8 steps were unsteady (422-721 ms); the block bench of the
-# same call gives INT8 1.19-1.23x bf16's time even at its fastest decile. Compiled, fourth run: 334.5 vs 339.1 ms
+SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.953, (True, "int8"): 0.916, (False, "int8"): 2.556}
+# ConvRot INT8 DiT against bf16, gc, bench.checkpointing, each pair in one call. Eager, eleventh run (2026-12-03, four
+# calls, eager full checkpointing in torch's reentrant form): the median of INT8's nine process medians 436.1 ms
+# (400.8-532.6: 400-402 in processes the host kept up with, more where the hypervisor took CPU time) against the
+# median of bf16's six, 428.6 ms (424.6-433.7). (Before the reentrant form, fifth run: 556.9 vs 426.4 ms.)
+# Compiled, fourth run: 334.5 vs 339.1 ms
 # (the TMA GEMMs launched raw), with AOTAutograd's graph-safe RNG functionalisation. The seventh run (2026-12-02,
 # full checkpointing with every operator of the compiled checkpoint tagged, one call) had INT8 at 332.3-355.2 ms in
 # two processes against bf16's 344.7 ms: the same factor. (The sixth run's 379.2 ms was its call's first process.)
-INT8_FACTOR = {False: 1.306, True: 0.986}
+INT8_FACTOR = {False: 1.017, True: 0.986}
 # --checkpointing_skip_blocks as the planner may choose it, per checkpointing mode: at most the values where the
 # measured step still followed the line above (bench.checkpointing, fifth H200 run, one call: bf16 gc + compile,
 # skip 20, 306.9 ms against 303.8 predicted from the 344.4 ms without; INT8 selective + compile: 301.3 ms at skip
