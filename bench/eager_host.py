@@ -5,9 +5,9 @@ gradients, which autograd runs on a thread of its own for CUDA tensors).
     python -m bench.eager_host --out eager_host.json              # on a CUDA GPU: full-width blocks, 320 tokens
     python -m bench.eager_host --device cpu --layers 2 --width 256 --out cpu.json   # a smoke run
 
-With few tokens every kernel takes a few microseconds, less than its launch, so the time from a phase's start to the
-end of its GPU work is host time: what the full-size step (docs/benchmarks.md) spends on the host per block, which is
-all it spends when the GPU waits for the host. The blocks are the product's (a rank-16 LoRA from
+With few tokens most kernels take a few microseconds, less than their launch, so the time from a phase's start to
+the end of its GPU work is mostly host time: what the full-size step (docs/benchmarks.md) spends on the host per
+block, which is all it spends where the GPU waits for the host. The blocks are the product's (a rank-16 LoRA from
 networks.lora_generic on every block Linear, bf16 autocast, the eager forms of the element-wise code), each
 checkpointed with `full` as the trainer does (`library.runtime.checkpointing.EAGER_FULL` picks the form);
 INT8 configurations with "_unplanned" run without the int8 Linears' launch plans (`library.quant.linear_plan`).
