@@ -16,6 +16,7 @@ INT8 configurations with "_unplanned" run without the int8 Linears' launch plans
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -54,6 +55,10 @@ def _phase_ms(fn: Callable[[], Any], device: str) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def _forward_into(blocks: _Blocks, x: torch.Tensor, out: list[torch.Tensor]) -> None:
+    out.append(blocks.forward(x))
+
+
 def measure(name: str, cfg: MossImageConfig, seq: int, device: str, iters: int, warmup: int) -> dict[str, Any]:
     opts = CONFIGS[name]
     blocks = _Blocks(cfg, seq, device, int8=opts["int8"])
@@ -67,8 +72,8 @@ def measure(name: str, cfg: MossImageConfig, seq: int, device: str, iters: int, 
         for i in range(warmup + iters):
             x = blocks.x.detach().requires_grad_(True)  # as under checkpointing: the block input requires grad
             out: list[torch.Tensor] = []
-            f = _phase_ms(lambda: out.append(blocks.forward(x)), device)
-            b = _phase_ms(lambda: out[0].backward(blocks.gy), device)
+            f = _phase_ms(functools.partial(_forward_into, blocks, x, out), device)
+            b = _phase_ms(functools.partial(out[0].backward, blocks.gy), device)
             blocks.net.zero_grad(set_to_none=True)
             if i >= warmup:
                 fwd.append(f)
