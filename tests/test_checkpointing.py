@@ -148,11 +148,20 @@ def test_selective_gives_the_lora_gradients_of_full_checkpointing_and_recomputes
     (True, None, False),
     (False, 14, False),
 ])
-def test_eager_full_reentrant_gives_the_gradients_of_the_non_reentrant_form(tiny_snapshot, int8, swap, dropouts):
+def test_eager_full_reentrant_gives_the_gradients_of_the_non_reentrant_form(tiny_snapshot, monkeypatch, int8, swap,
+                                                                           dropouts):
     """Eager `full` checkpointing takes torch's reentrant form (less host time per block); the non-reentrant form,
     the same operators on the same values: the same loss and LoRA gradients bit for bit, over two steps (the random
     stream after a step is the same too), with ConvRot INT8 and with block swap."""
     kwargs = {"neuron_dropout": 0.1, "rank_dropout": "0.2", "module_dropout": "0.3"} if dropouts else {}
+    forms: Counter = Counter()
+    real_checkpoint = checkpointing.checkpoint
+
+    def counting(fn, *args, use_reentrant, **kw):
+        forms[use_reentrant] += 1
+        return real_checkpoint(fn, *args, use_reentrant=use_reentrant, **kw)
+
+    monkeypatch.setattr(checkpointing, "checkpoint", counting)
     results = {}
     for reentrant in (True, False):
         saved = checkpointing.EAGER_FULL["reentrant"]
@@ -163,6 +172,7 @@ def test_eager_full_reentrant_gives_the_gradients_of_the_non_reentrant_form(tiny
             results[reentrant] = [_loss_and_some_grads(model, network, seed) for seed in (0, 1)]
         finally:
             checkpointing.EAGER_FULL["reentrant"] = saved
+    assert forms[True] == forms[False] == 2 * TINY_LAYERS  # each form checkpointed every block in both steps
     for (loss, grads), (ref_loss, ref_grads) in zip(results[True], results[False]):
         assert torch.equal(loss, ref_loss)
         assert grads.keys() == ref_grads.keys()
