@@ -688,6 +688,30 @@ def launch_gemm_variant(
     return out
 
 
+def _align(t: torch.Tensor | None) -> int:
+    """The address of `t` modulo 16 (0 for a missing operand): Triton specialises a pointer on its 16-byte alignment."""
+    return 0 if t is None else t.data_ptr() & 15
+
+
+def _plan_key(name: str, m: int, n: int, k: int, sb: torch.Tensor | None, bias: torch.Tensor | None,
+              out_dtype: torch.dtype, device: int) -> tuple:
+    """The key of a variant's launch plan (`_GEMM_PLANS`): the sizes, the optional operands, the output dtype."""
+    return (name, m, n, k, sb is not None, bias is not None, out_dtype, device)
+
+
+def _tma_key(sa: torch.Tensor, sb: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[int, int, int]:
+    """A TMA plan's key beyond `_plan_key` (its sizes and dtypes are fixed and c is new): the alignments of the
+    scales and the bias."""
+    return _align(sa), _align(sb), _align(bias)
+
+
+def _direct_key(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor | None,
+                bias: torch.Tensor | None, stride_am: int, stride_ak: int, stride_bk: int, stride_bn: int,
+                stride_cm: int) -> tuple:
+    """A pointer plan's direct-launch key beyond `_plan_key` (c is new): the operands' alignments and strides."""
+    return (_align(a), _align(b), *_tma_key(sa, sb, bias), stride_am, stride_ak, stride_bk, stride_bn, stride_cm)
+
+
 def _int8_gemm_triton(
     a: torch.Tensor,
     sa: torch.Tensor,
@@ -719,10 +743,8 @@ def _int8_gemm_triton(
     if variant.tma and _tma_ok(a, b, stride_bn, stride_bk, k):
         # the split-tail workspace is sized for any configuration's tiles (programs // 2 tiles of 256 x 256)
         ws = _split_tail_workspace(a.device, 0, programs, 256, 256) if variant.split_tail else None
-        key = (variant.name, m, n, k, has_sb, has_bias, out_dtype, device)
-        # the plan fixes the sizes and dtypes and c is new: the alignments of the scales and the bias decide the rest
-        tma_key = (sa.data_ptr() & 15, 0 if sb is None else sb.data_ptr() & 15,
-                   0 if bias is None else bias.data_ptr() & 15)
+        key = _plan_key(variant.name, m, n, k, sb, bias, out_dtype, device)
+        tma_key = _tma_key(sa, sb, bias)
         plan = _GEMM_PLANS.get(key)
         tma = plan[5].get(tma_key) if plan is not None else None
         if tma is not None and raw_launch_enabled() and _launch_hooks_idle():
@@ -742,10 +764,8 @@ def _int8_gemm_triton(
     name = "ptr_persistent" if variant.persistent else "ptr"
     if variant.warp_specialize and pinned is not None:  # the pointer kernel without the warp specialisation
         pinned = (config.meta(GEMM_VARIANTS[name]), pinned[1])
-    key = (name, m, n, k, has_sb, has_bias, out_dtype, device)
-    # the plan fixes the sizes and dtypes and c is new: the operands' alignments and strides decide the rest
-    direct_key = (a.data_ptr() & 15, b.data_ptr() & 15, sa.data_ptr() & 15, 0 if sb is None else sb.data_ptr() & 15,
-                  0 if bias is None else bias.data_ptr() & 15, args[10], args[11], stride_bk, stride_bn, args[14])
+    key = _plan_key(name, m, n, k, sb, bias, out_dtype, device)
+    direct_key = _direct_key(a, b, sa, sb, bias, args[10], args[11], stride_bk, stride_bn, args[14])
     block_k = config.block_k if config is not None else 128  # the tuned lists' BLOCK_K divide 128
     _launch_tuned(_TUNED_GEMMS[name], _RAW_GEMMS[name], key, m, n, args,
                   {"HAS_SB": has_sb, "HAS_BIAS": has_bias, "EVEN_K": k % block_k == 0}, None, direct_key,
@@ -790,10 +810,8 @@ def bound_gemm(
     has_sb, has_bias = sb is not None, bias is not None
     bucket = gemm_m_bucket(m)
     if variant.tma and _tma_ok(a, b, stride_bn, stride_bk, k):
-        plan = _GEMM_PLANS.get((variant.name, m, n, k, has_sb, has_bias, c.dtype, device))
-        tma_key = (sa.data_ptr() & 15, 0 if sb is None else sb.data_ptr() & 15,
-                   0 if bias is None else bias.data_ptr() & 15)
-        tma = plan[5].get(tma_key) if plan is not None else None
+        plan = _GEMM_PLANS.get(_plan_key(variant.name, m, n, k, sb, bias, c.dtype, device))
+        tma = plan[5].get(_tma_key(sa, sb, bias)) if plan is not None else None
         if tma is None or not raw_launch_enabled():
             return None
         ws = _split_tail_workspace(a.device, 0, programs, 256, 256) if variant.split_tail else ()
@@ -805,12 +823,10 @@ def bound_gemm(
 
         return gemm_tma
     name = "ptr_persistent" if variant.persistent else "ptr"
-    plan = _GEMM_PLANS.get((name, m, n, k, has_sb, has_bias, c.dtype, device))
+    plan = _GEMM_PLANS.get(_plan_key(name, m, n, k, sb, bias, c.dtype, device))
     if plan is None or plan[3] is None:
         return None
-    direct_key = (a.data_ptr() & 15, b.data_ptr() & 15, sa.data_ptr() & 15, 0 if sb is None else sb.data_ptr() & 15,
-                  0 if bias is None else bias.data_ptr() & 15, k, 1, stride_bk, stride_bn, n)
-    launch = plan[3].bound(plan[4], direct_key, device)
+    launch = plan[3].bound(plan[4], _direct_key(a, b, sa, sb, bias, k, 1, stride_bk, stride_bn, n), device)
     if launch is None:
         return None
 
