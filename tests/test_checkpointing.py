@@ -191,6 +191,40 @@ def _loss_and_some_grads(model, network, seed):
     return loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in network.named_parameters()}
 
 
+def test_eager_full_reentrant_with_the_fused_backward_pass(tiny_snapshot):
+    """--fused_backward_pass steps each LoRA tensor as its gradient arrives; the reentrant form produces them inside
+    its own backward per block: the weights after two steps are the non-reentrant form's, bit for bit."""
+    import argparse
+
+    from library.training import optimizers as opt
+
+    parser = argparse.ArgumentParser()
+    opt.add_optimizer_arguments(parser)
+    cfg = opt.OptimizerConfig.from_args(parser.parse_args(["--optimizer_type", "Adafactor", "--fused_backward_pass"]))
+    weights = {}
+    for reentrant in (True, False):
+        saved = checkpointing.EAGER_FULL["reentrant"]
+        checkpointing.EAGER_FULL["reentrant"] = reentrant
+        handles = []
+        try:
+            model, network = tiny_dit_with_lora(tiny_snapshot, "full")
+            before = [p.detach().clone() for p in network.parameters()]
+            _, _, optimizer = opt.get_optimizer(cfg, network.parameters())
+            opt.check_fused_backward_pass(cfg, optimizer, gradient_accumulation_steps=1)
+            handles = opt.install_fused_backward_pass(optimizer, 0.0)
+            for seed in (0, 1):
+                x, t, emb, mask = dit_inputs(seed)
+                model(x.requires_grad_(True), t, emb, mask).pow(2).mean().backward()
+                assert all(p.grad is None for p in network.parameters())  # stepped and cleared in backward
+            weights[reentrant] = [p.detach().clone() for p in network.parameters()]
+            assert all(not torch.equal(a, b) for a, b in zip(before, weights[reentrant]))  # every tensor stepped
+        finally:
+            for h in handles:
+                h.remove()
+            checkpointing.EAGER_FULL["reentrant"] = saved
+    assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False]))
+
+
 def test_eager_full_takes_the_reentrant_form_only_with_an_input_that_requires_grad(monkeypatch):
     """Without an input that requires grad the reentrant form would leave the parameters inside without gradients
     (a LoRA of the text refiner, whose input is the cached text): the non-reentrant form is taken there."""
