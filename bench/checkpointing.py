@@ -11,7 +11,8 @@ steps are the trainer's `_run_epoch` over one cached batch (1024x1024 latents, 2
 16, --mixed_precision bf16): forward, backward, clipping, optimizer and scheduler steps, the loss read one step
 later, GC at step boundaries. A CUDA event at every step boundary (no host sync) gives each step's time including
 any GPU idle between steps; the median is over `--steps` steps after `--warmup` steps (compiling happens in the
-warm-up).
+warm-up). The host's counters at the same boundaries (`host_columns`) say, per step, whether the GPU waited for the
+host (`gpu_lag_ms`) and what the host's CPUs did meanwhile (CPU time, the hypervisor's steal time, preemptions).
 `max_memory_reserved` is read over the measured steps and over the whole process (with the load). Three more steps
 run with CUDA's sync debug mode to count the host syncs per step and name their Python lines (`host_sync_sites`).
 `--block_memory` adds one step that records the allocated memory each main block's forward adds (what the block
