@@ -158,9 +158,13 @@ def test_explicit_options_are_kept(no_bitsandbytes, tmp_path):
     plan, values, _ = training_plan(["--vram_budget", "8", "--blocks_to_swap", "36", *RUN])
     assert summary(plan)[:3] == ("bf16", "full", 36) and "blocks_to_swap" not in values
     assert values["block_swap_h2d_only"] is True
-    # --convrot_int8 given: every candidate is INT8
+    # --convrot_int8 given: every candidate is INT8; --convrot_int8 false: every candidate is bf16 (at 16 GiB INT8
+    # would be the faster fit)
     plan, _, _ = training_plan(["--vram_budget", "48", "--convrot_int8", *RUN])
     assert {c.setup.dit for c in plan.candidates} == {"int8"}
+    plan, values, _ = training_plan(["--vram_budget", "16", "--convrot_int8", "false", *RUN])
+    assert {c.setup.dit for c in plan.candidates} == {"bf16"} and "convrot_int8" not in values
+    assert "--convrot_int8 false" in plan.choices.fixed and summary(plan)[0] == "bf16"
     # --te_quant none given (the default value, seen on the command line): the encoder is never quantised
     plan, values, _ = training_plan(["--vram_budget", "12", "--te_quant", "none", *RUN])
     assert summary(plan)[3:] == ("none", False) and "te_quant" not in values and values["te_device"] == "cpu"
@@ -179,6 +183,17 @@ def test_explicit_options_are_kept(no_bitsandbytes, tmp_path):
     assert "convrot_int8" in explicit
     plan, _ = run_options.make_training_plan(args, explicit)
     assert plan.chosen.setup.dit == "int8"
+
+
+def test_convrot_int8_takes_an_optional_true_or_false():
+    parser = plan_memory.training_parser()
+    assert parser.parse_args(["--convrot_int8"]).convrot_int8 is True
+    assert parser.parse_args(["--convrot_int8", "--gradient_checkpointing"]).convrot_int8 is True
+    assert parser.parse_args(["--convrot_int8=no"]).convrot_int8 is False
+    assert parser.parse_args(["--convrot_int8", "TRUE"]).convrot_int8 is True
+    assert parser.parse_args([]).convrot_int8 is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--convrot_int8", "maybe"])
 
 
 def test_skip_blocks_given_are_planned_around(no_bitsandbytes):

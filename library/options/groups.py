@@ -80,13 +80,24 @@ def add_attention_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sdpa", action="store_true", help="same as --attn_mode torch (the default)")
 
 
+def flag_value(text: str) -> bool:
+    """The value of a flag that may be given one: true / false (also yes / no, on / off, 1 / 0)."""
+    low = text.strip().lower()
+    if low in ("true", "yes", "on", "1"):
+        return True
+    if low in ("false", "no", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
 def add_convrot_arguments(parser: argparse.ArgumentParser, dit: bool, text_encoder: bool, backward: bool) -> None:
     """ConvRot INT8 of the DiT and of the text encoder, and (training) the backward of the INT8 layers."""
     g = parser.add_argument_group("ConvRot INT8")
     if dit:
-        g.add_argument("--convrot_int8", action="store_true",
+        g.add_argument("--convrot_int8", nargs="?", const=True, default=False, type=flag_value, metavar="true|false",
                        help="quantise the DiT block Linears to ConvRot INT8 at load time, after any LoRA merge"
-                            " (pre-quantised checkpoints are detected without it)")
+                            " (pre-quantised checkpoints are detected without it); `--convrot_int8 false` keeps the"
+                            " bf16 weights where --vram_budget would otherwise choose INT8")
     if text_encoder:
         g.add_argument("--convrot_int8_text_encoder", action="store_true",
                        help="quantise the text encoder to ConvRot INT8 at load time (pre-quantised checkpoints are"

@@ -200,15 +200,27 @@ def _te_choices(args: argparse.Namespace, explicit: frozenset[str], prequantised
     return tuple(options), True
 
 
+def _fixed_words(args: argparse.Namespace, dests: set[str]) -> list[str]:
+    """The options the user gave among `dests`, as the plan's messages name them (`--convrot_int8 false` included)."""
+    return sorted(f"--{d} false" if d == "convrot_int8" and not args.convrot_int8 else f"--{d}" for d in dests)
+
+
+def _dit_choices(args: argparse.Namespace, explicit: frozenset[str], prequantised: bool
+                 ) -> tuple[tuple[str, ...], str]:
+    """(the DiT precisions to plan, where INT8 comes from): a pre-quantised file is INT8; `--convrot_int8` fixes INT8
+    and `--convrot_int8 false` bf16; otherwise both are candidates."""
+    if prequantised:
+        return ("int8",), "file"
+    if "convrot_int8" in explicit:
+        return ("int8",) if args.convrot_int8 else ("bf16",), "at load"
+    return ("bf16", "int8"), "at load"
+
+
 def training_choices(args: argparse.Namespace, explicit: frozenset[str], models: Models, work: Workload) -> Choices:
-    fixed = sorted(f"--{d}" for d in explicit & set(TRAINING_PLANNED))
+    fixed = _fixed_words(args, explicit & set(TRAINING_PLANNED))
+    dit, source = _dit_choices(args, explicit, models.dit_prequantised)
     if models.dit_prequantised:
-        dit, source = ("int8",), "file"
         fixed.append("a pre-quantised DiT file")
-    elif "convrot_int8" in explicit and args.convrot_int8:
-        dit, source = ("int8",), "at load"
-    else:
-        dit, source = ("bf16", "int8"), "at load"
     has_policy = hasattr(args, "checkpointing_policy")
     modes = ["none"] + (["selective"] if has_policy else []) + ["full", "unsloth"]
     if "unsloth_offload_checkpointing" in explicit and args.unsloth_offload_checkpointing:
@@ -318,14 +330,9 @@ def _with_options(plan: Plan, words: tuple[str, ...]) -> Plan:
 # ------------------------------------------------------------------------------------------------------- inference
 def inference_choices(args: argparse.Namespace, explicit: frozenset[str], models: Models, interactive: bool
                       ) -> Choices:
-    fixed = sorted(f"--{d}" for d in explicit & {"convrot_int8", "blocks_to_swap", "convrot_int8_text_encoder",
-                                                  "te_quant", "te_device", "text_encoder_cpu"})
-    if models.dit_prequantised:
-        dit, source = ("int8",), "file"
-    elif "convrot_int8" in explicit and args.convrot_int8:
-        dit, source = ("int8",), "at load"
-    else:
-        dit, source = ("bf16", "int8"), "at load"
+    fixed = _fixed_words(args, explicit & {"convrot_int8", "blocks_to_swap", "convrot_int8_text_encoder", "te_quant",
+                                           "te_device", "text_encoder_cpu"})
+    dit, source = _dit_choices(args, explicit, models.dit_prequantised)
     swap = (args.blocks_to_swap or 0) if "blocks_to_swap" in explicit else None
     te, te_planned = _te_choices(args, explicit, models.te_prequantised, False, allow_cpu=True)
     return Choices(dit, source, ("none",), swap, max_blocks_to_swap(models.dit.num_layers), te, te_planned,
