@@ -339,6 +339,11 @@ def test_the_inference_script_applies_the_plan(monkeypatch, no_bitsandbytes):
     assert (plan.chosen.setup.dit, plan.chosen.setup.blocks_to_swap) == ("bf16", 16)
     assert (args.blocks_to_swap, args.text_encoder_cpu, args.convrot_int8) == (16, True, False)
     assert args.cuda_expandable_segments is True
+    argv = ["--vram_budget", "8", "--prompt", "a cat", "--image_size", "1024", "1024", "--convrot_int8", "false"]
+    args = inference_script.setup_parser().parse_args(argv)
+    plan = run_options.apply_inference_vram_budget(args, inference_script.setup_parser,
+                                                   inference_script.planned_image_sizes(args), argv)
+    assert {c.setup.dit for c in plan.candidates} == {"bf16"} and "--convrot_int8 false" in plan.choices.fixed
     argv = ["--vram_budget", "8", "--prompt", "a cat", "--blocks_to_swap", "30", "--device", "cpu"]
     args = inference_script.setup_parser().parse_args(argv)
     with pytest.raises(UserError, match="this run has none"):
