@@ -59,7 +59,7 @@ from library.moss_image.dit import MossImage, MossImageConfig, rope_cos_sin
 from library.moss_image.loaders import quantize_dit
 from library.quant import convrot as U
 from library.quant import convrot_kernels as K
-from library.quant import convrot_ops, int8_gemm_kernels, linear_plan, triton_launch
+from library.quant import convrot_ops, int8_gemm_kernels, int8_grad_kernels, linear_plan, triton_launch
 from library.runtime.compile import compile_blocks
 from networks import lora_generic
 
@@ -818,8 +818,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.out:  # partial results survive a time limit
             Path(args.out).write_text(json.dumps(res, indent=1))
     res["gemm_autotune"] = {
-        name: {str(key): str(cfg) for key, cfg in getattr(getattr(int8_gemm_kernels, name, None), "cache", {}).items()}
-        for name in ("_int8_gemm_tuned", "_int8_gemm_tma_tuned", "_grad_input_upcast_tuned")
+        name: {str(key): str(cfg) for key, cfg in getattr(getattr(module, name, None), "cache", {}).items()}
+        for module, name in ((int8_gemm_kernels, "_int8_gemm_tuned"), (int8_gemm_kernels, "_int8_gemm_tma_tuned"),
+                             (int8_grad_kernels, "_grad_input_upcast_tuned"))
     }
     res["seconds"] = time.time() - t0
     text = json.dumps(res, indent=1)

@@ -70,13 +70,13 @@ from library.quant.int8_gemm_kernels import (  # noqa: F401 - set_*, backward_ke
     _GEMM_PLANS,
     BACKWARD_KERNELS,
     GEMM_KERNELS,
-    _grad_input_upcast_triton,
     _int8_gemm_triton,
     _launch_tuned,
     backward_kernel,
     set_backward_kernel,
     set_gemm_kernel,
 )
+from library.quant.int8_grad_kernels import _grad_input_upcast_triton
 
 logger = logging.getLogger(__name__)
 
