@@ -8,7 +8,9 @@ kernel then serves every call, CPU tensors included, where Triton has no driver 
 `route_linear_attention_kernels` replaces those four functions of that module by ones that pass CUDA tensors to
 what transformers picked and any other tensor to the PyTorch reference (the function transformers wraps), so the CPU
 path (the tiny snapshot, `--te_device cpu`, the inference script on the CPU) works with or without those packages.
-The loader calls it for every text encoder it builds; calling it again changes nothing.
+The loader calls it for every text encoder it builds; calling it again changes nothing. transformers 5.25 and later
+route by device themselves (their functions are `kernels` objects without `__wrapped__`), and there it leaves them
+as they are.
 
 Triton compiles fla's kernels for each new sequence length, so with fla the batches are padded to a multiple of
 `FLA_LENGTH_MULTIPLE` tokens (`length_multiple`): one compilation per length bucket instead of one per caption.
