@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
 from library.runtime.eager_fusion import eager_fused
+from library.runtime.norm_rope import fused_norm_rope, norm_rope_kernel_usable
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+def _runs_own_forward(module: nn.Module) -> bool:
+    """Whether calling `module` runs its class's forward and nothing else (no replaced forward, no hooks)."""
+    return ("forward" not in module.__dict__ and not module._forward_hooks and not module._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+
+
+def norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope(norm(x), cos, sin) for the q/k of a block; in eager CUDA runs one Triton kernel each way
+    (`library.runtime.norm_rope`), where the eager forms take four. A norm whose call does more than its forward
+    (a hook, a wrapped forward) is called as it is."""
+    if eager_fused() and norm_rope_kernel_usable(x, norm.weight, cos, sin) and _runs_own_forward(norm):
+        return fused_norm_rope(x, norm.weight, cos, sin, norm.eps)
+    return apply_rope(norm(x), cos, sin)
+
+
 class RopeTables:
     """RoPE cos/sin of a forward, assembled from cached per-axis tables (no float64 work per forward).
 
@@ -288,8 +304,8 @@ class MossImageBlock(nn.Module):
 
     def _attn(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         shape = (*h.shape[:2], self.cfg.num_heads, self.cfg.head_dim)
-        q = apply_rope(self.q_norm(self.proj.q(h).view(shape)), cos, sin)
-        k = apply_rope(self.k_norm(self.proj.k(h).view(shape)), cos, sin)
+        q = norm_rope(self.q_norm, self.proj.q(h).view(shape), cos, sin)
+        k = norm_rope(self.k_norm, self.proj.k(h).view(shape), cos, sin)
         v = self.proj.v(h).view(shape)
         out = self.attention(q, k, v, key_mask).flatten(2)
         return self.proj.o(out)
