@@ -1,5 +1,5 @@
-"""The eager block's element-wise code, plain against fused forms, in one process: what a training step's eager DiT
-blocks launch, move and keep, and how long they take.
+"""The eager block's element-wise code, plain against fused forms and the fused Triton kernels, in one process: what
+a training step's eager DiT blocks launch, move and keep, and how long they take.
 
     python -m bench.eager_block --out eager_block.json                       # on a CUDA GPU (full width, 4352 tokens)
     python -m bench.eager_block --device cpu --fake --layers 1 --out cpu.json    # the counts, on a CPU, in seconds
@@ -7,18 +7,24 @@ blocks launch, move and keep, and how long they take.
 `library.moss_image.dit` writes its RMSNorms, RoPE, modulation and gated residuals in two forms, and
 `networks.lora_generic` its LoRA sum: the plain one (the formulas as written, which a compiled region keeps and
 inductor fuses) and an eager one (the same math in fewer, narrower kernels; `library.runtime.eager_fusion`).
-`set_eager_fusion` picks one; this script runs both on the same full-width blocks (the product's
+`set_eager_fusion` picks one. On CUDA the eager form also takes Triton kernels for the q/k norm + RoPE and the
+SwiGLU (`library.runtime.fused_ops`; `set_fused_kernels` turns them off). The forms run here are "plain", "fused"
+(the eager forms, kernels off) and "kernels" (the eager forms with the kernels: what the trainer runs on CUDA). With
+`--fake` the kernels' launches are stand-ins that allocate their results, so the counts of the kernels form are the
+full-width ones without a GPU (a CPU run without `--fake` leaves that form out unless Triton's interpreter is on).
+This script runs them on the same full-width blocks (the product's
 modules, a rank-16 LoRA from networks.lora_generic on every block Linear, fp32 LoRA weights under bf16 autocast, as
 in the trainer), for each `--checkpointing` mode (none, full, selective) and optionally ConvRot INT8 (`--int8`):
 
 - ``ops``: the aten operators of one forward + backward, by kind (matrix product, attention, data-free view, other
   = element-wise and copies), with the bytes the "other" operators read and write (their tensor arguments and
-  results): on a GPU those are memory-bound kernels, so bytes and launches are their cost.
+  results): on a GPU those are memory-bound kernels, so bytes and launches are their cost. The fused Triton kernels
+  are no aten operators: ``ops.kernels`` counts their launches and the bytes of their tensor arguments and results.
 - ``saved_bytes_per_block_token``: what autograd keeps for backward per block and token without checkpointing (distinct
   storages, parameters excluded): the planner's activation figure.
 - ``train_ms``: one forward + backward, median of `--iters` after warm-up (CUDA events on the GPU).
-- the relative difference of the output, the input gradient and the LoRA gradients of the fused form against the
-  plain one (the same weights and inputs).
+- the relative difference of the output, the input gradient and the LoRA gradients of the fused form (and of the
+  kernels form) against the plain one (the same weights and inputs).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.convrot_int8 import _Blocks, relerr, time_ms
 from library.moss_image.dit import MossImageConfig
-from library.runtime import eager_fusion
+from library.runtime import eager_fusion, fused_ops
 from library.runtime.checkpointing import ATTENTION_OPS
 
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "_scaled_mm"}
@@ -122,14 +128,76 @@ def saved_bytes(blocks: _Blocks) -> int:
     return sum(storages.values())
 
 
-def run_form(blocks: _Blocks, fused: bool, checkpointing: str, iters: int, device: str, fake: bool) -> dict:
-    eager_fusion.set_eager_fusion(fused)
+FORMS = ("plain", "fused", "kernels")
+
+
+def _set_form(form: str) -> None:
+    eager_fusion.set_eager_fusion(form != "plain")
+    fused_ops.set_fused_kernels(form == "kernels")
+
+
+KERNEL_LAUNCHES = ("norm_rope_forward", "norm_rope_backward", "swiglu_forward", "swiglu_backward")
+
+
+def _kernel_result(name: str, args: tuple) -> torch.Tensor:
+    """An uncomputed tensor of the shape and dtype the launch `name` returns (the stand-ins' result)."""
+    like = args[0] if name in ("norm_rope_forward", "swiglu_forward") else args[1]
+    shape = (*like.shape[:-1], like.shape[-1] // 2) if name == "swiglu_forward" else like.shape
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+@contextlib.contextmanager
+def kernel_tally(stand_in: bool, device: str) -> Any:
+    """Counts the fused kernels' launches and the bytes of their tensor arguments and results while inside. With
+    `stand_in` each launch is replaced by an allocation of its result and CPU tensors take the kernels (their check
+    skipped), so that fake tensors count the kernels form without a GPU (nothing is computed)."""
+    module = fused_ops._kernels()
+    if module is None:
+        raise RuntimeError("the kernels form needs triton installed")
+    if not stand_in and not fused_ops.prepare(device):  # the check first: its launches are not the step's
+        raise RuntimeError(f"the fused kernels do not run on {device} (see the warning above)")
+    tally = {"launches": 0, "bytes": 0}
+    real = {name: getattr(module, name) for name in KERNEL_LAUNCHES}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any) -> torch.Tensor:
+            out = _kernel_result(name, args) if stand_in else real[name](*args)
+            tally["launches"] += 1
+            tally["bytes"] += sum(t.numel() * t.element_size() for t in [*_tensors(args), out])
+            return out
+
+        return call
+
+    interpret, prepare = fused_ops._INTERPRET, fused_ops.prepare
+    try:
+        for name in KERNEL_LAUNCHES:
+            setattr(module, name, counted(name))
+        if stand_in:
+            fused_ops._INTERPRET, fused_ops.prepare = True, lambda device: True
+        yield tally
+    finally:
+        for name, fn in real.items():
+            setattr(module, name, fn)
+        fused_ops._INTERPRET, fused_ops.prepare = interpret, prepare
+
+
+def forms_for(device: str, fake: bool) -> tuple[str, ...]:
+    """The forms a run can take: the kernels form where they run (CUDA, Triton's interpreter) or stand in (fake)."""
+    runs_kernels = fake or device == "cuda" or fused_ops._INTERPRET
+    return FORMS if runs_kernels and fused_ops._kernels() is not None else FORMS[:2]
+
+
+def run_form(blocks: _Blocks, form: str, checkpointing: str, iters: int, device: str, fake: bool) -> dict:
+    _set_form(form)
     for blk in blocks.dit.layers:
         blk.checkpointing = None if checkpointing == "none" else checkpointing
     # new cos/sin tensors, as each training step builds them: the counted step makes its own RoPE rotation table
     blocks.cos, blocks.sin = blocks.cos.clone(), blocks.sin.clone()
-    with _fake(fake):
+    tally = kernel_tally(fake, device) if form == "kernels" else contextlib.nullcontext(None)
+    with tally as kernels, _fake(fake):
         r: dict[str, Any] = {"ops": count_ops(blocks)}
+        if kernels is not None:
+            r["ops"]["kernels"] = dict(kernels)  # the counted step's launches (not those of the saved-bytes run)
         if checkpointing == "none":
             r["saved_bytes_per_block_token"] = saved_bytes(blocks) / (len(blocks.dit.layers) * blocks.x.shape[1])
     if not fake:
@@ -147,20 +215,25 @@ def _fake(enabled: bool) -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def compare(blocks: _Blocks) -> dict:
-    """Output, input gradient and LoRA gradients of the fused forms against the plain ones (one step each)."""
+def compare(blocks: _Blocks, forms: tuple[str, ...]) -> dict:
+    """Output, input gradient and LoRA gradients of the fused forms (and of the kernels, where in `forms`) against
+    the plain forms (one step each)."""
     results = []
-    for fused in (False, True):
-        eager_fusion.set_eager_fusion(fused)
+    for form in forms:
+        _set_form(form)
         for blk in blocks.dit.layers:
             blk.checkpointing = None
         x = blocks.x.detach().requires_grad_(True)
         y = blocks.forward(x)
         y.backward(blocks.gy)
         results.append((y.detach(), x.grad.detach(), blocks.lora_grads()))
-    (y0, gx0, g0), (y1, gx1, g1) = results
-    return {"out_rel_diff": relerr(y1, y0), "input_grad_rel_diff": relerr(gx1, gx0),
-            "lora_grad_rel_diff_max": max(relerr(a, b) for a, b in zip(g1, g0))}
+    (y0, gx0, g0), *others = results
+    out = {}
+    for form, (y1, gx1, g1) in zip(forms[1:], others):
+        tag = "" if form == "fused" else f"{form}_"
+        out.update({f"{tag}out_rel_diff": relerr(y1, y0), f"{tag}input_grad_rel_diff": relerr(gx1, gx0),
+                    f"{tag}lora_grad_rel_diff_max": max(relerr(a, b) for a, b in zip(g1, g0))})
+    return out
 
 
 def summarise(forms: dict[str, dict]) -> dict:
@@ -171,6 +244,15 @@ def summarise(forms: dict[str, dict]) -> dict:
     if "train_ms" in plain:
         r["train_ms_plain"], r["train_ms_fused"] = plain["train_ms"]["median_ms"], fused["train_ms"]["median_ms"]
         r["plain_over_fused"] = r["train_ms_plain"] / r["train_ms_fused"]
+    kernels = forms.get("kernels")
+    if kernels is not None:
+        r["other_ops_kernels"] = kernels["ops"]["count"].get("other", 0)
+        r["other_gb_kernels"] = kernels["ops"]["bytes"].get("other", 0) / 1e9
+        r["kernel_launches"] = kernels["ops"]["kernels"]["launches"]
+        r["kernel_gb"] = kernels["ops"]["kernels"]["bytes"] / 1e9
+        if "train_ms" in kernels:
+            r["train_ms_kernels"] = kernels["train_ms"]["median_ms"]
+            r["fused_over_kernels"] = r["train_ms_fused"] / r["train_ms_kernels"]
     return r
 
 
@@ -190,20 +272,21 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
                            "torch": torch.__version__, "tokens": args.tokens, "layers": args.layers,
                            "fake": args.fake, "runs": {}}
-    previous = eager_fusion.set_eager_fusion(True)
+    previous = eager_fusion.set_eager_fusion(True), fused_ops.set_fused_kernels(True)
+    forms_run = forms_for(args.device, args.fake)
     try:
         for precision in ("bf16", "int8") if args.int8 else ("bf16",):
             blocks = _Blocks(cfg, args.tokens, args.device, int8=precision == "int8")
             if not args.fake:
-                out["runs"][f"{precision}_compare"] = compare(blocks)
+                out["runs"][f"{precision}_compare"] = compare(blocks, forms_run)
             for mode in [m for m in args.checkpointing.split(",") if m]:
-                forms = {name: run_form(blocks, name == "fused", mode, args.iters, args.device, args.fake)
-                         for name in ("plain", "fused")}
+                forms = {name: run_form(blocks, name, mode, args.iters, args.device, args.fake) for name in forms_run}
                 out["runs"][f"{precision}_{mode}"] = {**forms, "summary": summarise(forms)}
                 print(f"{precision} {mode}: {out['runs'][f'{precision}_{mode}']['summary']}", file=sys.stderr)
             del blocks
     finally:
-        eager_fusion.set_eager_fusion(previous)
+        eager_fusion.set_eager_fusion(previous[0])
+        fused_ops.set_fused_kernels(previous[1])
     text = json.dumps(out, indent=1)
     path = Path(args.out)
     tmp = path.with_name(f".{path.name}.tmp")

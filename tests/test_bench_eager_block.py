@@ -1,4 +1,5 @@
-"""bench/eager_block.py on fake tensors (the CPU mode): full-width operator counts and bytes, plain against fused."""
+"""bench/eager_block.py on fake tensors (the CPU mode): full-width operator counts and bytes, plain against fused and
+against the fused kernels (stand-in launches)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ def test_fake_counts_at_full_width(tmp_path):
         plain, fused = run["plain"]["ops"]["count"], run["fused"]["ops"]["count"]
         assert plain["matmul"] == fused["matmul"] and plain["attention"] == fused["attention"], mode
         assert "train_ms" not in run["plain"]  # fake tensors: nothing to time
+        # the kernels form (stand-in launches on fake tensors): q/k norm + RoPE and SwiGLU leave the aten operators
+        kernels = summary["kernel_launches"]
+        assert kernels == (6 if mode == "bf16_none" else 9), mode  # q, k, FFN; forward, backward (and recompute)
+        assert summary["other_ops_kernels"] < summary["other_ops_fused"] - 3 * kernels, mode
+        assert summary["other_gb_kernels"] + summary["kernel_gb"] < 0.6 * summary["other_gb_fused"], mode
+        assert run["kernels"]["ops"]["count"]["matmul"] == fused["matmul"], mode
     # checkpointing recomputes the forward: more element-wise work than without
     assert runs["bf16_full"]["summary"]["other_ops_plain"] > runs["bf16_none"]["summary"]["other_ops_plain"]
     # what autograd keeps is the planner's per-block figure (fp32 norm inputs: the CPU's rms_norm is a composite),
@@ -32,3 +39,5 @@ def test_fake_counts_at_full_width(tmp_path):
     planned = memory_model.block_kept_bytes_per_token(sizes.dit_sizes(MossImageConfig()), e=2, rank=16)
     for form in ("plain", "fused"):
         assert runs["bf16_none"][form]["saved_bytes_per_block_token"] == pytest.approx(planned, rel=0.06), form
+    # the kernels keep q, k and the FFN's up/gate output only (not the fp32 complex RoPE input nor silu(gate))
+    assert runs["bf16_none"]["kernels"]["saved_bytes_per_block_token"] < 0.9 * planned

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
 from library.runtime.eager_fusion import eager_fused
-from library.runtime.norm_rope import fused_norm_rope, norm_rope_kernel_usable
+from library.runtime.fused_ops import fused_norm_rope, fused_swiglu, norm_rope_usable, swiglu_usable
+from library.runtime.fused_ops import prepare as prepare_fused_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +196,9 @@ def _runs_own_forward(module: nn.Module) -> bool:
 
 def norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope(norm(x), cos, sin) for the q/k of a block; in eager CUDA runs one Triton kernel each way
-    (`library.runtime.norm_rope`), where the eager forms take four. A norm whose call does more than its forward
+    (`library.runtime.fused_ops`), where the eager forms take four. A norm whose call does more than its forward
     (a hook, a wrapped forward) is called as it is."""
-    if eager_fused() and norm_rope_kernel_usable(x, norm.weight, cos, sin) and _runs_own_forward(norm):
+    if eager_fused() and norm_rope_usable(x, norm.weight, cos, sin) and _runs_own_forward(norm):
         return fused_norm_rope(x, norm.weight, cos, sin, norm.eps)
     return apply_rope(norm(x), cos, sin)
 
@@ -253,6 +254,15 @@ class RopeTables:
             rows = [torch.cat([text, torch.cat([table[length].expand(n, -1), grid], dim=-1)]) for length in text_lengths]
             out.append(torch.stack(rows))
         return out[0], out[1]
+
+
+def swiglu(u: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * value of the FFN's up/gate output u = [value | gate]; in eager CUDA runs one Triton kernel each
+    way (`library.runtime.fused_ops`)."""
+    if eager_fused() and swiglu_usable(u):
+        return fused_swiglu(u)
+    value, gate = u.chunk(2, dim=-1)
+    return F.silu(gate) * value
 
 
 def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -311,8 +321,7 @@ class MossImageBlock(nn.Module):
         return self.proj.o(out)
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
-        value, gate = self.proj.ffn_up_gate(h).chunk(2, dim=-1)
-        return self.proj.ffn_down(F.silu(gate) * value)
+        return self.proj.ffn_down(swiglu(self.proj.ffn_up_gate(h)))
 
     def forward(
         self,
@@ -575,6 +584,8 @@ class MossImage(nn.Module):
         text lengths are read from the mask on the host (see `text_lengths`), so no device sync happens here."""
         h, w = int(grid[0]), int(grid[1])
         device = self.device
+        if eager_fused():
+            prepare_fused_kernels(device)  # their one check per device, here outside any checkpointed block
         b, t_pad = prompt_embeds.shape[:2]
         lengths = text_lengths(attn_mask, b, t_pad)
         # without padding no mask reaches attention, so the fast kernels run and compiled blocks keep one graph

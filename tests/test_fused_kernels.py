@@ -1,16 +1,18 @@
-"""The fused q/k norm + RoPE kernels (`library.runtime.norm_rope`, `library.runtime.norm_rope_kernels`).
+"""The fused element-wise kernels of a DiT block (`library.runtime.fused_ops`, `library.runtime.fused_kernels`).
 
 The kernels run under Triton's interpreter in a subprocess on a CPU machine (the interpreter is chosen when the
 kernels are defined), and on CUDA where there is a GPU; the checks are the same (`run_checks`):
 
-- forward and x's gradient against a float64 reference, at most the eager forms' error (one rounding where they
-  have two), for bf16 / fp16 / fp32, head sizes 128 and 32, a table per sample or one for the batch;
-- an output gradient in attention's transposed layout gives the gradient of its contiguous copy, bit for bit;
+- q/k norm + RoPE: forward and x's gradient against a float64 reference, at most the eager forms' error (one
+  rounding where they have two), for bf16 / fp16 / fp32, head sizes 128 and 32, a table per sample or one for the
+  batch; an output gradient in attention's transposed layout gives the gradient of its contiguous copy, bit for bit;
+- SwiGLU: the same against float64 and the eager form, rows of a wider tensor (a view) and widths that are not a
+  multiple of the kernel's block;
 - a DiT block (frozen, as under a LoRA) with the kernels against its eager forms, and with full and selective
-  checkpointing against no checkpointing, bit for bit (the recomputation launches the same kernels);
-- the block takes the kernels for q and k (launches counted).
+  checkpointing against no checkpointing, bit for bit (the recomputation launches the same kernels); the block
+  launches the kernels for q, k and the FFN (counted).
 
-Host-side tests check where the kernels apply (`norm_rope_kernel_usable`, `dit.norm_rope`).
+Host-side tests check where the kernels apply (`norm_rope_usable`, `swiglu_usable`, `dit.norm_rope`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from library.moss_image.dit import MossImageBlock, MossImageConfig, RopeTables, apply_rope
-from library.runtime import norm_rope
+from library.runtime import fused_ops
 from library.runtime.attention import Attention
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,22 +74,45 @@ def _case(dtype: torch.dtype, dim: int, one_table: bool, device: str) -> dict:
     w = (1 + 0.2 * torch.randn(dim, generator=g)).to(device, dtype)
     gy = torch.randn(bsz, seq, heads, dim, generator=g).to(device, dtype)
     cos, sin = _tables(bsz, seq, dim, one_table, device)
-    assert norm_rope.norm_rope_kernel_usable(x, w, cos, sin)
+    assert fused_ops.norm_rope_usable(x, w, cos, sin)
     xr = x.double().requires_grad_(True)
     ref = _reference(xr, w, cos, sin, eps)
     ref.backward(gy.double())
     xk = x.clone().requires_grad_(True)
-    y = norm_rope.fused_norm_rope(xk, w, cos, sin, eps)
+    y = fused_ops.fused_norm_rope(xk, w, cos, sin, eps)
     y.backward(gy)
     xe = x.clone().requires_grad_(True)
     ye = _eager(xe, w, cos, sin, eps)
     ye.backward(gy)
     xt = x.clone().requires_grad_(True)  # the gradient in attention's layout: [B, H, S, D] memory seen as [B, S, H, D]
-    norm_rope.fused_norm_rope(xt, w, cos, sin, eps).backward(gy.transpose(1, 2).contiguous().transpose(1, 2))
+    fused_ops.fused_norm_rope(xt, w, cos, sin, eps).backward(gy.transpose(1, 2).contiguous().transpose(1, 2))
     return {"dtype": str(dtype), "dim": dim, "one_table": one_table, "out_dtype": str(y.dtype),
             "contiguous": y.is_contiguous(), "out_err": _rel(y, ref), "eager_out_err": _rel(ye, ref),
             "grad_err": _rel(xk.grad, xr.grad), "eager_grad_err": _rel(xe.grad, xr.grad),
             "strided_grad_equal": bool(torch.equal(xt.grad, xk.grad))}
+
+
+def _swiglu_case(dtype: torch.dtype, width: int, view: bool, device: str) -> dict:
+    g = torch.Generator().manual_seed(4)
+    wide = (torch.randn(3, 7, 2 * width + (6 if view else 0), generator=g) * 2).to(device, dtype)
+    u = wide[..., 3:3 + 2 * width] if view else wide  # a view whose rows are further apart than 2F
+    gy = torch.randn(3, 7, width, generator=g).to(device, dtype)
+    assert fused_ops.swiglu_usable(u) and u.is_contiguous() != view
+    ur = u.double().requires_grad_(True)
+    value, gate = ur.chunk(2, dim=-1)
+    ref = F.silu(gate) * value
+    ref.backward(gy.double())
+    uk = u.detach().clone() if not view else u.detach()
+    uk.requires_grad_(True)
+    y = fused_ops.fused_swiglu(uk)
+    y.backward(gy)
+    ue = u.detach().clone().requires_grad_(True)
+    ve, ge = ue.chunk(2, dim=-1)
+    ye = F.silu(ge) * ve
+    ye.backward(gy)
+    return {"dtype": str(dtype), "width": width, "view": view, "out_dtype": str(y.dtype), "shape": list(y.shape),
+            "grad_contiguous": uk.grad.is_contiguous(), "out_err": _rel(y, ref), "eager_out_err": _rel(ye, ref),
+            "grad_err": _rel(uk.grad, ur.grad), "eager_grad_err": _rel(ue.grad, ur.grad)}
 
 
 def _block(device: str) -> MossImageBlock:
@@ -107,26 +132,29 @@ def _block_step(blk: MossImageBlock, kernels: bool, checkpointing: str | None, d
     x = torch.randn(2, 44, CFG.hidden_size, generator=g).to(device, torch.bfloat16).requires_grad_(True)
     mod = (torch.randn(2, 6, CFG.hidden_size, generator=g) * 0.3).to(device, torch.bfloat16)
     gy = torch.randn(2, 44, CFG.hidden_size, generator=g).to(device, torch.bfloat16)
-    previous = norm_rope.set_norm_rope_kernel(kernels)
+    previous = fused_ops.set_fused_kernels(kernels)
     blk.checkpointing = checkpointing
     try:
         y = blk(x, cos, sin, None, mod)
         y.backward(gy)
     finally:
-        norm_rope.set_norm_rope_kernel(previous)
+        fused_ops.set_fused_kernels(previous)
         blk.checkpointing = None
     return y.detach(), x.grad
 
 
+LAUNCHES = ("norm_rope_forward", "norm_rope_backward", "swiglu_forward", "swiglu_backward")
+
+
 def _count_launches() -> dict[str, int]:
-    """Wrap the kernel module's two launches with counters (this process only)."""
-    module = norm_rope._kernels()
-    counts = {"forward": 0, "backward": 0}
-    for name, key in (("norm_rope_forward", "forward"), ("norm_rope_backward", "backward")):
+    """Wrap the kernel module's launches with counters (this process only)."""
+    module = fused_ops._kernels()
+    counts = dict.fromkeys(LAUNCHES, 0)
+    for name in LAUNCHES:
         inner = getattr(module, name)
 
-        def counted(*args, _inner=inner, _key=key):
-            counts[_key] += 1
+        def counted(*args, _inner=inner, _name=name):
+            counts[_name] += 1
             return _inner(*args)
 
         setattr(module, name, counted)
@@ -134,8 +162,11 @@ def _count_launches() -> dict[str, int]:
 
 
 def run_checks(device: str) -> dict:
+    checked = fused_ops.prepare(device)
     cases = [_case(dtype, dim, one, device) for dtype in (torch.bfloat16, torch.float16, torch.float32)
              for dim in (128, 32) for one in (False, True)]
+    swiglu = [_swiglu_case(dtype, width, view, device) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+              for width in (48, 1100) for view in (False, True)]
     blk = _block(device)
     counts = _count_launches()
     y_k, gx_k = _block_step(blk, True, None, device)
@@ -145,11 +176,12 @@ def run_checks(device: str) -> dict:
     for policy in ("full", "selective"):
         y_c, gx_c = _block_step(blk, True, policy, device)
         ckpt[policy] = bool(torch.equal(y_c, y_k) and torch.equal(gx_c, gx_k))
-    return {"interpreted": os.environ.get("TRITON_INTERPRET") == "1", "cases": cases, "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e),
+    return {"interpreted": os.environ.get("TRITON_INTERPRET") == "1", "checked": checked, "cases": cases, "swiglu": swiglu, "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e),
                                       "launches": launches, "checkpointed_equal": ckpt}}
 
 
 def _assert_checks(res: dict) -> None:
+    assert res["checked"]  # the kernels' own check passed on this device
     assert len(res["cases"]) == 12
     for c in res["cases"]:
         assert c["contiguous"] and c["out_dtype"] == c["dtype"] and c["strided_grad_equal"], c
@@ -159,34 +191,46 @@ def _assert_checks(res: dict) -> None:
             # zero (twice the error of the GPU's round-to-nearest), so there the check only rules out wrong math
             slack = 1.6 if res["interpreted"] and c["dtype"] == "torch.bfloat16" else 1.02
             assert c["out_err"] <= c["eager_out_err"] * slack and c["grad_err"] <= c["eager_grad_err"] * slack, c
+    assert len(res["swiglu"]) == 12
+    for c in res["swiglu"]:
+        assert c["out_dtype"] == c["dtype"] and c["grad_contiguous"] and c["shape"] == [3, 7, c["width"]], c
+        if c["dtype"] == "torch.float32":
+            assert c["out_err"] < 1e-6 and c["grad_err"] < 1e-6, c
+        else:
+            slack = 1.6 if res["interpreted"] and c["dtype"] == "torch.bfloat16" else 1.02
+            assert c["out_err"] <= c["eager_out_err"] * slack and c["grad_err"] <= c["eager_grad_err"] * slack, c
     b = res["block"]
-    assert b["launches"] == {"forward": 2, "backward": 2}, b  # q and k, each way
+    assert b["launches"] == {"norm_rope_forward": 2, "norm_rope_backward": 2, "swiglu_forward": 1,
+                             "swiglu_backward": 1}, b  # q and k, and the FFN, each way
     assert b["out_rel_diff"] < 5e-3 and b["grad_rel_diff"] < 1e-2, b  # bf16 rounding apart from the eager forms
     assert b["checkpointed_equal"] == {"full": True, "selective": True}, b
 
 
 @pytest.mark.skipif(not _triton_importable(), reason="needs triton")
-def test_norm_rope_kernels_under_the_interpreter():
+def test_fused_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "tests.test_norm_rope_kernels"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.test_fused_kernels"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_checks(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _triton_importable(), reason="needs a CUDA GPU and triton")
-def test_norm_rope_kernels_on_cuda():
+def test_fused_kernels_on_cuda():
     _assert_checks(run_checks("cuda"))
 
 
 # ------------------------------------------------------------------------------------------------ host logic
 @pytest.fixture
 def usable_on_cpu(monkeypatch):
-    """`norm_rope_kernel_usable` as under the interpreter (CPU tensors allowed), without launching anything."""
+    """`norm_rope_usable` as under the interpreter (CPU tensors allowed, the kernels' check passed), without
+    launching anything."""
     if not _triton_importable():
         pytest.skip("needs triton")
-    monkeypatch.setattr(norm_rope, "_INTERPRET", True)
-    return norm_rope.norm_rope_kernel_usable
+    assert fused_ops._kernels() is not None
+    monkeypatch.setattr(fused_ops, "_INTERPRET", True)
+    monkeypatch.setattr(fused_ops, "prepare", lambda device: True)
+    return fused_ops.norm_rope_usable
 
 
 def _args(bsz=2, seq=5, heads=3, dim=128, table_batch=None):
@@ -211,16 +255,99 @@ def test_where_the_kernels_apply(usable_on_cpu):
     assert not usable_on_cpu(x, trained, cos, sin)  # the kernel gives the norm weight no gradient
     with torch.no_grad():
         assert usable_on_cpu(x, trained, cos, sin)  # no gradient to compute
-    previous = norm_rope.set_norm_rope_kernel(False)
+    previous = fused_ops.set_fused_kernels(False)
     try:
         assert not usable_on_cpu(x, w, cos, sin)
     finally:
-        norm_rope.set_norm_rope_kernel(previous)
+        fused_ops.set_fused_kernels(previous)
+
+
+def test_where_the_swiglu_kernel_applies(usable_on_cpu):
+    u = torch.zeros(2, 5, 64, dtype=torch.bfloat16)
+    assert fused_ops.swiglu_usable(u)
+    assert fused_ops.swiglu_usable(torch.zeros(2, 5, 80)[..., 8:72])  # rows 80 apart
+    assert fused_ops.swiglu_usable(torch.zeros(1, 1, 64).expand(1, 1, 64))  # one row: any stride
+    assert not fused_ops.swiglu_usable(torch.zeros(2, 5, 63))  # no [value | gate] halves
+    assert not fused_ops.swiglu_usable(torch.zeros(2, 5, 128)[..., ::2])  # no unit stride
+    assert not fused_ops.swiglu_usable(torch.zeros(2, 6, 64)[:, :5])  # rows 64 apart, samples 384: uneven
+    assert not fused_ops.swiglu_usable(u.long())
+    previous = fused_ops.set_fused_kernels(False)
+    try:
+        assert not fused_ops.swiglu_usable(u)
+    finally:
+        fused_ops.set_fused_kernels(previous)
+
+
+class _TorchKernels:
+    """The kernel module's launches written with torch operators (for the check's own tests; `wrong` spoils one)."""
+
+    def __init__(self, wrong: str | None = None, raises: bool = False):
+        self.wrong, self.raises = wrong, raises
+
+    def _out(self, name: str, y: torch.Tensor) -> torch.Tensor:
+        if self.raises:
+            raise RuntimeError("PassManager::run failed")  # as a Triton compile error reads
+        return y * 1.5 if name == self.wrong else y
+
+    def norm_rope_forward(self, x, w, cos, sin, eps):
+        return self._out("norm_rope_forward", _reference(x.float(), w.float(), cos, sin, eps).to(x.dtype))
+
+    def norm_rope_backward(self, g, x, w, cos, sin, eps):
+        xr = x.double().requires_grad_(True)
+        _reference(xr, w.float(), cos, sin, eps).backward(g.double())
+        return self._out("norm_rope_backward", xr.grad.to(x.dtype))
+
+    def swiglu_forward(self, u):
+        value, gate = u.float().chunk(2, dim=-1)
+        return self._out("swiglu_forward", (F.silu(gate) * value).to(u.dtype))
+
+    def swiglu_backward(self, g, u):
+        ur = u.double().requires_grad_(True)
+        value, gate = ur.chunk(2, dim=-1)
+        (F.silu(gate) * value).backward(g.double())
+        return self._out("swiglu_backward", ur.grad.to(u.dtype))
+
+
+@pytest.mark.parametrize("wrong", [None, "norm_rope_forward", "norm_rope_backward", "swiglu_forward",
+                                   "swiglu_backward", "raises"])
+def test_the_kernels_check_themselves_before_their_first_use(monkeypatch, caplog, wrong):
+    """A kernel that fails to run or gives other numbers on a device turns the kernels off there, with one warning;
+    kernels that pass are used, and the check runs once per device."""
+    module = _TorchKernels(raises=True) if wrong == "raises" else _TorchKernels(wrong)
+    monkeypatch.setitem(fused_ops._STATE, "kernels", module)
+    monkeypatch.setattr(fused_ops, "_INTERPRET", True)
+    monkeypatch.setattr(fused_ops, "_CHECKED", {})
+    with caplog.at_level("WARNING", logger="library.runtime.fused_ops"):
+        assert fused_ops.prepare("cpu") is (wrong is None)
+        assert fused_ops.prepare("cpu") is (wrong is None)  # decided once
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if wrong is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and "the eager forms run instead" in warnings[0], warnings
+        assert (wrong if wrong != "raises" else "failed to run") in warnings[0]
+    x, w, cos, sin = _args()
+    assert fused_ops.norm_rope_usable(x, w, cos, sin) is (wrong is None)
+
+
+def test_no_check_under_compile_or_when_off(monkeypatch):
+    monkeypatch.setattr(fused_ops, "_INTERPRET", True)
+    monkeypatch.setattr(fused_ops, "_CHECKED", {})
+    monkeypatch.setattr(fused_ops, "_self_check", lambda device: pytest.fail("no check expected"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not fused_ops.prepare("cpu")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    previous = fused_ops.set_fused_kernels(False)
+    try:
+        assert not fused_ops.prepare("cpu")
+    finally:
+        fused_ops.set_fused_kernels(previous)
 
 
 def test_cpu_tensors_keep_the_eager_forms():
     x, w, cos, sin = _args()
-    assert not norm_rope.norm_rope_kernel_usable(x, w, cos, sin)
+    assert not fused_ops.norm_rope_usable(x, w, cos, sin)
+    assert not fused_ops.swiglu_usable(torch.zeros(2, 5, 64))
 
 
 def test_the_block_calls_a_hooked_norm_as_it_is(monkeypatch, usable_on_cpu):
@@ -243,6 +370,6 @@ def test_the_block_calls_a_hooked_norm_as_it_is(monkeypatch, usable_on_cpu):
     assert used == [1] and seen == [1]
 
 
-if __name__ == "__main__":  # python -m tests.test_norm_rope_kernels, from the repository root
+if __name__ == "__main__":  # python -m tests.test_fused_kernels, from the repository root
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     print(json.dumps(run_checks(device)))

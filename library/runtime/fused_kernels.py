@@ -1,0 +1,202 @@
+"""Triton kernels for the element-wise code of a DiT block in eager CUDA runs: one kernel each way where the eager
+forms launch several, each reading and writing whole activations (docs/benchmarks.md: half of an eager step's GPU
+time is such memory-bound work). Every kernel computes in fp32 and rounds once, to the input's dtype.
+
+**q/k head norm + RoPE** (`norm_rope_forward` / `norm_rope_backward`). The eager `apply_rope(q_norm(q), cos, sin)` is
+four kernels per tensor: the RMSNorm (bf16 in, bf16 out), the fp32 upcast, the complex product with the RoPE table
+and the downcast; its backward as many again. At 1024x1024 (4,352 tokens x 3,072) one q moves about 320 MB forward
+where reading q and writing the result is 53 MB, and autograd keeps the fp32 complex input of the product (53 MB)
+besides q. One program takes `ROWS` heads of `head_dim` values:
+
+- forward: y = rotate(x * rstd * w), rstd = 1 / sqrt(mean(x^2) + eps); only x is kept (rstd is recomputed);
+- backward: the rotation's transpose on the output gradient, then the RMSNorm input gradient
+  rstd * u - x * rstd^3 * sum(u * x) / head_dim with u = w * (the rotated-back gradient). The norm weight gets no
+  gradient (the DiT is frozen under a LoRA).
+
+**SwiGLU** (`swiglu_forward` / `swiglu_backward`) of the FFN's fused up/gate projection u = [value | gate]:
+silu(gate) * value. The eager form is a silu and a product forward (and keeps silu(gate), 71 MB per block at
+1024x1024, besides u); backward two products, the silu's backward and the concatenation of the two halves'
+gradients. Here forward reads u once and writes the product; backward reads the gradient and u and writes the
+gradient of u whole, both halves in place, so no concatenation follows.
+
+This module imports Triton; which calls take the kernels, and the autograd functions around them, are
+`library.runtime.fused_ops`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from library.quant.triton_launch import DirectLauncher
+
+ROWS = 16  # heads per program (16 x 128 values: 4 KiB of bf16 in, 4 KiB out)
+NUM_WARPS = 4
+SWIGLU_BLOCK = 1024  # values of one row half per program
+
+
+@triton.jit
+def _rows(row0, n_rows, seq, heads, BR: tl.constexpr):
+    """The rows (one head of one token each) of a program and their batch, token and head indices."""
+    rows = row0 + tl.arange(0, BR)
+    live = rows < n_rows
+    h = rows % heads
+    pos = rows // heads
+    return rows, live, pos // seq, pos % seq, h
+
+@triton.jit
+def _norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, seq, heads, xs_b, xs_s, xs_h, cs_b,
+                          cs_s, eps, HALF: tl.constexpr, BR: tl.constexpr):
+    rows, live, b, s, h = _rows(tl.program_id(0) * BR, n_rows, seq, heads, BR)
+    d = tl.arange(0, 2 * HALF)
+    x = tl.load(x_ptr + (b * xs_b + s * xs_s + h * xs_h)[:, None] + d[None, :], mask=live[:, None],
+                other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / (2 * HALF) + eps)
+    n0, n1 = tl.split(tl.reshape(x * rstd[:, None] * w[None, :], (BR, HALF, 2)))
+    c_off = (b * cs_b + s * cs_s)[:, None] + tl.arange(0, HALF)[None, :]
+    c = tl.load(cos_ptr + c_off, mask=live[:, None], other=0.0)
+    sn = tl.load(sin_ptr + c_off, mask=live[:, None], other=0.0)
+    y = tl.reshape(tl.join(n0 * c - n1 * sn, n0 * sn + n1 * c), (BR, 2 * HALF))
+    tl.store(y_ptr + rows[:, None] * (2 * HALF) + d[None, :], y.to(y_ptr.dtype.element_ty), mask=live[:, None])
+
+@triton.jit
+def _norm_rope_bwd_kernel(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, seq, heads, gs_b, gs_s, gs_h,
+                          xs_b, xs_s, xs_h, cs_b, cs_s, eps, HALF: tl.constexpr, BR: tl.constexpr):
+    rows, live, b, s, h = _rows(tl.program_id(0) * BR, n_rows, seq, heads, BR)
+    d = tl.arange(0, 2 * HALF)
+    g = tl.load(g_ptr + (b * gs_b + s * gs_s + h * gs_h)[:, None] + d[None, :], mask=live[:, None],
+                other=0.0).to(tl.float32)
+    g0, g1 = tl.split(tl.reshape(g, (BR, HALF, 2)))
+    c_off = (b * cs_b + s * cs_s)[:, None] + tl.arange(0, HALF)[None, :]
+    c = tl.load(cos_ptr + c_off, mask=live[:, None], other=0.0)
+    sn = tl.load(sin_ptr + c_off, mask=live[:, None], other=0.0)
+    dn = tl.reshape(tl.join(g0 * c + g1 * sn, g1 * c - g0 * sn), (BR, 2 * HALF))  # the rotation's transpose
+    x = tl.load(x_ptr + (b * xs_b + s * xs_s + h * xs_h)[:, None] + d[None, :], mask=live[:, None],
+                other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / (2 * HALF) + eps)
+    u = dn * w[None, :]
+    proj = rstd * rstd * rstd * tl.sum(u * x, axis=1) / (2 * HALF)
+    dx = rstd[:, None] * u - x * proj[:, None]
+    tl.store(dx_ptr + rows[:, None] * (2 * HALF) + d[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=live[:, None])
+
+_FWD = DirectLauncher(_norm_rope_fwd_kernel, {"BR": ROWS}, {"num_warps": NUM_WARPS})
+_BWD = DirectLauncher(_norm_rope_bwd_kernel, {"BR": ROWS}, {"num_warps": NUM_WARPS})
+
+
+def _table_strides(cos: torch.Tensor, batch: int) -> tuple[int, int]:
+    """Element strides of the cos/sin tables' batch (0 where one table serves every sample) and token dims."""
+    return (0 if cos.shape[0] == 1 and batch != 1 else cos.stride(0)), cos.stride(1)
+
+
+def _grid(n_rows: int) -> tuple[int, int, int]:
+    return (triton.cdiv(n_rows, ROWS), 1, 1)
+
+
+def norm_rope_forward(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    """rotate(rms_norm(x) * weight) of x [B, S, H, D] by cos/sin [B or 1, S, D/2]: a new contiguous tensor."""
+    bsz, seq, heads, dim = x.shape
+    y = torch.empty((bsz, seq, heads, dim), dtype=x.dtype, device=x.device)
+    n_rows = bsz * seq * heads
+    if n_rows:
+        cs_b, cs_s = _table_strides(cos, bsz)
+        _FWD(_grid(n_rows), (x, weight, cos, sin, y, n_rows, seq, heads, x.stride(0), x.stride(1), x.stride(2),
+                             cs_b, cs_s, float(eps), dim // 2))
+    return y
+
+
+def norm_rope_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """The gradient of `norm_rope_forward` with respect to x, from the output's gradient `grad`."""
+    if grad.stride(-1) != 1:
+        grad = grad.contiguous()
+    bsz, seq, heads, dim = x.shape
+    dx = torch.empty((bsz, seq, heads, dim), dtype=x.dtype, device=x.device)
+    n_rows = bsz * seq * heads
+    if n_rows:
+        cs_b, cs_s = _table_strides(cos, bsz)
+        _BWD(_grid(n_rows), (grad, x, weight, cos, sin, dx, n_rows, seq, heads, grad.stride(0), grad.stride(1),
+                             grad.stride(2), x.stride(0), x.stride(1), x.stride(2), cs_b, cs_s, float(eps),
+                             dim // 2))
+    return dx
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# SwiGLU
+# --------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _swiglu_fwd_kernel(u_ptr, y_ptr, width, u_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < width
+    value = tl.load(u_ptr + row * u_row + cols, mask=live, other=0.0).to(tl.float32)
+    gate = tl.load(u_ptr + row * u_row + width + cols, mask=live, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * value
+    tl.store(y_ptr + row * width + cols, y.to(y_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(g_ptr, u_ptr, du_ptr, width, g_row, u_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < width
+    g = tl.load(g_ptr + row * g_row + cols, mask=live, other=0.0).to(tl.float32)
+    value = tl.load(u_ptr + row * u_row + cols, mask=live, other=0.0).to(tl.float32)
+    gate = tl.load(u_ptr + row * u_row + width + cols, mask=live, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    d_value = g * gate * sig
+    d_gate = g * value * sig * (1.0 + gate * (1.0 - sig))
+    out = du_ptr + row * (2 * width) + cols
+    tl.store(out, d_value.to(du_ptr.dtype.element_ty), mask=live)
+    tl.store(out + width, d_gate.to(du_ptr.dtype.element_ty), mask=live)
+
+
+_SWIGLU_FWD = DirectLauncher(_swiglu_fwd_kernel, {"BLOCK": SWIGLU_BLOCK}, {"num_warps": NUM_WARPS})
+_SWIGLU_BWD = DirectLauncher(_swiglu_bwd_kernel, {"BLOCK": SWIGLU_BLOCK}, {"num_warps": NUM_WARPS})
+
+
+def _swiglu_grid(rows: int, width: int) -> tuple[int, int, int]:
+    return (rows, triton.cdiv(width, SWIGLU_BLOCK), 1)
+
+
+def swiglu_forward(u: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * value of u [..., 2F] = [value | gate] with rows of unit column stride: a new [..., F] tensor."""
+    width = u.shape[-1] // 2
+    rows = u.numel() // u.shape[-1]
+    y = torch.empty((*u.shape[:-1], width), dtype=u.dtype, device=u.device)
+    if rows and width:
+        _SWIGLU_FWD(_swiglu_grid(rows, width), (u, y, width, row_stride(u)))
+    return y
+
+
+def swiglu_backward(grad: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The gradient of `swiglu_forward` with respect to u, both halves in one new contiguous tensor."""
+    width = u.shape[-1] // 2
+    rows = u.numel() // u.shape[-1]
+    if grad.stride(-1) != 1 or row_stride(grad) is None:
+        grad = grad.contiguous()
+    du = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    if rows and width:
+        _SWIGLU_BWD(_swiglu_grid(rows, width), (grad, u, du, width, row_stride(grad), row_stride(u)))
+    return du
+
+
+def row_stride(t: torch.Tensor) -> int | None:
+    """The element stride between consecutive rows of t seen as [rows, last dim], None where the rows are not evenly
+    spaced (dims of size 1 have no say)."""
+    stride = expected = None
+    for dim in range(t.dim() - 2, -1, -1):
+        if t.shape[dim] == 1:
+            continue
+        if stride is None:
+            stride = t.stride(dim)
+            expected = stride * t.shape[dim]
+        elif t.stride(dim) != expected:
+            return None
+        else:
+            expected *= t.shape[dim]
+    return t.shape[-1] if stride is None else stride

@@ -1,0 +1,212 @@
+"""Where a DiT block's element-wise code takes the fused Triton kernels (`library.runtime.fused_kernels`).
+
+- `fused_norm_rope(x, weight, cos, sin, eps)`: `apply_rope(rms_norm(x, weight, eps), cos, sin)` of q or k, one kernel
+  forward and one backward (x's gradient only);
+- `fused_swiglu(u)`: `silu(gate) * value` of the FFN's up/gate output u = [value | gate], one kernel each way.
+
+The `*_usable` functions say where they apply: eager CUDA tensors of the layouts the kernels take (and, for the norm,
+a weight and tables that need no gradient). Anywhere else (the CPU, torch.compile, where inductor fuses the plain
+forms itself, a trained norm weight) the block keeps its eager forms (`library.runtime.eager_fusion`). The kernel
+module, and Triton with it, is imported on the first CUDA call, so a CPU run never loads it.
+
+Before a device's first use the kernels check themselves (`prepare`, which `MossImage` calls before its blocks run):
+each runs forward and backward on a small bf16 input against the same math in fp32 torch operators. A kernel that
+fails to compile on this Triton or gives other numbers turns the kernels off for the process with one warning, and
+the eager forms run; a training step never meets a kernel that has not passed. `set_fused_kernels(False)` turns them
+off for same-run comparisons (`bench/eager_block.py`). Under ``TRITON_INTERPRET=1`` CPU tensors take the kernels too
+(the tests run them so).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from types import ModuleType
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_STATE: dict[str, Any] = {"enabled": True, "kernels": None, "failed": False}
+_CHECKED: dict[torch.device, bool] = {}  # device -> whether the kernels passed their check there
+_CHECK_TOLERANCE = 2e-2  # relative error of the bf16 check against fp32 (a broken kernel is off by O(1))
+
+
+def set_fused_kernels(enabled: bool) -> bool:
+    """Turn the fused kernels on (default) or off; returns the previous setting."""
+    previous, _STATE["enabled"] = _STATE["enabled"], bool(enabled)
+    return previous
+
+
+def _kernels() -> ModuleType | None:
+    """The kernel module, imported on first use (None where Triton is missing or fails to import)."""
+    module = _STATE["kernels"]
+    if module is None and not _STATE["failed"]:
+        try:
+            if importlib.util.find_spec("triton") is None:
+                raise ImportError("triton is not installed")
+            module = _STATE["kernels"] = importlib.import_module("library.runtime.fused_kernels")
+        except Exception as e:  # noqa: BLE001 - a missing or broken Triton: the eager forms, said once
+            _STATE["failed"] = True
+            logger.info("the fused element-wise kernels are not available (%s); the eager forms run", e)
+    return module
+
+
+def _device_key(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def prepare(device: torch.device | str) -> bool:
+    """Whether the kernels run on `device`: on, a CUDA device (any under Triton's interpreter), outside
+    torch.compile, and their check there passed (run on the first call for each device; see the module docstring).
+    """
+    if not _STATE["enabled"] or torch.compiler.is_compiling():
+        return False
+    device = torch.device(device)
+    if device.type != "cuda" and not _INTERPRET:
+        return False
+    key = _device_key(device)
+    ok = _CHECKED.get(key)
+    if ok is None:
+        ok = _CHECKED[key] = _self_check(key)
+    return ok
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _self_check(device: torch.device) -> bool:
+    """Run each kernel forward and backward on a small bf16 input of the DiT's head size against fp32 torch
+    operators; False (with one warning) where one fails to run or differs."""
+    kernels = _kernels()
+    if kernels is None:
+        return False
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            errors = _check_errors(kernels, device)
+    except Exception as e:  # noqa: BLE001 - any failure (a compile error on this Triton, a launch error) means off
+        logger.warning("the fused element-wise kernels failed to run on %s (%s: %s); the eager forms run instead",
+                       device, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return False
+    bad = {name: err for name, err in errors.items() if not err <= _CHECK_TOLERANCE}
+    if bad:
+        logger.warning("the fused element-wise kernels gave other numbers than PyTorch on %s (relative errors %s);"
+                       " the eager forms run instead", device, bad)
+        return False
+    logger.debug("fused element-wise kernels checked on %s: %s", device, errors)
+    return True
+
+
+def _check_errors(kernels: ModuleType, device: torch.device) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 4, 128, generator=g).to(device)
+    w = (1 + 0.1 * torch.randn(128, generator=g)).to(device)
+    ang = torch.rand(1, 16, 64, generator=g) * 6
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    gy = torch.randn(1, 16, 4, 128, generator=g).to(device)
+    xr = x.clone().requires_grad_(True)
+    n = (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6) * w).unflatten(-1, (-1, 2))
+    c, s = cos[:, :, None], sin[:, :, None]
+    ref = torch.stack([n[..., 0] * c - n[..., 1] * s, n[..., 0] * s + n[..., 1] * c], dim=-1).flatten(-2)
+    ref.backward(gy)
+    xb, wb, gb = x.bfloat16(), w.bfloat16(), gy.bfloat16()
+    errors = {"norm_rope_forward": _rel(kernels.norm_rope_forward(xb, wb, cos, sin, 1e-6), ref),
+              "norm_rope_backward": _rel(kernels.norm_rope_backward(gb, xb, wb, cos, sin, 1e-6), xr.grad)}
+    u = torch.randn(16, 512, generator=g).to(device)
+    gu = torch.randn(16, 256, generator=g).to(device)
+    ur = u.clone().requires_grad_(True)
+    value, gate = ur.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * value
+    ref.backward(gu)
+    errors["swiglu_forward"] = _rel(kernels.swiglu_forward(u.bfloat16()), ref)
+    errors["swiglu_backward"] = _rel(kernels.swiglu_backward(gu.bfloat16(), u.bfloat16()), ur.grad)
+    return errors
+
+
+def _on(x: torch.Tensor) -> bool:
+    """Kernels on, and x where they run: a CUDA tensor (any under Triton's interpreter) of a float dtype."""
+    return _STATE["enabled"] and (x.device.type == "cuda" or _INTERPRET) and x.dtype in _DTYPES
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# q/k head norm + RoPE
+# --------------------------------------------------------------------------------------------------------------------
+class _NormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, cos, sin)
+        ctx.eps = eps
+        return _STATE["kernels"].norm_rope_forward(x, weight, cos, sin, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        x, weight, cos, sin = ctx.saved_tensors
+        return _STATE["kernels"].norm_rope_backward(grad, x, weight, cos, sin, ctx.eps), None, None, None, None
+
+
+def fused_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """`apply_rope(rms_norm(x, weight, eps), cos, sin)` of x [B, S, H, D] and tables [B or 1, S, D/2] in one kernel
+    (one more in backward, for x's gradient); only where `norm_rope_usable` says so."""
+    return _NormRope.apply(x, weight, cos, sin, eps)
+
+
+def norm_rope_usable(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `fused_norm_rope` takes these tensors: kernels on, x [B, S, H, D] where they run with D a power of two
+    and unit stride, a weight [D] without a gradient to compute, and fp32 tables [B or 1, S, D/2] of one layout that
+    need no gradient."""
+    if not _on(x) or x.dim() != 4 or x.stride(-1) != 1:
+        return False
+    bsz, seq, _, dim = x.shape
+    if dim < 2 or dim & (dim - 1) or weight.shape != (dim,) or not weight.is_contiguous():
+        return False
+    if torch.is_grad_enabled() and (weight.requires_grad or cos.requires_grad or sin.requires_grad):
+        return False
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.dim() != 3 or cos.shape != sin.shape:
+        return False
+    if cos.shape[0] not in (1, bsz) or cos.shape[1:] != (seq, dim // 2):
+        return False
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1 or not cos.device == x.device == weight.device:
+        return False
+    return prepare(x.device)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# SwiGLU
+# --------------------------------------------------------------------------------------------------------------------
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(u)
+        return _STATE["kernels"].swiglu_forward(u)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (u,) = ctx.saved_tensors
+        return _STATE["kernels"].swiglu_backward(grad, u)
+
+
+def fused_swiglu(u: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * value of u [..., 2F] = [value | gate] in one kernel (one more in backward, for u's gradient, both
+    halves in one tensor); only where `swiglu_usable` says so."""
+    return _SwiGLU.apply(u)
+
+
+def swiglu_usable(u: torch.Tensor) -> bool:
+    """Whether `fused_swiglu` takes u: kernels on, u where they run, its last dim even, of unit stride, and its rows
+    evenly spaced (a Linear's output, or a view of one)."""
+    if not _on(u) or u.dim() < 1 or u.shape[-1] % 2 or u.stride(-1) != 1 or not prepare(u.device):
+        return False
+    return _STATE["kernels"].row_stride(u) is not None
