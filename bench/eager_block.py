@@ -7,9 +7,10 @@ a training step's eager DiT blocks launch, move and keep, and how long they take
 `library.moss_image.dit` writes its RMSNorms, RoPE, modulation and gated residuals in two forms, and
 `networks.lora_generic` its LoRA sum: the plain one (the formulas as written, which a compiled region keeps and
 inductor fuses) and an eager one (the same math in fewer, narrower kernels; `library.runtime.eager_fusion`).
-`set_eager_fusion` picks one. On CUDA the eager form also takes Triton kernels for the q/k norm + RoPE and the
-SwiGLU (`library.runtime.fused_ops`; `set_fused_kernels` turns them off). The forms run here are "plain", "fused"
-(the eager forms, kernels off) and "kernels" (the eager forms with the kernels: what the trainer runs on CUDA). With
+`set_eager_fusion` picks one. On CUDA the eager form also takes Triton kernels for the norm + modulation, the q/k
+norm + RoPE and the SwiGLU (`library.runtime.fused_ops`; `set_fused_kernels` turns them off). The forms run here
+are "plain", "fused" (the eager forms, kernels off) and "kernels" (the eager forms with the kernels: what the trainer
+runs on CUDA). With
 `--fake` the kernels' launches are stand-ins that allocate their results, so the counts of the kernels form are the
 full-width ones without a GPU (a CPU run without `--fake` leaves that form out unless Triton's interpreter is on).
 This script runs them on the same full-width blocks (the product's
@@ -136,12 +137,13 @@ def _set_form(form: str) -> None:
     fused_ops.set_fused_kernels(form == "kernels")
 
 
-KERNEL_LAUNCHES = ("norm_rope_forward", "norm_rope_backward", "swiglu_forward", "swiglu_backward")
+KERNEL_LAUNCHES = ("norm_rope_forward", "norm_rope_backward", "swiglu_forward", "swiglu_backward",
+                   "norm_modulate_forward", "norm_modulate_backward")
 
 
 def _kernel_result(name: str, args: tuple) -> torch.Tensor:
     """An uncomputed tensor of the shape and dtype the launch `name` returns (the stand-ins' result)."""
-    like = args[0] if name in ("norm_rope_forward", "swiglu_forward") else args[1]
+    like = args[0] if name.endswith("_forward") else args[1]
     shape = (*like.shape[:-1], like.shape[-1] // 2) if name == "swiglu_forward" else like.shape
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 

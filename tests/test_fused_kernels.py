@@ -6,13 +6,15 @@ kernels are defined), and on CUDA where there is a GPU; the checks are the same 
 - q/k norm + RoPE: forward and x's gradient against a float64 reference, at most the eager forms' error (one
   rounding where they have two), for bf16 / fp16 / fp32, head sizes 128 and 32, a table per sample or one for the
   batch; an output gradient in attention's transposed layout gives the gradient of its contiguous copy, bit for bit;
+- RMSNorm + modulation: the same against float64 and the eager forms, modulation rows of a [B, 6, W] tensor (as
+  the block unbinds them) and a width that is not a power of two;
 - SwiGLU: the same against float64 and the eager form, rows of a wider tensor (a view) and widths that are not a
   multiple of the kernel's block;
 - a DiT block (frozen, as under a LoRA) with the kernels against its eager forms, and with full and selective
   checkpointing against no checkpointing, bit for bit (the recomputation launches the same kernels); the block
-  launches the kernels for q, k and the FFN (counted).
+  launches the kernels for its two norms, q, k and the FFN (counted).
 
-Host-side tests check where the kernels apply (`norm_rope_usable`, `swiglu_usable`, `dit.norm_rope`).
+Host-side tests check where the kernels apply (`*_usable`, `dit.norm_rope`) and the kernels' check of themselves.
 """
 
 from __future__ import annotations
@@ -92,6 +94,30 @@ def _case(dtype: torch.dtype, dim: int, one_table: bool, device: str) -> dict:
             "strided_grad_equal": bool(torch.equal(xt.grad, xk.grad))}
 
 
+def _norm_modulate_case(dtype: torch.dtype, width: int, device: str) -> dict:
+    g = torch.Generator().manual_seed(5)
+    bsz, seq, eps = 2, 11, 1e-6
+    x = (torch.randn(bsz, seq, width, generator=g) * 2).to(device, dtype)
+    w = (1 + 0.2 * torch.randn(width, generator=g)).to(device, dtype)
+    mod = (torch.randn(bsz, 6, width, generator=g) * 0.3).to(device, dtype)
+    shift, scale = mod.unbind(1)[:2]  # rows of [B, 6, W], as the block's modulation
+    gy = torch.randn(bsz, seq, width, generator=g).to(device, dtype)
+    assert fused_ops.norm_modulate_usable(x, w, shift, scale)
+    xr = x.double().requires_grad_(True)
+    ref = (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps) * w.double() * (1 + scale.double()[:, None])
+           + shift.double()[:, None])
+    ref.backward(gy.double())
+    xk = x.clone().requires_grad_(True)
+    y = fused_ops.fused_norm_modulate(xk, w, shift, scale, eps)
+    y.backward(gy)
+    xe = x.clone().requires_grad_(True)
+    ye = torch.addcmul(shift[:, None], F.rms_norm(xe, (width,), w, eps), 1 + scale[:, None])
+    ye.backward(gy)
+    return {"dtype": str(dtype), "width": width, "out_dtype": str(y.dtype), "contiguous": y.is_contiguous(),
+            "out_err": _rel(y, ref), "eager_out_err": _rel(ye, ref), "grad_err": _rel(xk.grad, xr.grad),
+            "eager_grad_err": _rel(xe.grad, xr.grad)}
+
+
 def _swiglu_case(dtype: torch.dtype, width: int, view: bool, device: str) -> dict:
     g = torch.Generator().manual_seed(4)
     wide = (torch.randn(3, 7, 2 * width + (6 if view else 0), generator=g) * 2).to(device, dtype)
@@ -143,7 +169,8 @@ def _block_step(blk: MossImageBlock, kernels: bool, checkpointing: str | None, d
     return y.detach(), x.grad
 
 
-LAUNCHES = ("norm_rope_forward", "norm_rope_backward", "swiglu_forward", "swiglu_backward")
+LAUNCHES = ("norm_rope_forward", "norm_rope_backward", "swiglu_forward", "swiglu_backward", "norm_modulate_forward",
+            "norm_modulate_backward")
 
 
 def _count_launches() -> dict[str, int]:
@@ -167,6 +194,8 @@ def run_checks(device: str) -> dict:
              for dim in (128, 32) for one in (False, True)]
     swiglu = [_swiglu_case(dtype, width, view, device) for dtype in (torch.bfloat16, torch.float16, torch.float32)
               for width in (48, 1100) for view in (False, True)]
+    norm_modulate = [_norm_modulate_case(dtype, width, device) for dtype in (torch.bfloat16, torch.float16,
+                                                                             torch.float32) for width in (96, 256)]
     blk = _block(device)
     counts = _count_launches()
     y_k, gx_k = _block_step(blk, True, None, device)
@@ -176,7 +205,8 @@ def run_checks(device: str) -> dict:
     for policy in ("full", "selective"):
         y_c, gx_c = _block_step(blk, True, policy, device)
         ckpt[policy] = bool(torch.equal(y_c, y_k) and torch.equal(gx_c, gx_k))
-    return {"interpreted": os.environ.get("TRITON_INTERPRET") == "1", "checked": checked, "cases": cases, "swiglu": swiglu, "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e),
+    return {"interpreted": os.environ.get("TRITON_INTERPRET") == "1", "checked": checked, "cases": cases, "swiglu": swiglu, "norm_modulate": norm_modulate,
+            "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e),
                                       "launches": launches, "checkpointed_equal": ckpt}}
 
 
@@ -191,6 +221,14 @@ def _assert_checks(res: dict) -> None:
             # zero (twice the error of the GPU's round-to-nearest), so there the check only rules out wrong math
             slack = 1.6 if res["interpreted"] and c["dtype"] == "torch.bfloat16" else 1.02
             assert c["out_err"] <= c["eager_out_err"] * slack and c["grad_err"] <= c["eager_grad_err"] * slack, c
+    assert len(res["norm_modulate"]) == 6
+    for c in res["norm_modulate"]:
+        assert c["contiguous"] and c["out_dtype"] == c["dtype"], c
+        if c["dtype"] == "torch.float32":
+            assert c["out_err"] < 1e-6 and c["grad_err"] < 1e-5, c
+        else:
+            slack = 1.6 if res["interpreted"] and c["dtype"] == "torch.bfloat16" else 1.02
+            assert c["out_err"] <= c["eager_out_err"] * slack and c["grad_err"] <= c["eager_grad_err"] * slack, c
     assert len(res["swiglu"]) == 12
     for c in res["swiglu"]:
         assert c["out_dtype"] == c["dtype"] and c["grad_contiguous"] and c["shape"] == [3, 7, c["width"]], c
@@ -201,7 +239,8 @@ def _assert_checks(res: dict) -> None:
             assert c["out_err"] <= c["eager_out_err"] * slack and c["grad_err"] <= c["eager_grad_err"] * slack, c
     b = res["block"]
     assert b["launches"] == {"norm_rope_forward": 2, "norm_rope_backward": 2, "swiglu_forward": 1,
-                             "swiglu_backward": 1}, b  # q and k, and the FFN, each way
+                             "swiglu_backward": 1, "norm_modulate_forward": 2,
+                             "norm_modulate_backward": 2}, b  # q and k, the FFN, the two norms, each way
     assert b["out_rel_diff"] < 5e-3 and b["grad_rel_diff"] < 1e-2, b  # bf16 rounding apart from the eager forms
     assert b["checkpointed_equal"] == {"full": True, "selective": True}, b
 
@@ -297,6 +336,17 @@ class _TorchKernels:
         _reference(xr, w.float(), cos, sin, eps).backward(g.double())
         return self._out("norm_rope_backward", xr.grad.to(x.dtype))
 
+    def norm_modulate_forward(self, x, w, shift, scale, eps):
+        n = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * w.float()
+        return self._out("norm_modulate_forward", (n * (1 + scale.float()[:, None]) + shift.float()[:, None])
+                         .to(x.dtype))
+
+    def norm_modulate_backward(self, g, x, w, scale, eps):
+        xr = x.double().requires_grad_(True)
+        n = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+        (n * (1 + scale.double()[:, None])).backward(g.double())
+        return self._out("norm_modulate_backward", xr.grad.to(x.dtype))
+
     def swiglu_forward(self, u):
         value, gate = u.float().chunk(2, dim=-1)
         return self._out("swiglu_forward", (F.silu(gate) * value).to(u.dtype))
@@ -309,7 +359,7 @@ class _TorchKernels:
 
 
 @pytest.mark.parametrize("wrong", [None, "norm_rope_forward", "norm_rope_backward", "swiglu_forward",
-                                   "swiglu_backward", "raises"])
+                                   "swiglu_backward", "norm_modulate_forward", "norm_modulate_backward", "raises"])
 def test_the_kernels_check_themselves_before_their_first_use(monkeypatch, caplog, wrong):
     """A kernel that fails to run or gives other numbers on a device turns the kernels off there, with one warning;
     kernels that pass are used, and the check runs once per device."""
@@ -342,6 +392,23 @@ def test_no_check_under_compile_or_when_off(monkeypatch):
         assert not fused_ops.prepare("cpu")
     finally:
         fused_ops.set_fused_kernels(previous)
+
+
+def test_where_the_norm_modulate_kernel_applies(usable_on_cpu):
+    x = torch.zeros(2, 5, 96, dtype=torch.bfloat16)
+    w = torch.ones(96, dtype=torch.bfloat16)
+    mod = torch.zeros(2, 6, 96, dtype=torch.bfloat16)
+    shift, scale = mod[:, 0], mod[:, 1]
+    usable = fused_ops.norm_modulate_usable
+    assert usable(x, w, shift, scale)
+    assert usable(x, w.float(), shift, scale)  # the weight may be of another dtype (read as fp32)
+    assert not usable(x, w, shift.float(), scale.float())  # the modulation in x's dtype, as the block makes it
+    assert not usable(x, w, shift, scale.contiguous())  # shift and scale of one layout
+    assert not usable(x, w, shift[:1], scale[:1])  # one row per sample
+    assert not usable(x[..., ::2], w[::2], shift[:, ::2], scale[:, ::2])  # no unit stride
+    assert not usable(x.unsqueeze(0), w, shift, scale)
+    assert not usable(x, w, shift, scale.clone().requires_grad_(True))  # no gradient for the modulation
+    assert not usable(x, w.clone().requires_grad_(True), shift, scale)
 
 
 def test_cpu_tensors_keep_the_eager_forms():

@@ -26,7 +26,14 @@ import torch.nn.functional as F
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
 from library.runtime.eager_fusion import eager_fused
-from library.runtime.fused_ops import fused_norm_rope, fused_swiglu, norm_rope_usable, swiglu_usable
+from library.runtime.fused_ops import (
+    fused_norm_modulate,
+    fused_norm_rope,
+    fused_swiglu,
+    norm_modulate_usable,
+    norm_rope_usable,
+    swiglu_usable,
+)
 from library.runtime.fused_ops import prepare as prepare_fused_kernels
 
 logger = logging.getLogger(__name__)
@@ -272,6 +279,15 @@ def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return h * (1 + scale[:, None]) + shift[:, None]
 
 
+def norm_modulate(norm: RMSNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """modulate(norm(x), shift, scale) for a block input; in eager CUDA runs one Triton kernel each way
+    (`library.runtime.fused_ops`), where the eager forms take two or three. A norm whose call does more than its
+    forward (a hook, a wrapped forward) is called as it is."""
+    if eager_fused() and norm_modulate_usable(x, norm.weight, shift, scale) and _runs_own_forward(norm):
+        return fused_norm_modulate(x, norm.weight, shift, scale, norm.eps)
+    return modulate(norm(x), shift, scale)
+
+
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x + gate * y, with gate [B, W] broadcast over the tokens."""
     if eager_fused():
@@ -350,8 +366,8 @@ class MossImageBlock(nn.Module):
             return x + self._ffn(self.norm2(x))
         assert mod is not None
         shift1, scale1, gate1, shift2, scale2, gate2 = (mod + self.scale_shift_table.to(mod.dtype)[None]).unbind(1)
-        x = gated_residual(x, gate1, self._attn(modulate(self.norm1(x), shift1, scale1), cos, sin, key_mask))
-        return gated_residual(x, gate2, self._ffn(modulate(self.norm2(x), shift2, scale2)))
+        x = gated_residual(x, gate1, self._attn(norm_modulate(self.norm1, x, shift1, scale1), cos, sin, key_mask))
+        return gated_residual(x, gate2, self._ffn(norm_modulate(self.norm2, x, shift2, scale2)))
 
 
 class MossImageTextEmbedder(nn.Module):

@@ -13,6 +13,12 @@ besides q. One program takes `ROWS` heads of `head_dim` values:
   rstd * u - x * rstd^3 * sum(u * x) / head_dim with u = w * (the rotated-back gradient). The norm weight gets no
   gradient (the DiT is frozen under a LoRA).
 
+**RMSNorm + adaLN modulation** (`norm_modulate_forward` / `norm_modulate_backward`) of the block input:
+rms_norm(x) * w * (1 + scale) + shift with shift/scale [B, W] per sample. The eager form is the norm, `1 + scale` and
+an `addcmul`, and keeps the normed activation besides x; here one program normalises and modulates a token's row
+(forward), and backward gives x's gradient from the output's, (1 + scale) and x (rstd recomputed). shift and scale
+get no gradient (the modulation comes from the frozen timestep embedding under a LoRA).
+
 **SwiGLU** (`swiglu_forward` / `swiglu_backward`) of the FFN's fused up/gate projection u = [value | gate]:
 silu(gate) * value. The eager form is a silu and a product forward (and keeps silu(gate), 71 MB per block at
 1024x1024, besides u); backward two products, the silu's backward and the concatenation of the two halves'
@@ -34,6 +40,7 @@ from library.quant.triton_launch import DirectLauncher
 ROWS = 16  # heads per program (16 x 128 values: 4 KiB of bf16 in, 4 KiB out)
 NUM_WARPS = 4
 SWIGLU_BLOCK = 1024  # values of one row half per program
+ROW_WARPS = 8  # a norm + modulation program holds a whole row (3,072 values at full width)
 
 
 @triton.jit
@@ -83,8 +90,17 @@ def _norm_rope_bwd_kernel(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows,
     tl.store(dx_ptr + rows[:, None] * (2 * HALF) + d[None, :], dx.to(dx_ptr.dtype.element_ty),
              mask=live[:, None])
 
-_FWD = DirectLauncher(_norm_rope_fwd_kernel, {"BR": ROWS}, {"num_warps": NUM_WARPS})
-_BWD = DirectLauncher(_norm_rope_bwd_kernel, {"BR": ROWS}, {"num_warps": NUM_WARPS})
+_NORM_ROPE: dict[tuple[bool, int], DirectLauncher] = {}  # (backward, head size / 2) -> its launcher
+
+
+def _norm_rope_launcher(backward: bool, half: int) -> DirectLauncher:
+    """The launcher of one head size (a constexpr: each compiles its own kernel)."""
+    launcher = _NORM_ROPE.get((backward, half))
+    if launcher is None:
+        kernel = _norm_rope_bwd_kernel if backward else _norm_rope_fwd_kernel
+        launcher = _NORM_ROPE[(backward, half)] = DirectLauncher(kernel, {"HALF": half, "BR": ROWS},
+                                                                 {"num_warps": NUM_WARPS})
+    return launcher
 
 
 def _table_strides(cos: torch.Tensor, batch: int) -> tuple[int, int]:
@@ -104,8 +120,9 @@ def norm_rope_forward(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, 
     n_rows = bsz * seq * heads
     if n_rows:
         cs_b, cs_s = _table_strides(cos, bsz)
-        _FWD(_grid(n_rows), (x, weight, cos, sin, y, n_rows, seq, heads, x.stride(0), x.stride(1), x.stride(2),
-                             cs_b, cs_s, float(eps), dim // 2))
+        _norm_rope_launcher(False, dim // 2)(
+            _grid(n_rows), (x, weight, cos, sin, y, n_rows, seq, heads, x.stride(0), x.stride(1), x.stride(2), cs_b,
+                            cs_s, float(eps)))
     return y
 
 
@@ -119,9 +136,84 @@ def norm_rope_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     n_rows = bsz * seq * heads
     if n_rows:
         cs_b, cs_s = _table_strides(cos, bsz)
-        _BWD(_grid(n_rows), (grad, x, weight, cos, sin, dx, n_rows, seq, heads, grad.stride(0), grad.stride(1),
-                             grad.stride(2), x.stride(0), x.stride(1), x.stride(2), cs_b, cs_s, float(eps),
-                             dim // 2))
+        _norm_rope_launcher(True, dim // 2)(
+            _grid(n_rows), (grad, x, weight, cos, sin, dx, n_rows, seq, heads, grad.stride(0), grad.stride(1),
+                            grad.stride(2), x.stride(0), x.stride(1), x.stride(2), cs_b, cs_s, float(eps)))
+    return dx
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RMSNorm + adaLN modulation
+# --------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _norm_modulate_fwd_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, y_ptr, seq, width, x_row, mod_b, eps,
+                              BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // seq
+    cols = tl.arange(0, BLOCK)
+    live = cols < width
+    x = tl.load(x_ptr + row * x_row + cols, mask=live, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + b * mod_b + cols, mask=live, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + b * mod_b + cols, mask=live, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)
+    y = x * rstd * w * (1.0 + scale) + shift
+    tl.store(y_ptr + row * width + cols, y.to(y_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _norm_modulate_bwd_kernel(g_ptr, x_ptr, w_ptr, scale_ptr, dx_ptr, seq, width, g_row, x_row, mod_b, eps,
+                              BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // seq
+    cols = tl.arange(0, BLOCK)
+    live = cols < width
+    g = tl.load(g_ptr + row * g_row + cols, mask=live, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * x_row + cols, mask=live, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + b * mod_b + cols, mask=live, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)
+    u = g * (1.0 + scale) * w
+    dx = rstd * u - x * (rstd * rstd * rstd * tl.sum(u * x, axis=0) / width)
+    tl.store(dx_ptr + row * width + cols, dx.to(dx_ptr.dtype.element_ty), mask=live)
+
+
+_NORM_MODULATE: dict[tuple[bool, int], DirectLauncher] = {}  # (backward, block) -> its launcher
+
+
+def _norm_modulate_launcher(backward: bool, width: int) -> DirectLauncher:
+    block = triton.next_power_of_2(width)
+    launcher = _NORM_MODULATE.get((backward, block))
+    if launcher is None:
+        kernel = _norm_modulate_bwd_kernel if backward else _norm_modulate_fwd_kernel
+        launcher = _NORM_MODULATE[(backward, block)] = DirectLauncher(kernel, {"BLOCK": block},
+                                                                      {"num_warps": ROW_WARPS})
+    return launcher
+
+
+def norm_modulate_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    """rms_norm(x) * weight * (1 + scale) + shift of x [B, S, W] (rows evenly spaced, unit column stride) with
+    shift/scale [B, W] of one layout and unit column stride: a new contiguous tensor."""
+    bsz, seq, width = x.shape
+    y = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device)
+    if bsz * seq and width:
+        _norm_modulate_launcher(False, width)(
+            (bsz * seq, 1, 1), (x, weight, shift, scale, y, seq, width, row_stride(x), scale.stride(0), float(eps)))
+    return y
+
+
+def norm_modulate_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                           eps: float) -> torch.Tensor:
+    """The gradient of `norm_modulate_forward` with respect to x, from the output's gradient `grad`."""
+    if grad.stride(-1) != 1 or row_stride(grad) is None:
+        grad = grad.contiguous()
+    bsz, seq, width = x.shape
+    dx = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device)
+    if bsz * seq and width:
+        _norm_modulate_launcher(True, width)(
+            (bsz * seq, 1, 1), (grad, x, weight, scale, dx, seq, width, row_stride(grad), row_stride(x),
+                                scale.stride(0), float(eps)))
     return dx
 
 

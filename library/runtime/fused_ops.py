@@ -2,10 +2,12 @@
 
 - `fused_norm_rope(x, weight, cos, sin, eps)`: `apply_rope(rms_norm(x, weight, eps), cos, sin)` of q or k, one kernel
   forward and one backward (x's gradient only);
+- `fused_norm_modulate(x, weight, shift, scale, eps)`: `modulate(rms_norm(x, weight, eps), shift, scale)` of a block
+  input, one kernel forward and one backward (x's gradient only);
 - `fused_swiglu(u)`: `silu(gate) * value` of the FFN's up/gate output u = [value | gate], one kernel each way.
 
 The `*_usable` functions say where they apply: eager CUDA tensors of the layouts the kernels take (and, for the norm,
-a weight and tables that need no gradient). Anywhere else (the CPU, torch.compile, where inductor fuses the plain
+weights, tables and modulation that need no gradient). Anywhere else (the CPU, torch.compile, where inductor fuses the plain
 forms itself, a trained norm weight) the block keeps its eager forms (`library.runtime.eager_fusion`). The kernel
 module, and Triton with it, is imported on the first CUDA call, so a CPU run never loads it.
 
@@ -129,6 +131,18 @@ def _check_errors(kernels: ModuleType, device: torch.device) -> dict[str, float]
     ref.backward(gu)
     errors["swiglu_forward"] = _rel(kernels.swiglu_forward(u.bfloat16()), ref)
     errors["swiglu_backward"] = _rel(kernels.swiglu_backward(gu.bfloat16(), u.bfloat16()), ur.grad)
+    h = torch.randn(2, 8, 96, generator=g).to(device)
+    mod = (torch.randn(2, 2, 96, generator=g) * 0.3).to(device)
+    gh = torch.randn(2, 8, 96, generator=g).to(device)
+    hr = h.clone().requires_grad_(True)
+    ref = (hr * torch.rsqrt(hr.pow(2).mean(-1, keepdim=True) + 1e-6) * w[:96] * (1 + mod[:, 1, None])
+           + mod[:, 0, None])
+    ref.backward(gh)
+    hb, modb = h.bfloat16(), mod.bfloat16()
+    errors["norm_modulate_forward"] = _rel(kernels.norm_modulate_forward(hb, wb[:96], modb[:, 0], modb[:, 1], 1e-6),
+                                           ref)
+    errors["norm_modulate_backward"] = _rel(kernels.norm_modulate_backward(gh.bfloat16(), hb, wb[:96], modb[:, 1],
+                                                                           1e-6), hr.grad)
     return errors
 
 
@@ -181,6 +195,52 @@ def norm_rope_usable(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
     if cos.stride() != sin.stride() or cos.stride(-1) != 1 or not cos.device == x.device == weight.device:
         return False
     return prepare(x.device)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RMSNorm + adaLN modulation
+# --------------------------------------------------------------------------------------------------------------------
+class _NormModulate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, scale)
+        ctx.eps = eps
+        return _STATE["kernels"].norm_modulate_forward(x, weight, shift, scale, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        x, weight, scale = ctx.saved_tensors
+        return _STATE["kernels"].norm_modulate_backward(grad, x, weight, scale, ctx.eps), None, None, None, None
+
+
+def fused_norm_modulate(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """`rms_norm(x, weight, eps) * (1 + scale) + shift` of x [B, S, W] with shift/scale [B, W] in one kernel (one
+    more in backward, for x's gradient); only where `norm_modulate_usable` says so."""
+    return _NormModulate.apply(x, weight, shift, scale, eps)
+
+
+def norm_modulate_usable(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `fused_norm_modulate` takes these tensors: kernels on, x [B, S, W] where they run with unit column
+    stride and evenly spaced rows, a weight [W], and shift/scale [B, W] of one layout with unit column stride, none
+    of them needing a gradient, all of x's dtype but the weight."""
+    if not _on(x) or x.dim() != 3 or x.stride(-1) != 1:
+        return False
+    bsz, _, width = x.shape
+    if weight.shape != (width,) or not weight.is_contiguous():
+        return False
+    if shift.shape != (bsz, width) or scale.shape != (bsz, width) or shift.stride() != scale.stride():
+        return False
+    if scale.stride(-1) != 1 or shift.dtype != x.dtype or scale.dtype != x.dtype:
+        return False
+    if torch.is_grad_enabled() and (weight.requires_grad or shift.requires_grad or scale.requires_grad):
+        return False
+    if not x.device == weight.device == shift.device or not prepare(x.device):
+        return False
+    return _STATE["kernels"].row_stride(x) is not None
 
 
 # --------------------------------------------------------------------------------------------------------------------
