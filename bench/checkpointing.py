@@ -50,6 +50,7 @@ import moss_image_train_network as trainer_script
 from bench.gpu_profile import kernel_profile
 from bench.host_profile import host_profile
 from library.quant import int8_gemm_kernels
+from library.runtime import fused_ops
 from library.runtime.eager_fusion import plain_forms
 from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState
@@ -148,6 +149,11 @@ for _name in ("gc_full_eager_int8", "no_gc_eager_int8"):
 NONREENTRANT = "_nonreentrant"
 for _name in ("gc_full_eager", "gc_full_eager_int8"):
     CONFIGS[_name + NONREENTRANT] = CONFIGS[_name]
+# bench-only: the eager configurations without the fused Triton kernels of the element-wise code
+# (library.runtime.fused_ops: the eager forms of library.runtime.eager_fusion only), for the ratio of the two in one run
+NO_KERNELS = "_no_kernels"
+for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8", "gc_selective_eager"):
+    CONFIGS[_name + NO_KERNELS] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -400,6 +406,7 @@ def bench_variant(name: str) -> Any:
         linear_plan.set_linear_plans(False)
     if name.endswith(NONREENTRANT):
         checkpointing.EAGER_FULL["reentrant"] = False
+    saved_kernels = fused_ops.set_fused_kernels(not name.endswith(NO_KERNELS))
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
@@ -410,6 +417,7 @@ def bench_variant(name: str) -> Any:
     finally:
         checkpointing.COMPILED_FULL["per_operator_tags"] = saved
         checkpointing.EAGER_FULL["reentrant"] = saved_reentrant
+        fused_ops.set_fused_kernels(saved_kernels)
         convrot_kernels.set_quantiser(saved_quantiser)
         linear_plan.set_linear_plans(True)
 

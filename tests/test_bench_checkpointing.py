@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 from bench import checkpointing as bench
+from library.runtime import fused_ops
 
 
 def test_tiny_bench_runs_the_trainer_step_per_configuration(tiny_snapshot, tmp_path):
     out = tmp_path / "tiny.json"
-    names = ["gc_full_eager", "gc_selective_eager", "gc_full_compile", "swap20_h2d_selective_compile"]
+    names = ["gc_full_eager", "gc_selective_eager", "gc_full_compile", "swap20_h2d_selective_compile",
+             "gc_full_eager_no_kernels"]
     argv = ["--tiny", "--snapshot", str(tiny_snapshot), "--configs", ",".join(names), "--steps", "2", "--warmup", "1",
             "--host_profile"]
     assert bench.main([*argv, "--out", str(out)]) == 0
@@ -25,8 +27,9 @@ def test_tiny_bench_runs_the_trainer_step_per_configuration(tiny_snapshot, tmp_p
         assert r["checkpointing"] == "plain" and r["policy"] == ("selective" if "selective" in name else "full")
     # the same inputs, noise and initial LoRA in every configuration: the same losses (fp32 on the CPU)
     ref = results["gc_full_compile"]["losses"]
-    for name in ("gc_full_eager", "gc_selective_eager"):
+    for name in ("gc_full_eager", "gc_selective_eager", "gc_full_eager_no_kernels"):
         assert results[name]["max_rel_loss_diff"] < 1e-6, results[name]["losses"]
+    assert fused_ops._STATE["enabled"]  # `_no_kernels` turned the fused kernels off for its own run only
     # --host_profile: cProfile of 3 steps names the trainer's step among the functions with the most total time
     host = results["gc_full_eager"]["host_profile"]
     assert host["steps"] == 3 and host["wall_ms_per_call"] > 0
