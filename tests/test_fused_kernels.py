@@ -417,24 +417,37 @@ def test_cpu_tensors_keep_the_eager_forms():
     assert not fused_ops.swiglu_usable(torch.zeros(2, 5, 64))
 
 
-def test_the_block_calls_a_hooked_norm_as_it_is(monkeypatch, usable_on_cpu):
-    """A hook on q_norm (or a wrapped forward) must run: the block then keeps the eager forms for it."""
+def test_the_block_calls_a_hooked_or_replaced_norm_as_it_is(monkeypatch, usable_on_cpu):
+    """A hook on a norm, a wrapped forward or another norm module must run: the block then keeps the eager forms."""
     from library.moss_image import dit
 
     used = []
-    monkeypatch.setattr(dit, "fused_norm_rope", lambda *a: used.append(1) or apply_rope(a[0], a[2], a[3]))
+    monkeypatch.setattr(dit, "fused_norm_rope", lambda *a: used.append("rope") or apply_rope(a[0], a[2], a[3]))
+    monkeypatch.setattr(dit, "fused_norm_modulate", lambda *a: used.append("modulate") or a[0])
     blk = _block("cpu")
     x, _, cos, sin = _args(dim=128, heads=2)
-    x = x.float().to(torch.bfloat16)
-    dit.norm_rope(blk.q_norm, x, cos, sin)
-    assert used == [1]
-    seen = []
-    handle = blk.q_norm.register_forward_hook(lambda *a: seen.append(1))
-    try:
+    h = torch.zeros(2, 5, CFG.hidden_size, dtype=torch.bfloat16)
+    shift, scale = torch.zeros(2, 6, CFG.hidden_size, dtype=torch.bfloat16).unbind(1)[:2]
+
+    def both() -> None:
         dit.norm_rope(blk.q_norm, x, cos, sin)
+        dit.norm_modulate(blk.norm1, h, shift, scale)
+
+    both()
+    assert used == ["rope", "modulate"]
+    seen = []
+    handles = [blk.q_norm.register_forward_hook(lambda *a: seen.append("q")),
+               blk.norm1.register_forward_pre_hook(lambda *a: seen.append("norm1"))]
+    try:
+        both()
     finally:
-        handle.remove()
-    assert used == [1] and seen == [1]
+        for handle in handles:
+            handle.remove()
+    assert used == ["rope", "modulate"] and seen == ["q", "norm1"]
+    blk.q_norm.forward = lambda t: seen.append("wrapped") or t  # as an adapter that wraps a module's forward does
+    blk.norm1 = type("OtherNorm", (dit.RMSNorm,), {})(CFG.hidden_size).to(torch.bfloat16)
+    both()
+    assert used == ["rope", "modulate"] and seen == ["q", "norm1", "wrapped"]
 
 
 if __name__ == "__main__":  # python -m tests.test_fused_kernels, from the repository root

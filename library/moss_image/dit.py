@@ -195,17 +195,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
-def _runs_own_forward(module: nn.Module) -> bool:
-    """Whether calling `module` runs its class's forward and nothing else (no replaced forward, no hooks)."""
-    return ("forward" not in module.__dict__ and not module._forward_hooks and not module._forward_pre_hooks
-            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+def _plain_norm(module: nn.Module) -> bool:
+    """Whether calling `module` runs `RMSNorm.forward` and nothing else (not a replacement or subclass of the norm,
+    no replaced forward, no hooks): what a fused kernel may stand in for."""
+    return (type(module) is RMSNorm and "forward" not in module.__dict__ and not module._forward_hooks
+            and not module._forward_pre_hooks and not nn.modules.module._global_forward_hooks
+            and not nn.modules.module._global_forward_pre_hooks)
 
 
 def norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope(norm(x), cos, sin) for the q/k of a block; in eager CUDA runs one Triton kernel each way
     (`library.runtime.fused_ops`), where the eager forms take four. A norm whose call does more than its forward
     (a hook, a wrapped forward) is called as it is."""
-    if eager_fused() and norm_rope_usable(x, norm.weight, cos, sin) and _runs_own_forward(norm):
+    if eager_fused() and _plain_norm(norm) and norm_rope_usable(x, norm.weight, cos, sin):
         return fused_norm_rope(x, norm.weight, cos, sin, norm.eps)
     return apply_rope(norm(x), cos, sin)
 
@@ -283,7 +285,7 @@ def norm_modulate(norm: RMSNorm, x: torch.Tensor, shift: torch.Tensor, scale: to
     """modulate(norm(x), shift, scale) for a block input; in eager CUDA runs one Triton kernel each way
     (`library.runtime.fused_ops`), where the eager forms take two or three. A norm whose call does more than its
     forward (a hook, a wrapped forward) is called as it is."""
-    if eager_fused() and norm_modulate_usable(x, norm.weight, shift, scale) and _runs_own_forward(norm):
+    if eager_fused() and _plain_norm(norm) and norm_modulate_usable(x, norm.weight, shift, scale):
         return fused_norm_modulate(x, norm.weight, shift, scale, norm.eps)
     return modulate(norm(x), shift, scale)
 
