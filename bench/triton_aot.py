@@ -10,8 +10,9 @@ which may differ from another version's.
     python -m bench.triton_aot --sweep --arch 90 --out aot.json
 
 Kernels: the one-kernel forward of few rows (`fused`), the two-pass tensor-core quantiser (`tiles_mma`), the
-one-pass quantisers at K = 3072 (`rows`, and `quarters`, the default, also at 8192 with --sweep) and the pointer GEMM
-at the pinned table's pointer configurations (`ptr`).
+one-pass quantisers at K = 3072 (`rows`, and `quarters`, the default, also at 8192 with --sweep), the pointer GEMM
+at the pinned table's pointer configurations (`ptr`), and the DiT block's fused element-wise kernels, forward and
+backward, at full width (`elementwise`: RMSNorm + modulation, q/k norm + RoPE, SwiGLU).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-KINDS = ("fused", "tiles_mma", "rows", "quarters", "ptr")
+KINDS = ("fused", "tiles_mma", "rows", "quarters", "ptr", "elementwise")
 
 
 def _triton() -> Any:
@@ -164,7 +165,43 @@ def jobs(kinds: tuple[str, ...], sweep: bool) -> list[Job]:
                                                     "BLOCK_K": bk, "GROUP_M": gm},
                         {"num_warps": w, "num_stages": stages}, ("N", "K", "M_BUCKET", "stride_am", "stride_bn",
                                                                  "stride_cm"), 0))
+    if "elementwise" in kinds:
+        out += elementwise_jobs()
     return out
+
+
+def elementwise_jobs() -> list[Job]:
+    """The fused element-wise kernels of a block (`library.runtime.fused_kernels`) as a 1024x1024 step launches them:
+    bf16, 4,352 tokens, width 3,072 in 24 heads of 128, FFN 8,192."""
+    from library.runtime import fused_kernels as E
+
+    rows = {"n_rows": "i32", "seq": "i32", "heads": "i32"}
+    tables = {"cs_b": "i32", "cs_s": "i32", "eps": "fp32"}
+    rope = {"HALF": 64, "BR": E.ROWS}
+    rope_div = ("n_rows", "seq", "cs_b", "cs_s")
+    fwd = {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "y_ptr": "*bf16", **rows,
+           "xs_b": "i32", "xs_s": "i32", "xs_h": "i32", **tables}
+    bwd = {"g_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+           "dx_ptr": "*bf16", **rows, "gs_b": "i32", "gs_s": "i32", "gs_h": "i32", "xs_b": "i32", "xs_s": "i32",
+           "xs_h": "i32", **tables}
+    warps = {"num_warps": E.NUM_WARPS}
+    mod = {"seq": "i32", "width": "i32"}
+    return [
+        (E._norm_rope_fwd_kernel, fwd, rope, warps, (*rope_div, "xs_b", "xs_s", "xs_h"), 0),
+        (E._norm_rope_bwd_kernel, bwd, rope, warps, (*rope_div, "gs_b", "gs_s", "gs_h", "xs_b", "xs_s", "xs_h"), 0),
+        (E._swiglu_fwd_kernel, {"u_ptr": "*bf16", "y_ptr": "*bf16", "width": "i32", "u_row": "i32"},
+         {"BLOCK": E.SWIGLU_BLOCK}, warps, ("width", "u_row"), 0),
+        (E._swiglu_bwd_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "du_ptr": "*bf16", "width": "i32",
+                                "g_row": "i32", "u_row": "i32"}, {"BLOCK": E.SWIGLU_BLOCK}, warps,
+         ("width", "g_row", "u_row"), 0),
+        (E._norm_modulate_fwd_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "shift_ptr": "*bf16", "scale_ptr": "*bf16",
+                                       "y_ptr": "*bf16", **mod, "x_row": "i32", "mod_b": "i32", "eps": "fp32"},
+         {"BLOCK": 4096}, {"num_warps": E.ROW_WARPS}, ("seq", "width", "x_row", "mod_b"), 0),
+        (E._norm_modulate_bwd_kernel, {"g_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*bf16",
+                                       "dx_ptr": "*bf16", **mod, "g_row": "i32", "x_row": "i32", "mod_b": "i32",
+                                       "eps": "fp32"},
+         {"BLOCK": 4096}, {"num_warps": E.ROW_WARPS}, ("seq", "width", "g_row", "x_row", "mod_b"), 0),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

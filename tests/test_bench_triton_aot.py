@@ -1,5 +1,6 @@
-"""bench/triton_aot.py: the new ConvRot INT8 kernels compile for Hopper (sm_90) on this GPU-less machine, through
-the ptxas that Triton's wheel ships, and their default tiles fit the register file without spilling."""
+"""bench/triton_aot.py: the new ConvRot INT8 kernels and the fused element-wise kernels compile for Hopper (sm_90) on
+this GPU-less machine, through the ptxas that Triton's wheel ships, and their default tiles fit the register file
+without spilling."""
 
 from __future__ import annotations
 
@@ -42,3 +43,15 @@ def test_the_quarters_quantiser_runs_fewer_instructions_a_value_than_rows(tmp_pa
     assert not quarters["spills"] and quarters["values_per_thread"] * 32 * quarters["num_warps"] == 3072
     assert old["values_per_thread"] * 32 * old["num_warps"] == 4096
     assert quarters["sass_per_value"] * 1.5 < old["sass_per_value"], (quarters, old)
+
+
+def test_the_fused_elementwise_kernels_compile_for_sm90_without_spills(tmp_path):
+    """The DiT block's fused element-wise kernels (library.runtime.fused_kernels), forward and backward, build for
+    Hopper at full width and fit the register file."""
+    out = tmp_path / "aot.json"
+    assert triton_aot.main(["--kernels", "elementwise", "--arch", "90", "--out", str(out)]) == 0
+    rows = {r["kernel"]: r for r in json.loads(out.read_text())["kernels"]}
+    assert set(rows) == {f"_{name}_{way}_kernel" for name in ("norm_rope", "swiglu", "norm_modulate")
+                         for way in ("fwd", "bwd")}
+    for row in rows.values():
+        assert "error" not in row and 0 < row["reg"] <= 128 and not row["spills"], row
