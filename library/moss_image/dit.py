@@ -602,8 +602,8 @@ class MossImage(nn.Module):
         text lengths are read from the mask on the host (see `text_lengths`), so no device sync happens here."""
         h, w = int(grid[0]), int(grid[1])
         device = self.device
-        if eager_fused():
-            prepare_fused_kernels(device)  # their one check per device, here outside any checkpointed block
+        if eager_fused() and not self._compiled:  # compiled blocks fuse the element-wise code themselves
+            prepare_fused_kernels(device)  # the kernels' one check per device, here outside any checkpointed block
         b, t_pad = prompt_embeds.shape[:2]
         lengths = text_lengths(attn_mask, b, t_pad)
         # without padding no mask reaches attention, so the fast kernels run and compiled blocks keep one graph

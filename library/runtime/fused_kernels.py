@@ -45,17 +45,19 @@ ROW_WARPS = 8  # a norm + modulation program holds a whole row (3,072 values at 
 
 @triton.jit
 def _rows(row0, n_rows, seq, heads, BR: tl.constexpr):
-    """The rows (one head of one token each) of a program and their batch, token and head indices."""
+    """The rows (one head of one token each) of a program and their batch, token and head indices (64-bit: offsets
+    of large batches pass 2^31)."""
     rows = row0 + tl.arange(0, BR)
     live = rows < n_rows
     h = rows % heads
     pos = rows // heads
     return rows, live, pos // seq, pos % seq, h
 
+
 @triton.jit
 def _norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, seq, heads, xs_b, xs_s, xs_h, cs_b,
                           cs_s, eps, HALF: tl.constexpr, BR: tl.constexpr):
-    rows, live, b, s, h = _rows(tl.program_id(0) * BR, n_rows, seq, heads, BR)
+    rows, live, b, s, h = _rows(tl.program_id(0).to(tl.int64) * BR, n_rows, seq, heads, BR)
     d = tl.arange(0, 2 * HALF)
     x = tl.load(x_ptr + (b * xs_b + s * xs_s + h * xs_h)[:, None] + d[None, :], mask=live[:, None],
                 other=0.0).to(tl.float32)
@@ -68,10 +70,11 @@ def _norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, seq, he
     y = tl.reshape(tl.join(n0 * c - n1 * sn, n0 * sn + n1 * c), (BR, 2 * HALF))
     tl.store(y_ptr + rows[:, None] * (2 * HALF) + d[None, :], y.to(y_ptr.dtype.element_ty), mask=live[:, None])
 
+
 @triton.jit
 def _norm_rope_bwd_kernel(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, seq, heads, gs_b, gs_s, gs_h,
                           xs_b, xs_s, xs_h, cs_b, cs_s, eps, HALF: tl.constexpr, BR: tl.constexpr):
-    rows, live, b, s, h = _rows(tl.program_id(0) * BR, n_rows, seq, heads, BR)
+    rows, live, b, s, h = _rows(tl.program_id(0).to(tl.int64) * BR, n_rows, seq, heads, BR)
     d = tl.arange(0, 2 * HALF)
     g = tl.load(g_ptr + (b * gs_b + s * gs_s + h * gs_h)[:, None] + d[None, :], mask=live[:, None],
                 other=0.0).to(tl.float32)
@@ -89,6 +92,7 @@ def _norm_rope_bwd_kernel(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows,
     dx = rstd[:, None] * u - x * proj[:, None]
     tl.store(dx_ptr + rows[:, None] * (2 * HALF) + d[None, :], dx.to(dx_ptr.dtype.element_ty),
              mask=live[:, None])
+
 
 _NORM_ROPE: dict[tuple[bool, int], DirectLauncher] = {}  # (backward, head size / 2) -> its launcher
 

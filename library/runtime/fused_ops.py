@@ -6,18 +6,18 @@
   input, one kernel forward and one backward (x's gradient only);
 - `fused_swiglu(u)`: `silu(gate) * value` of the FFN's up/gate output u = [value | gate], one kernel each way.
 
-The `*_usable` functions say where they apply: eager CUDA tensors of the layouts the kernels take (and, for the norm,
-weights, tables and modulation that need no gradient). Anywhere else (the CPU, torch.compile, where inductor fuses the plain
-forms itself, a trained norm weight) the block keeps its eager forms (`library.runtime.eager_fusion`). The kernel
-module, and Triton with it, is imported on the first CUDA call, so a CPU run never loads it.
+The `*_usable` functions say where they apply: eager CUDA tensors of the layouts the kernels take, and norm weights,
+RoPE tables and modulation that need no gradient. Anywhere else (the CPU, torch.compile, where inductor fuses the
+plain forms itself, a trained norm weight) the block keeps its eager forms (`library.runtime.eager_fusion`). The
+kernel module, and Triton with it, is imported on the first CUDA call, so a CPU run never loads it.
 
 Before a device's first use the kernels check themselves (`prepare`, which `MossImage` calls before its blocks run):
-each runs forward and backward on a small bf16 input against the same math in fp32 torch operators, twice
-(the first launch goes through Triton, later ones take the direct launch). A kernel that
-fails to compile on this Triton or gives other numbers turns the kernels off for the process with one warning, and
-the eager forms run; a training step never meets a kernel that has not passed. `set_fused_kernels(False)` turns them
-off for same-run comparisons (`bench/eager_block.py`). Under ``TRITON_INTERPRET=1`` CPU tensors take the kernels too
-(the tests run them so).
+each runs forward and backward on a small bf16 input against the same math in fp32 torch operators, twice (the first
+launch goes through Triton, later ones take the direct launch). A kernel that fails to compile on this Triton or gives
+other numbers turns the kernels off for the process with one warning, and the eager forms run: a training step never
+meets a kernel that has not passed. `set_fused_kernels(False)` turns them off for same-run comparisons
+(`bench/eager_block.py`, `bench/checkpointing.py`). Under ``TRITON_INTERPRET=1`` CPU tensors take the kernels too (the
+tests run them so).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _kernels() -> ModuleType | None:
             module = _STATE["kernels"] = importlib.import_module("library.runtime.fused_kernels")
         except Exception as e:  # noqa: BLE001 - a missing or broken Triton: the eager forms, said once
             _STATE["failed"] = True
-            logger.info("the fused element-wise kernels are not available (%s); the eager forms run", e)
+            logger.info("the fused element-wise kernels are not available (%s); PyTorch's kernels run", e)
     return module
 
 
@@ -107,13 +107,13 @@ def _self_check(device: torch.device) -> bool:
         with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
             errors = _check_errors(kernels, device)
     except Exception as e:  # noqa: BLE001 - any failure (a compile error on this Triton, a launch error) means off
-        logger.warning("the fused element-wise kernels failed to run on %s (%s: %s); the eager forms run instead",
+        logger.warning("the fused element-wise kernels failed to run on %s (%s: %s); PyTorch's kernels run instead",
                        device, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return False
     bad = {name: err for name, err in errors.items() if not err <= _CHECK_TOLERANCE}
     if bad:
         logger.warning("the fused element-wise kernels gave other numbers than PyTorch on %s (relative errors %s);"
-                       " the eager forms run instead", device, bad)
+                       " PyTorch's kernels run instead", device, bad)
         return False
     logger.debug("fused element-wise kernels checked on %s: %s", device, errors)
     return True
