@@ -177,30 +177,30 @@ def elementwise_jobs() -> list[Job]:
 
     rows = {"n_rows": "i32", "seq": "i32", "heads": "i32"}
     tables = {"cs_b": "i32", "cs_s": "i32", "eps": "fp32"}
-    rope = {"HALF": 64, "BR": E.ROWS}
+    rope = {"HALF": 64, "BR": E.TUNING["rope_rows"]}
     rope_div = ("n_rows", "seq", "cs_b", "cs_s")
     fwd = {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "y_ptr": "*bf16", **rows,
            "xs_b": "i32", "xs_s": "i32", "xs_h": "i32", **tables}
     bwd = {"g_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
            "dx_ptr": "*bf16", **rows, "gs_b": "i32", "gs_s": "i32", "gs_h": "i32", "xs_b": "i32", "xs_s": "i32",
            "xs_h": "i32", **tables}
-    warps = {"num_warps": E.NUM_WARPS}
+    warps, swiglu_warps = {"num_warps": E.TUNING["rope_warps"]}, {"num_warps": E.TUNING["swiglu_warps"]}
     mod = {"seq": "i32", "width": "i32"}
     return [
         (E._norm_rope_fwd_kernel, fwd, rope, warps, (*rope_div, "xs_b", "xs_s", "xs_h"), 0),
         (E._norm_rope_bwd_kernel, bwd, rope, warps, (*rope_div, "gs_b", "gs_s", "gs_h", "xs_b", "xs_s", "xs_h"), 0),
         (E._swiglu_fwd_kernel, {"u_ptr": "*bf16", "y_ptr": "*bf16", "width": "i32", "u_row": "i32"},
-         {"BLOCK": E.SWIGLU_BLOCK}, warps, ("width", "u_row"), 0),
+         {"BLOCK": E.TUNING["swiglu_block"]}, swiglu_warps, ("width", "u_row"), 0),
         (E._swiglu_bwd_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "du_ptr": "*bf16", "width": "i32",
-                                "g_row": "i32", "u_row": "i32"}, {"BLOCK": E.SWIGLU_BLOCK}, warps,
+                                "g_row": "i32", "u_row": "i32"}, {"BLOCK": E.TUNING["swiglu_block"]}, swiglu_warps,
          ("width", "g_row", "u_row"), 0),
         (E._norm_modulate_fwd_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "shift_ptr": "*bf16", "scale_ptr": "*bf16",
                                        "y_ptr": "*bf16", **mod, "x_row": "i32", "mod_b": "i32", "eps": "fp32"},
-         {"BLOCK": 4096}, {"num_warps": E.ROW_WARPS}, ("seq", "width", "x_row", "mod_b"), 0),
+         {"BLOCK": 4096}, {"num_warps": E.TUNING["row_warps"]}, ("seq", "width", "x_row", "mod_b"), 0),
         (E._norm_modulate_bwd_kernel, {"g_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*bf16",
                                        "dx_ptr": "*bf16", **mod, "g_row": "i32", "x_row": "i32", "mod_b": "i32",
                                        "eps": "fp32"},
-         {"BLOCK": 4096}, {"num_warps": E.ROW_WARPS}, ("seq", "width", "g_row", "x_row", "mod_b"), 0),
+         {"BLOCK": 4096}, {"num_warps": E.TUNING["row_warps"]}, ("seq", "width", "g_row", "x_row", "mod_b"), 0),
     ]
 
 

@@ -188,6 +188,34 @@ def _count_launches() -> dict[str, int]:
     return counts
 
 
+def _tuning_invariant(device: str) -> float:
+    """The largest relative difference that other launch parameters (rows per program, block, warps) make: none on
+    the interpreter; on a GPU another reduction order can flip a rounding."""
+    from library.runtime import fused_kernels
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 9, 3, 128, generator=g).to(device, torch.bfloat16)
+    w = torch.ones(128, dtype=torch.bfloat16, device=device)
+    cos, sin = _tables(2, 9, 128, False, device)
+    u = torch.randn(3, 1100, generator=g).to(device, torch.bfloat16)
+    h = torch.randn(2, 9, 300, generator=g).to(device, torch.bfloat16)
+    hw = torch.ones(300, dtype=torch.bfloat16, device=device)
+    mod = torch.randn(2, 2, 300, generator=g).to(device, torch.bfloat16)
+
+    def outputs() -> list[torch.Tensor]:
+        return [fused_kernels.norm_rope_forward(x, w, cos, sin, 1e-6), fused_kernels.swiglu_forward(u),
+                fused_kernels.swiglu_backward(u[:, :550], u), fused_kernels.norm_modulate_forward(h, hw, mod[:, 0],
+                                                                                                  mod[:, 1], 1e-6)]
+
+    before = outputs()
+    previous = fused_kernels.set_tuning(rope_rows=8, rope_warps=2, swiglu_block=256, swiglu_warps=8, row_warps=4)
+    try:
+        after = outputs()
+    finally:
+        fused_kernels.set_tuning(**previous)
+    return max(_rel(a, b) for a, b in zip(after, before))
+
+
 def run_checks(device: str) -> dict:
     checked = fused_ops.prepare(device)
     cases = [_case(dtype, dim, one, device) for dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -205,13 +233,15 @@ def run_checks(device: str) -> dict:
     for policy in ("full", "selective"):
         y_c, gx_c = _block_step(blk, True, policy, device)
         ckpt[policy] = bool(torch.equal(y_c, y_k) and torch.equal(gx_c, gx_k))
-    return {"interpreted": os.environ.get("TRITON_INTERPRET") == "1", "checked": checked, "cases": cases, "swiglu": swiglu, "norm_modulate": norm_modulate,
+    return {"interpreted": os.environ.get("TRITON_INTERPRET") == "1", "checked": checked,
+            "tuning_invariant": _tuning_invariant(device), "cases": cases, "swiglu": swiglu, "norm_modulate": norm_modulate,
             "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e),
                                       "launches": launches, "checkpointed_equal": ckpt}}
 
 
 def _assert_checks(res: dict) -> None:
     assert res["checked"]  # the kernels' own check passed on this device
+    assert res["tuning_invariant"] == 0 if res["interpreted"] else res["tuning_invariant"] < 1e-3
     assert len(res["cases"]) == 12
     for c in res["cases"]:
         assert c["contiguous"] and c["out_dtype"] == c["dtype"] and c["strided_grad_equal"], c
@@ -409,6 +439,14 @@ def test_where_the_norm_modulate_kernel_applies(usable_on_cpu):
     assert not usable(x.unsqueeze(0), w, shift, scale)
     assert not usable(x, w, shift, scale.clone().requires_grad_(True))  # no gradient for the modulation
     assert not usable(x, w.clone().requires_grad_(True), shift, scale)
+
+
+def test_unknown_launch_parameters_are_refused():
+    pytest.importorskip("triton")
+    from library.runtime import fused_kernels
+
+    with pytest.raises(ValueError, match="unknown launch parameters"):
+        fused_kernels.set_tuning(rope_cols=8)
 
 
 def test_cpu_tensors_keep_the_eager_forms():

@@ -6,7 +6,7 @@ time is such memory-bound work). Every kernel computes in fp32 and rounds once, 
 four kernels per tensor: the RMSNorm (bf16 in, bf16 out), the fp32 upcast, the complex product with the RoPE table
 and the downcast; its backward as many again. At 1024x1024 (4,352 tokens x 3,072) one q moves about 320 MB forward
 where reading q and writing the result is 53 MB, and autograd keeps the fp32 complex input of the product (53 MB)
-besides q. One program takes `ROWS` heads of `head_dim` values:
+besides q. One program takes `TUNING["rope_rows"]` heads of `head_dim` values:
 
 - forward: y = rotate(x * rstd * w), rstd = 1 / sqrt(mean(x^2) + eps); only x is kept (rstd is recomputed);
 - backward: the rotation's transpose on the output gradient, then the RMSNorm input gradient
@@ -37,10 +37,34 @@ import triton.language as tl
 
 from library.quant.triton_launch import DirectLauncher
 
-ROWS = 16  # heads per program (16 x 128 values: 4 KiB of bf16 in, 4 KiB out)
-NUM_WARPS = 4
-SWIGLU_BLOCK = 1024  # values of one row half per program
-ROW_WARPS = 8  # a norm + modulation program holds a whole row (3,072 values at full width)
+# launch parameters (`bench/fused_kernels.py --sweep` times the alternatives; `set_tuning` changes them)
+TUNING: dict[str, int] = {
+    "rope_rows": 16,  # heads per norm + RoPE program (16 x 128 values: 4 KiB of bf16 in, 4 KiB out)
+    "rope_warps": 4,
+    "swiglu_block": 1024,  # values of one row half per SwiGLU program
+    "swiglu_warps": 4,
+    "row_warps": 8,  # a norm + modulation program holds a whole row (3,072 values at full width)
+}
+_LAUNCHERS: dict[tuple, DirectLauncher] = {}  # (kernel name, constexprs, warps) -> its launcher
+
+
+def set_tuning(**values: int) -> dict[str, int]:
+    """Change launch parameters (names of TUNING); returns the previous ones. Launchers of other parameters are
+    kept: each set compiles its own kernels once."""
+    unknown = sorted(set(values) - set(TUNING))
+    if unknown:
+        raise ValueError(f"unknown launch parameters {unknown}: choose from {sorted(TUNING)}")
+    previous = dict(TUNING)
+    TUNING.update({k: int(v) for k, v in values.items()})
+    return previous
+
+
+def _launcher(kernel: object, constexprs: dict[str, int], warps: int) -> DirectLauncher:
+    key = (kernel.__name__, tuple(sorted(constexprs.items())), warps)
+    launcher = _LAUNCHERS.get(key)
+    if launcher is None:
+        launcher = _LAUNCHERS[key] = DirectLauncher(kernel, constexprs, {"num_warps": warps})
+    return launcher
 
 
 @triton.jit
@@ -94,17 +118,10 @@ def _norm_rope_bwd_kernel(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows,
              mask=live[:, None])
 
 
-_NORM_ROPE: dict[tuple[bool, int], DirectLauncher] = {}  # (backward, head size / 2) -> its launcher
-
-
 def _norm_rope_launcher(backward: bool, half: int) -> DirectLauncher:
     """The launcher of one head size (a constexpr: each compiles its own kernel)."""
-    launcher = _NORM_ROPE.get((backward, half))
-    if launcher is None:
-        kernel = _norm_rope_bwd_kernel if backward else _norm_rope_fwd_kernel
-        launcher = _NORM_ROPE[(backward, half)] = DirectLauncher(kernel, {"HALF": half, "BR": ROWS},
-                                                                 {"num_warps": NUM_WARPS})
-    return launcher
+    kernel = _norm_rope_bwd_kernel if backward else _norm_rope_fwd_kernel
+    return _launcher(kernel, {"HALF": half, "BR": TUNING["rope_rows"]}, TUNING["rope_warps"])
 
 
 def _table_strides(cos: torch.Tensor, batch: int) -> tuple[int, int]:
@@ -113,7 +130,7 @@ def _table_strides(cos: torch.Tensor, batch: int) -> tuple[int, int]:
 
 
 def _grid(n_rows: int) -> tuple[int, int, int]:
-    return (triton.cdiv(n_rows, ROWS), 1, 1)
+    return (triton.cdiv(n_rows, TUNING["rope_rows"]), 1, 1)
 
 
 def norm_rope_forward(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -182,17 +199,9 @@ def _norm_modulate_bwd_kernel(g_ptr, x_ptr, w_ptr, scale_ptr, dx_ptr, seq, width
     tl.store(dx_ptr + row * width + cols, dx.to(dx_ptr.dtype.element_ty), mask=live)
 
 
-_NORM_MODULATE: dict[tuple[bool, int], DirectLauncher] = {}  # (backward, block) -> its launcher
-
-
 def _norm_modulate_launcher(backward: bool, width: int) -> DirectLauncher:
-    block = triton.next_power_of_2(width)
-    launcher = _NORM_MODULATE.get((backward, block))
-    if launcher is None:
-        kernel = _norm_modulate_bwd_kernel if backward else _norm_modulate_fwd_kernel
-        launcher = _NORM_MODULATE[(backward, block)] = DirectLauncher(kernel, {"BLOCK": block},
-                                                                      {"num_warps": ROW_WARPS})
-    return launcher
+    kernel = _norm_modulate_bwd_kernel if backward else _norm_modulate_fwd_kernel
+    return _launcher(kernel, {"BLOCK": triton.next_power_of_2(width)}, TUNING["row_warps"])
 
 
 def norm_modulate_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
@@ -251,12 +260,13 @@ def _swiglu_bwd_kernel(g_ptr, u_ptr, du_ptr, width, g_row, u_row, BLOCK: tl.cons
     tl.store(out + width, d_gate.to(du_ptr.dtype.element_ty), mask=live)
 
 
-_SWIGLU_FWD = DirectLauncher(_swiglu_fwd_kernel, {"BLOCK": SWIGLU_BLOCK}, {"num_warps": NUM_WARPS})
-_SWIGLU_BWD = DirectLauncher(_swiglu_bwd_kernel, {"BLOCK": SWIGLU_BLOCK}, {"num_warps": NUM_WARPS})
+def _swiglu_launcher(backward: bool) -> DirectLauncher:
+    kernel = _swiglu_bwd_kernel if backward else _swiglu_fwd_kernel
+    return _launcher(kernel, {"BLOCK": TUNING["swiglu_block"]}, TUNING["swiglu_warps"])
 
 
 def _swiglu_grid(rows: int, width: int) -> tuple[int, int, int]:
-    return (rows, triton.cdiv(width, SWIGLU_BLOCK), 1)
+    return (rows, triton.cdiv(width, TUNING["swiglu_block"]), 1)
 
 
 def swiglu_forward(u: torch.Tensor) -> torch.Tensor:
@@ -265,7 +275,7 @@ def swiglu_forward(u: torch.Tensor) -> torch.Tensor:
     rows = u.numel() // u.shape[-1]
     y = torch.empty((*u.shape[:-1], width), dtype=u.dtype, device=u.device)
     if rows and width:
-        _SWIGLU_FWD(_swiglu_grid(rows, width), (u, y, width, row_stride(u)))
+        _swiglu_launcher(False)(_swiglu_grid(rows, width), (u, y, width, row_stride(u)))
     return y
 
 
@@ -277,7 +287,7 @@ def swiglu_backward(grad: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
     du = torch.empty(u.shape, dtype=u.dtype, device=u.device)
     if rows and width:
-        _SWIGLU_BWD(_swiglu_grid(rows, width), (grad, u, du, width, row_stride(grad), row_stride(u)))
+        _swiglu_launcher(True)(_swiglu_grid(rows, width), (grad, u, du, width, row_stride(grad), row_stride(u)))
     return du
 
 
