@@ -72,6 +72,9 @@ def prepare(device: torch.device | str) -> bool:
     """
     if not _STATE["enabled"] or torch.compiler.is_compiling():
         return False
+    ok = _CHECKED.get(device)  # a tensor's device, checked before: the per-call path
+    if ok is not None:
+        return ok
     device = torch.device(device)
     if device.type != "cuda" and not _INTERPRET:
         return False
