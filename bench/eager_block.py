@@ -10,12 +10,11 @@ inductor fuses) and an eager one (the same math in fewer, narrower kernels; `lib
 `set_eager_fusion` picks one. On CUDA the eager form also takes Triton kernels for the norm + modulation, the q/k
 norm + RoPE and the SwiGLU (`library.runtime.fused_ops`; `set_fused_kernels` turns them off). The forms run here
 are "plain", "fused" (the eager forms, kernels off) and "kernels" (the eager forms with the kernels: what the trainer
-runs on CUDA). With
-`--fake` the kernels' launches are stand-ins that allocate their results, so the counts of the kernels form are the
-full-width ones without a GPU (a CPU run without `--fake` leaves that form out unless Triton's interpreter is on).
-This script runs them on the same full-width blocks (the product's
-modules, a rank-16 LoRA from networks.lora_generic on every block Linear, fp32 LoRA weights under bf16 autocast, as
-in the trainer), for each `--checkpointing` mode (none, full, selective) and optionally ConvRot INT8 (`--int8`):
+runs on CUDA). With `--fake` the kernels' launches are stand-ins that allocate their results, so the counts of the
+kernels form are the full-width ones without a GPU (a CPU run without `--fake` leaves that form out unless Triton's
+interpreter is on). This script runs the forms on the same full-width blocks (the product's modules, a rank-16 LoRA
+from networks.lora_generic on every block Linear, fp32 LoRA weights under bf16 autocast, as in the trainer), for
+each `--checkpointing` mode (none, full, selective) and optionally ConvRot INT8 (`--int8`):
 
 - ``ops``: the aten operators of one forward + backward, by kind (matrix product, attention, data-free view, other
   = element-wise and copies), with the bytes the "other" operators read and write (their tensor arguments and
