@@ -5,7 +5,8 @@ kernels are defined), and on CUDA where there is a GPU; the checks are the same 
 
 - q/k norm + RoPE: forward and x's gradient against a float64 reference, at most the eager forms' error (one
   rounding where they have two), for bf16 / fp16 / fp32, head sizes 128 and 32, a table per sample or one for the
-  batch; an output gradient in attention's transposed layout gives the gradient of its contiguous copy, bit for bit;
+  batch; an output gradient in attention's transposed layout, or a strided input, gives what its contiguous copy
+  gives, bit for bit;
 - RMSNorm + modulation: the same against float64 and the eager forms, modulation rows of a [B, 6, W] tensor (as
   the block unbinds them) and a width that is not a power of two;
 - SwiGLU: the same against float64 and the eager form, rows of a wider tensor (a view) and widths that are not a
@@ -88,10 +89,16 @@ def _case(dtype: torch.dtype, dim: int, one_table: bool, device: str) -> dict:
     ye.backward(gy)
     xt = x.clone().requires_grad_(True)  # the gradient in attention's layout: [B, H, S, D] memory seen as [B, S, H, D]
     fused_ops.fused_norm_rope(xt, w, cos, sin, eps).backward(gy.transpose(1, 2).contiguous().transpose(1, 2))
+    wide = torch.cat([x, torch.zeros_like(x)], dim=-1)[..., :dim]  # heads 2 * dim apart: a strided input
+    xs = wide.detach().requires_grad_(True)
+    assert fused_ops.norm_rope_usable(xs, w, cos, sin) and not xs.is_contiguous()
+    ys = fused_ops.fused_norm_rope(xs, w, cos, sin, eps)
+    ys.backward(gy)
     return {"dtype": str(dtype), "dim": dim, "one_table": one_table, "out_dtype": str(y.dtype),
             "contiguous": y.is_contiguous(), "out_err": _rel(y, ref), "eager_out_err": _rel(ye, ref),
             "grad_err": _rel(xk.grad, xr.grad), "eager_grad_err": _rel(xe.grad, xr.grad),
-            "strided_grad_equal": bool(torch.equal(xt.grad, xk.grad))}
+            "strided_grad_equal": bool(torch.equal(xt.grad, xk.grad)),
+            "strided_input_equal": bool(torch.equal(ys, y) and torch.equal(xs.grad, xk.grad))}
 
 
 def _norm_modulate_case(dtype: torch.dtype, width: int, device: str) -> dict:
@@ -245,6 +252,7 @@ def _assert_checks(res: dict) -> None:
     assert len(res["cases"]) == 12
     for c in res["cases"]:
         assert c["contiguous"] and c["out_dtype"] == c["dtype"] and c["strided_grad_equal"], c
+        assert c["strided_input_equal"], c
         if c["dtype"] == "torch.float32":  # no rounding in the kernel: the reference to fp32 accuracy
             assert c["out_err"] < 1e-6 and c["grad_err"] < 1e-5, c
         else:  # one rounding to bf16/fp16 where the eager forms have two; the interpreter rounds to bf16 towards
