@@ -12,18 +12,20 @@ kernels are defined), and on CUDA where there is a GPU; the checks are the same 
 - SwiGLU: the same against float64 and the eager form, rows of a wider tensor (a view) and widths that are not a
   multiple of the kernel's block;
 - a DiT block (frozen, as under a LoRA) with the kernels against its eager forms, and with full and selective
-  checkpointing against no checkpointing, bit for bit (the recomputation launches the same kernels); the block
-  launches the kernels for its two norms, q, k and the FFN (counted).
+  checkpointing against no checkpointing, bit for bit under the interpreter (the recomputation launches the same
+  kernels); the block launches the kernels for its two norms, q, k and the FFN (counted).
 
 Host-side tests check where the kernels apply (`*_usable`, `dit.norm_rope`) and the kernels' check of themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -180,19 +182,27 @@ LAUNCHES = ("norm_rope_forward", "norm_rope_backward", "swiglu_forward", "swiglu
             "norm_modulate_backward")
 
 
-def _count_launches() -> dict[str, int]:
-    """Wrap the kernel module's launches with counters (this process only)."""
+@contextlib.contextmanager
+def _counted_launches() -> Iterator[dict[str, int]]:
+    """The kernel module's launches counted while inside."""
     module = fused_ops._kernels()
     counts = dict.fromkeys(LAUNCHES, 0)
-    for name in LAUNCHES:
-        inner = getattr(module, name)
+    real = {name: getattr(module, name) for name in LAUNCHES}
 
-        def counted(*args, _inner=inner, _name=name):
-            counts[_name] += 1
-            return _inner(*args)
+    def counted(name: str) -> Callable[..., torch.Tensor]:
+        def call(*args: object) -> torch.Tensor:
+            counts[name] += 1
+            return real[name](*args)
 
-        setattr(module, name, counted)
-    return counts
+        return call
+
+    try:
+        for name in LAUNCHES:
+            setattr(module, name, counted(name))
+        yield counts
+    finally:
+        for name, fn in real.items():
+            setattr(module, name, fn)
 
 
 def _tuning_invariant(device: str) -> float:
@@ -232,18 +242,18 @@ def run_checks(device: str) -> dict:
     norm_modulate = [_norm_modulate_case(dtype, width, device) for dtype in (torch.bfloat16, torch.float16,
                                                                              torch.float32) for width in (96, 256)]
     blk = _block(device)
-    counts = _count_launches()
-    y_k, gx_k = _block_step(blk, True, None, device)
-    launches = dict(counts)
+    with _counted_launches() as launches:
+        y_k, gx_k = _block_step(blk, True, None, device)
     y_e, gx_e = _block_step(blk, False, None, device)
-    ckpt = {}
+    ckpt = {}  # the largest relative difference checkpointing makes (none: the recomputation is the same launches)
     for policy in ("full", "selective"):
         y_c, gx_c = _block_step(blk, True, policy, device)
-        ckpt[policy] = bool(torch.equal(y_c, y_k) and torch.equal(gx_c, gx_k))
+        ckpt[policy] = max(_rel(y_c, y_k), _rel(gx_c, gx_k))
     return {"interpreted": os.environ.get("TRITON_INTERPRET") == "1", "checked": checked,
-            "tuning_invariant": _tuning_invariant(device), "cases": cases, "swiglu": swiglu, "norm_modulate": norm_modulate,
-            "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e),
-                                      "launches": launches, "checkpointed_equal": ckpt}}
+            "tuning_invariant": _tuning_invariant(device), "cases": cases, "swiglu": swiglu,
+            "norm_modulate": norm_modulate,
+            "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e), "launches": launches,
+                      "checkpointed_diff": ckpt}}
 
 
 def _assert_checks(res: dict) -> None:
@@ -280,7 +290,10 @@ def _assert_checks(res: dict) -> None:
                              "swiglu_backward": 1, "norm_modulate_forward": 2,
                              "norm_modulate_backward": 2}, b  # q and k, the FFN, the two norms, each way
     assert b["out_rel_diff"] < 5e-3 and b["grad_rel_diff"] < 1e-2, b  # bf16 rounding apart from the eager forms
-    assert b["checkpointed_equal"] == {"full": True, "selective": True}, b
+    # bit for bit on the interpreter; on a GPU the attention backward may sum in another order from run to run
+    limit = 0 if res["interpreted"] else 1e-3
+    assert set(b["checkpointed_diff"]) == {"full", "selective"}, b
+    assert all(d <= limit for d in b["checkpointed_diff"].values()), b
 
 
 @pytest.mark.skipif(not _triton_importable(), reason="needs triton")
