@@ -8,8 +8,12 @@ import json
 import pytest
 
 from bench import eager_block
+from library.runtime import fused_ops
 from library.moss_image.dit import MossImageConfig
 from library.planning import memory_model, sizes
+
+
+HAVE_TRITON = fused_ops._kernels() is not None
 
 
 def test_fake_counts_at_full_width(tmp_path):
@@ -26,7 +30,11 @@ def test_fake_counts_at_full_width(tmp_path):
         plain, fused = run["plain"]["ops"]["count"], run["fused"]["ops"]["count"]
         assert plain["matmul"] == fused["matmul"] and plain["attention"] == fused["attention"], mode
         assert "train_ms" not in run["plain"]  # fake tensors: nothing to time
-        # the kernels form (stand-in launches on fake tensors): q/k norm + RoPE and SwiGLU leave the aten operators
+        if not HAVE_TRITON:  # no kernels form without Triton
+            assert "kernels" not in run, mode
+            continue
+        # the kernels form (stand-in launches on fake tensors): the norms, q/k norm + RoPE and SwiGLU leave the aten
+        # operators
         kernels = summary["kernel_launches"]
         assert kernels == (10 if mode == "bf16_none" else 15), mode  # 2 norms, q, k, FFN; forward, backward, recompute
         assert summary["other_ops_kernels"] < summary["other_ops_fused"] - 3 * kernels, mode
@@ -40,4 +48,5 @@ def test_fake_counts_at_full_width(tmp_path):
     for form in ("plain", "fused"):
         assert runs["bf16_none"][form]["saved_bytes_per_block_token"] == pytest.approx(planned, rel=0.06), form
     # the kernels keep q, k and the FFN's up/gate output only (not the fp32 complex RoPE input nor silu(gate))
-    assert runs["bf16_none"]["kernels"]["saved_bytes_per_block_token"] < 0.9 * planned
+    if HAVE_TRITON:
+        assert runs["bf16_none"]["kernels"]["saved_bytes_per_block_token"] < 0.9 * planned
