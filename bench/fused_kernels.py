@@ -8,9 +8,11 @@ shapes of a 1024x1024 step (4,352 tokens, width 3,072 in 24 heads of 128, FFN 8,
 
 Each chain runs as the block calls it (`library.moss_image.dit`: `norm_modulate`, `norm_rope`, `swiglu`), with the
 fused kernels on and off (`library.runtime.fused_ops.set_fused_kernels`): the forward (with autograd recording, as in
-training) and the forward + backward. A timed call makes `--reps` calls back to back, so the GPU time is measured
-with the launch queue full (host time hidden, as in a step where the GPU leads); the median over `--iters` timed calls
-is divided by `--reps`. ``gbps`` is the kernels' traffic (the bytes their arguments and results take) over their time.
+training) and the forward + backward. A timed call makes `--reps` calls back to back; on CUDA a sleep kernel holds the
+GPU while the host queues it (`held_gpu_ms`), so the GPU time is measured with the host out of it (as in a step where the
+GPU leads: one chain's kernels take less time than autograd's call around them). The median over `--iters` timed
+calls is divided by `--reps`. ``gbps`` is the kernels' traffic (the bytes their arguments and results take) over
+their time.
 `--sweep` times the kernels form for each value of each launch parameter (`fused_kernels.TUNING`), one at a time.
 """
 
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,19 +91,51 @@ def _repeated(fn: Callable[[], Any], reps: int) -> Callable[[], None]:
     return run
 
 
-def _time(fn: Callable[[], Any], device: str, iters: int, reps: int) -> float:
+def held_gpu_ms(fn: Callable[[], Any], iters: int, warmup: int = 2) -> dict[str, Any]:
+    """GPU time of `fn` on CUDA with the host out of it: before each timed call a sleep kernel holds the GPU for twice
+    the host time of one call, so the whole call is queued before its first kernel starts. `held` is the share of
+    calls whose start event had not run when the host had queued the call's end (the queue was full throughout)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    host_s = time.perf_counter() - t
+    torch.cuda.synchronize()
+    clock_hz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 0) * 1e3 or 2e9
+    cycles = int(max(2 * host_s, 5e-4) * clock_hz)
+    times, held = [], 0
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        fn()
+        end.record()
+        held += not start.query()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"median_ms": statistics.median(times), "held": held / iters, "host_ms": host_s * 1e3}
+
+
+def _time(fn: Callable[[], Any], device: str, iters: int, reps: int, held: list[float] | None = None) -> float:
+    """Milliseconds per call of `fn`; on CUDA, `held` collects the share of timed calls queued whole in advance."""
+    if device == "cuda":
+        r = held_gpu_ms(_repeated(fn, reps), iters)
+        if held is not None:
+            held.append(r["held"])
+        return r["median_ms"] / reps
     return time_ms(_repeated(fn, reps), device, iters, warmup=2)["median_ms"] / reps
 
 
 def measure(chain: Chain, device: str, iters: int, reps: int) -> dict[str, Any]:
     """Both forms of one chain: times, the kernels' bandwidth, and their difference (rounding only)."""
     row: dict[str, Any] = {"chain": chain.name}
-    outputs = {}
+    outputs, held = {}, []
     for form, on in (("eager", False), ("kernels", True)):
         previous = fused_ops.set_fused_kernels(on)
         try:
-            fwd = _time(chain.forward, device, iters, reps)
-            step = _time(chain.train, device, iters, reps)
+            fwd = _time(chain.forward, device, iters, reps, held)
+            step = _time(chain.train, device, iters, reps, held)
             outputs[form] = (chain.forward().detach(), chain.train())
         finally:
             fused_ops.set_fused_kernels(previous)
@@ -111,6 +147,8 @@ def measure(chain: Chain, device: str, iters: int, reps: int) -> dict[str, Any]:
     row["kernels_backward_gbps"] = chain.bytes["backward"] / (backward_ms * 1e6)
     (y_e, g_e), (y_k, g_k) = outputs["eager"], outputs["kernels"]
     row["out_rel_diff"], row["grad_rel_diff"] = relerr(y_k, y_e), relerr(g_k, g_e)
+    if held:
+        row["held_min"] = min(held)  # 1.0: every timed call was queued whole before the GPU started it
     return row
 
 

@@ -159,7 +159,7 @@ def test_activation_model_scales_with_tokens_and_blocks():
         tokens = side * side + text
         measured = (_kept_by_autograd(8, side, text) - _kept_by_autograd(4, side, text)) / 4 / tokens
         assert measured == pytest.approx(per_token, rel=0.03), (side, measured, per_token)
-    w = M.Workload(image_tokens=256, text_tokens=text, float_bytes=4, lora_rank=4)
+    w = M.Workload(image_tokens=256, text_tokens=text, float_bytes=4, lora_rank=4, fused_kernels=False)  # a CPU run
     predicted = M.step_activation_bytes(dit4, w, M.Setup(checkpointing="none"))
     workspace = M.BACKWARD_WORKSPACE_WIDE_TENSORS * 2 * dit4.config.ffn_hidden * 4 * w.tokens  # not a kept tensor
     assert predicted - workspace == pytest.approx(_kept_by_autograd(4, 16, text), rel=0.05)
@@ -169,13 +169,19 @@ def test_activation_model_scales_with_tokens_and_blocks():
 def _w(**kw) -> M.Workload:
     """1024 x 1024, batch 1, LoRA 16, AdamW, latents and TE outputs cached; the e2e captions are 87-92 tokens. These
     rows were measured before the eager forms of library.runtime.eager_fusion: their eager steps ran the plain ones."""
-    base = {"image_tokens": 4096, "text_tokens": 90, "lora_rank": 16, "eager_forms": False}
+    base = {"image_tokens": 4096, "text_tokens": 90, "lora_rank": 16, "eager_forms": False, "fused_kernels": False}
     return M.Workload(**{**base, **kw})
 
 
 def _w5(**kw) -> M.Workload:
-    """The fifth H200 run's bench.checkpointing rows: 256 text tokens, the eager forms on unless a row says not."""
+    """The fifth H200 run's bench.checkpointing rows: 256 text tokens, the eager forms on unless a row says not (the
+    fused Triton kernels of library.runtime.fused_ops came later)."""
     return _w(**{"text_tokens": 256, "eager_forms": True, **kw})
+
+
+def _w12(**kw) -> M.Workload:
+    """The twelfth H200 run's rows: as the fifth's, with the fused kernels on unless a row says not."""
+    return _w5(**{"fused_kernels": True, **kw})
 
 
 TE_LORA = {"cache_text_encoder_outputs": False, "train_text_encoder": True}
@@ -277,6 +283,17 @@ H200_ROWS = [
     ("seventh run: INT8 selective + compile, skip 18, expandable, 16 GiB cap",
      _w5(compile=True, expandable_segments=True), M.Setup("int8", "selective", skip_blocks=18), "training",
      15.24, 15.43),
+    # twelfth run (docs/bench_results/h200_2026-12-03c/): eager steps with the fused Triton kernels and without
+    # them (bench.checkpointing's *_no_kernels), in one call
+    ("twelfth run: no checkpointing, eager", _w12(), M.Setup("bf16", "none"), "training", 29.21, 30.08),
+    ("twelfth run: no checkpointing, eager, no kernels", _w12(fused_kernels=False), M.Setup("bf16", "none"),
+     "training", 32.08, 32.32),
+    ("twelfth run: gc, eager", _w12(), M.Setup("bf16", "full"), "training", 11.61, 12.15),
+    ("twelfth run: gc, eager, no kernels", _w12(fused_kernels=False), M.Setup("bf16", "full"), "training",
+     11.68, 12.26),
+    ("twelfth run: INT8 gc, eager", _w12(), M.Setup("int8", "full"), "training", 7.23, 8.16),
+    ("twelfth run: INT8 gc, eager, no kernels", _w12(fused_kernels=False), M.Setup("int8", "full"), "training",
+     7.30, 8.04),
     # caching table (16 images of 1024 x 1024)
     ("caching: cache_latents.py", _w(), M.Setup(), "caching latents", 3.37, 3.90),
     ("caching: cache_text_encoder_outputs.py, bf16", _w(), M.Setup(), "caching text-encoder outputs", 14.85, 14.86),

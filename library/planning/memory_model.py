@@ -8,15 +8,18 @@ activation (2 under bf16/fp16 autocast, 4 without):
     kept per block and token = 4 n W          the inputs of the 4 RMSNorms (norm1, norm2, q_norm, k_norm), n bytes each
                              + 6 e W          the q/k/v LoRA input, q, k, v, the attention output, the FFN LoRA input
                              + 4 e F          the up/gate output (2F, kept whole by SiLU's view), SiLU(gate), the product
+                                          (3 e F with the fused SwiGLU kernel, which recomputes SiLU(gate))
                              + 4 H            the attention's log-sum-exp (fp32)
                              + 6 e r          the LoRA down outputs
 
 n is 4 where the norms keep fp32 copies of their inputs: the plain forms of `library.runtime.eager_fusion`, which
 compiled blocks keep (and torch's CPU rms_norm, a composite, in any form). The eager forms on CUDA keep the bf16
 input of one `_fused_rms_norm` kernel: n = e (`Workload.eager_forms`). At 1024 x 1024 (4096 image + 256 text tokens)
-that is 0.615 GiB per block with n = 4 and 0.517 GiB with n = 2. The H200 rows "no checkpointing" of
-docs/benchmarks.md are met within 1 %: the training-step table's run A (plain forms, 36.29 GiB allocated) and the
-fifth run's eager step (32.08 GiB; its plain-forms twin in the same run 36.27 GiB). The checkpointing modes keep:
+that is 0.615 GiB per block with n = 4 and 0.517 GiB with n = 2. The fused Triton kernels of eager CUDA runs
+(`library.runtime.fused_ops`, `Workload.fused_kernels`) keep the same tensors but SiLU(gate): 0.450 GiB. The H200
+rows "no checkpointing" of docs/benchmarks.md are met within 1 %: the training-step table's run A (plain forms,
+36.29 GiB allocated), the fifth run's eager step (32.08 GiB; its plain-forms twin in the same run 36.27 GiB) and the
+twelfth run's with the kernels (29.21 GiB; 32.08 without them in the same run). The checkpointing modes keep:
 - none: all of it, for every block;
 - full (`--gradient_checkpointing`): each block's input (e W per token), plus one block's full set while it is
   recomputed in backward;
@@ -44,6 +47,7 @@ from library.planning.sizes import GIB, DitSizes, EncoderSizes, LoraShapes, VaeS
 NORM_INPUTS = 4  # RMSNorm inputs kept per block (see the module docstring for their width)
 WIDTH_ACTIVATIONS = 6
 FFN_ACTIVATIONS = 4
+FFN_ACTIVATIONS_FUSED = 3  # the fused SwiGLU kernel keeps its input and recomputes SiLU(gate) in backward
 LORA_TARGETS_PER_BLOCK = 6
 # saved per block by --checkpointing_policy selective, in e*W tensors per token: the attention output and the FFN
 # down-projection output (the narrowing product; recomputed under ConvRot INT8, whose Linear is a custom op)
@@ -126,6 +130,9 @@ class Workload:
     # the eager forms of library.runtime.eager_fusion (the default); False models their plain forms, which
     # bench.checkpointing's *_plain_forms configurations run and the H200 rows measured before them had
     eager_forms: bool = True
+    # the fused Triton kernels of library.runtime.fused_ops (eager CUDA runs with the eager forms; the default);
+    # False models bench.checkpointing's *_no_kernels configurations and the H200 rows measured before them
+    fused_kernels: bool = True
 
     @property
     def tokens(self) -> int:
@@ -208,12 +215,15 @@ def lora_training_bytes(optimizer: str, lora: LoraShapes, rank: int, param_bytes
 
 
 # -------------------------------------------------------------------------------------------------------- activations
-def block_kept_bytes_per_token(dit: DitSizes, e: int, rank: int, norm_bytes: int = 4) -> int:
+def block_kept_bytes_per_token(dit: DitSizes, e: int, rank: int, norm_bytes: int = 4,
+                               fused_swiglu: bool = False) -> int:
     """Bytes autograd keeps per token for one main block without checkpointing (eager), see the module docstring;
-    `norm_bytes` is the width of the RMSNorm inputs kept (4: fp32 copies, the plain forms)."""
+    `norm_bytes` is the width of the RMSNorm inputs kept (4: fp32 copies, the plain forms); `fused_swiglu` where the
+    SwiGLU kernel runs (it keeps no SiLU(gate))."""
     c = dit.config
     w, f = c.hidden_size, c.ffn_hidden
-    return (NORM_INPUTS * norm_bytes * w + WIDTH_ACTIVATIONS * e * w + FFN_ACTIVATIONS * e * f + 4 * c.num_heads
+    ffn = FFN_ACTIVATIONS_FUSED if fused_swiglu else FFN_ACTIVATIONS
+    return (NORM_INPUTS * norm_bytes * w + WIDTH_ACTIVATIONS * e * w + ffn * e * f + 4 * c.num_heads
             + LORA_TARGETS_PER_BLOCK * e * rank)
 
 
@@ -229,8 +239,9 @@ def step_activation_bytes(dit: DitSizes, w: Workload, setup: Setup) -> int:
     n, b = dit.num_layers, w.batch_size
     # compiled blocks keep the plain forms' tensors (COMPILED_ACTIVATION_SHARE of them); eager ones on CUDA keep the
     # RMSNorm inputs at the activation width where the eager forms are on
-    norm_bytes = e if (w.eager_forms and not w.compile) else 4
-    block = block_kept_bytes_per_token(dit, e, w.lora_rank, norm_bytes)
+    eager_forms = w.eager_forms and not w.compile
+    norm_bytes = e if eager_forms else 4
+    block = block_kept_bytes_per_token(dit, e, w.lora_rank, norm_bytes, fused_swiglu=eager_forms and w.fused_kernels)
     share = COMPILED_ACTIVATION_SHARE if w.compile else 1.0
     inputs = e * hidden  # a checkpointed block's input, per token
     workspace = BACKWARD_WORKSPACE_WIDE_TENSORS * 2 * dit.config.ffn_hidden * e

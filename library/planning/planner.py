@@ -167,7 +167,8 @@ def candidate_label(setup: Setup, choices: Choices, kind: str, with_te: bool = F
     if kind == "training":
         parts.append(CHECKPOINTING_LABELS[setup.checkpointing])
         if setup.skip_blocks:
-            parts.append(f"last {setup.skip_blocks} blocks not checkpointed")
+            blocks = "block" if setup.skip_blocks == 1 else f"{setup.skip_blocks} blocks"
+            parts.append(f"last {blocks} not checkpointed")
     if setup.blocks_to_swap:
         parts.append(f"swap {setup.blocks_to_swap}" + (" (h2d)" if kind == "training" else ""))
     if with_te:
@@ -324,7 +325,8 @@ def _finish(kind: str, rows: list[Candidate], choices: Choices, budget: int, hea
                         " checkpointing).")
     fitting = [c for c in rows if c.fits(budget)]
     if not fitting:
-        raise _cannot_fit(budget, min(rows, key=lambda c: c.needs), choices, kind)
+        # the least memory; among plans that need the same (another phase's peak bounds them all), the fastest
+        raise _cannot_fit(budget, min(rows, key=lambda c: (math.ceil(c.needs / GIB * 10), c.step)), choices, kind)
     chosen, why = _pick(fitting, choices)
     plan = Plan(kind, budget, header, tuple(rows), chosen, te_line, "", choices=choices, te_in_rows=te_in_rows)
     reason = (f"{why.format(budget=f'{budget / GIB:g} GiB')}: predicted peak {gib(chosen.reserved)} GiB in the"
