@@ -30,7 +30,7 @@ import torch
 from bench.convrot_int8 import _Blocks
 from library.moss_image.dit import MossImageConfig
 from library.quant import linear_plan
-from library.runtime import checkpointing
+from library.runtime import checkpointing, fused_ops
 
 CONFIGS: dict[str, dict[str, bool]] = {
     "bf16": {"int8": False, "reentrant": True, "plans": True},
@@ -89,6 +89,63 @@ def measure(name: str, cfg: MossImageConfig, seq: int, device: str, iters: int, 
             "forward_ms": [round(v, 3) for v in fwd], "backward_ms": [round(v, 3) for v in bwd]}
 
 
+def _evaluate_name(name: str) -> str | None:
+    """The autograd node of an ``autograd::engine::evaluate_function: Node`` event, else None."""
+    prefix = "autograd::engine::evaluate_function: "
+    return name[len(prefix):] if name.startswith(prefix) else None
+
+
+def op_profile(name: str, cfg: MossImageConfig, seq: int, device: str, iters: int, top: int = 25) -> dict[str, Any]:
+    """Where the host time of `iters` steps goes, per block (torch.profiler, CPU events only): the operators by
+    self time, and the autograd nodes by total time (the backward thread's work, recomputation included, appears
+    under the nodes; a Python node's total holds its Python code). The profiler adds a microsecond or two per
+    event, so read shares rather than absolute times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    opts = CONFIGS[name]
+    blocks = _Blocks(cfg, seq, device, int8=opts["int8"])
+    for blk in blocks.dit.layers:
+        blk.checkpointing = "full"
+    saved = checkpointing.EAGER_FULL["reentrant"], linear_plan._STATE["enabled"]
+    checkpointing.EAGER_FULL["reentrant"] = opts["reentrant"]
+    linear_plan.set_linear_plans(opts["plans"])
+    try:
+        for _ in range(3):
+            blocks.train_step()
+            blocks.net.zero_grad(set_to_none=True)
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(iters):
+                blocks.train_step()
+                blocks.net.zero_grad(set_to_none=True)
+            _sync(device)
+    finally:
+        checkpointing.EAGER_FULL["reentrant"], plans = saved
+        linear_plan.set_linear_plans(plans)
+    per = iters * len(blocks.dit.layers)
+    ops: dict[str, list[float]] = {}
+    nodes: dict[str, list[float]] = {}
+    for ev in prof.events():
+        node = _evaluate_name(ev.name)
+        if node is not None:
+            entry = nodes.setdefault(node, [0.0, 0.0])
+            entry[0] += ev.cpu_time_total
+            entry[1] += 1
+        entry = ops.setdefault(ev.name, [0.0, 0.0])
+        entry[0] += ev.self_cpu_time_total
+        entry[1] += 1
+
+    def table(d: dict[str, list[float]]) -> list[dict[str, Any]]:
+        rows = sorted(d.items(), key=lambda kv: -kv[1][0])[:top]
+        return [{"name": k, "us_per_block": round(v[0] / per, 1), "calls_per_block": round(v[1] / per, 2)}
+                for k, v in rows]
+
+    return {"config": name, "iters": iters, "layers": len(blocks.dit.layers), "tokens": seq,
+            "self_us_per_block": round(sum(v[0] for v in ops.values()) / per, 1),
+            "events_per_block": round(sum(v[1] for v in ops.values()) / per, 1),
+            "ops_by_self_time": table(ops), "autograd_nodes_by_total_time": table(nodes)}
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="host time per DiT block of an eager checkpointed training step")
     p.add_argument("--device", default="cuda")
@@ -98,6 +155,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--ops", type=int, default=0, metavar="N",
+                   help="also profile N steps per configuration (torch.profiler): the host time by operator and by "
+                        "autograd node")
     p.add_argument("--out", type=Path, default=Path("eager_host.json"))
     return p.parse_args(argv)
 
@@ -117,16 +177,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = MossImageConfig(hidden_size=ns.width, num_layers=ns.layers, num_heads=ns.width // 128,
                           ffn_hidden=ns.width * 8 // 3)
+    fused_ops.prepare(ns.device)  # as MossImage.prepare_text does before a step: the fused kernels where they run
     results = [measure(n, cfg, ns.tokens, ns.device, ns.iters, ns.warmup) for n in names]
     payload = {"command": " ".join(["python", "-m", "bench.eager_host", *(argv or sys.argv[1:])]),
                "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu", "torch": torch.__version__,
                "results": results}
+    if ns.ops:
+        payload["op_profiles"] = [op_profile(n, cfg, ns.tokens, ns.device, ns.ops) for n in names]
     tmp = ns.out.with_name(f".{ns.out.name}.tmp")
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(ns.out)
     for r in results:
         print(f"{r['config']:<20} forward {r['forward_us']:>8.1f} us/block  backward {r['backward_us']:>8.1f} us/block"
               f"  step {r['step_us']:>8.1f} us/block")
+    for prof in payload.get("op_profiles", []):
+        print(f"{prof['config']}: {prof['events_per_block']} events, {prof['self_us_per_block']} us per block; "
+              "autograd nodes by total time: " + ", ".join(
+                  f"{r['name']} {r['us_per_block']}" for r in prof["autograd_nodes_by_total_time"][:8]))
     return 0
 
 

@@ -55,8 +55,56 @@ __all__ = [
     "ACCEPTED_NETWORK_ARGS", "DEFAULT_NETWORK_ALPHA", "DEFAULT_NETWORK_DIM", "LORA_PREFIX_TEXT_ENCODER",
     "LORA_PREFIX_UNET", "LoRAModule", "LoRANetwork", "NetworkOptions", "create_network", "create_network_from_weights",
     "dit_candidates", "is_linear_like", "lora_name_for", "normalize_lora_state_dict", "parse_bool", "parse_float",
-    "parse_pattern_list", "parse_regex_values", "text_encoder_candidates",
+    "parse_pattern_list", "parse_regex_values", "set_lora_one_node", "text_encoder_candidates",
 ]
+
+
+_ONE_NODE = {"enabled": True}
+
+
+def set_lora_one_node(enabled: bool) -> bool:
+    """Let the eager LoRA delta run as one autograd node (`_LoRAAddmm`, the default) or as separate operators (the
+    same kernels; the benchmark's same-run comparison). Returns the previous setting."""
+    previous = _ONE_NODE["enabled"]
+    _ONE_NODE["enabled"] = bool(enabled)
+    return previous
+
+
+class _LoRAAddmm(torch.autograd.Function):
+    """out + alpha * (x @ down^T) @ up^T, with down and up in out's dtype, as one autograd node.
+
+    The eager form of `LoRAModule.add_delta`. Its kernels are those the operators would launch (the two casts, the
+    down mm and the up-projection accumulated into out by addmm; in backward four mm, two alpha scalings and the two
+    casts back), but autograd records one node instead of about nine (two casts, two transposes, two matmuls, views),
+    which takes host time off every pass of an eager step: the forward, the recomputation under checkpointing and
+    the backward. It keeps what the operators would keep: x, the rank activations and the two cast weights."""
+
+    @staticmethod
+    def forward(ctx, out, x, down, up, alpha):  # type: ignore[override]
+        dtype = out.dtype
+        d, u = down.to(dtype), up.to(dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        lx = torch.mm(x2, d.t())
+        y = torch.addmm(out.reshape(-1, out.shape[-1]), lx, u.t(), alpha=alpha)
+        ctx.save_for_backward(x2, lx, d, u)
+        ctx.alpha, ctx.x_shape, ctx.dtypes = alpha, x.shape, (down.dtype, up.dtype)
+        return y.view(out.shape)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x2, lx, d, u = ctx.saved_tensors
+        need_out, need_x, need_down, need_up = ctx.needs_input_grad[:4]
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_down = grad_up = None
+        if need_x or need_down:
+            glx = torch.mm(g2, u).mul_(ctx.alpha)
+            if need_x:
+                grad_x = torch.mm(glx, d).view(ctx.x_shape)
+            if need_down:
+                grad_down = torch.mm(glx.t(), x2).to(ctx.dtypes[0])
+        if need_up:
+            grad_up = torch.mm(g2.t(), lx).mul_(ctx.alpha).to(ctx.dtypes[1])
+        return (grad if need_out else None), grad_x, grad_down, grad_up, None
 
 
 class LoRAModule(AdapterModule):
@@ -97,19 +145,23 @@ class LoRAModule(AdapterModule):
         return self.lora_up(lx) * scale
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Eager form (`library.runtime.eager_fusion`): the up-projection accumulates into the base output in one
-        addmm, multiplier * scale as its alpha; the plain form is used under torch.compile, with the training-time
-        dropouts, or when the dtypes would need casts that autocast does not make."""
+        """Eager form (`library.runtime.eager_fusion`): one autograd node (`_LoRAAddmm`) in which the up-projection
+        accumulates into the base output by addmm, multiplier * scale as its alpha. The plain form is used under
+        torch.compile, with the training-time dropouts, for inputs of another dtype than the output, or when the
+        dtypes would need casts that autocast does not make."""
         up, down, device = self.lora_up.weight, self.lora_down.weight, out.device.type
         if torch.is_autocast_enabled(device):  # addmm returns the autocast dtype: only where out has it already
             casts = out.dtype != torch.get_autocast_dtype(device)
         else:
             casts = not (down.dtype == up.dtype == out.dtype)
-        if not eager_fused() or casts or (self.training and (self.dropout or self.rank_dropout)) or out.dim() < 2:
+        if (not eager_fused() or casts or x.dtype != out.dtype or out.dim() < 2
+                or (self.training and (self.dropout or self.rank_dropout))):
             return super().add_delta(out, x)
-        lx = self.lora_down(self._adapter_input(x, down))
-        y = torch.addmm(out.reshape(-1, out.shape[-1]), lx.reshape(-1, lx.shape[-1]), up.t(),
-                        alpha=self.scale * self.multiplier)
+        alpha = self.scale * self.multiplier
+        if _ONE_NODE["enabled"]:
+            return _LoRAAddmm.apply(out, x, down, up, alpha)
+        lx = self.lora_down(x)
+        y = torch.addmm(out.reshape(-1, out.shape[-1]), lx.reshape(-1, lx.shape[-1]), up.t(), alpha=alpha)
         return y.view(out.shape)
 
     def weight_delta(self) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from library.moss_image.dit import MossImageBlock, MossImageConfig, RMSNorm, RopeTables, apply_rope
 from library.runtime.attention import Attention
 from library.runtime.eager_fusion import eager_fused, plain_forms, set_eager_fusion
+from networks import lora_generic
 from networks.lora_generic import LoRAModule
 
 CFG = MossImageConfig(hidden_size=256, num_heads=2, head_dim=128, ffn_hidden=512)
@@ -222,6 +223,56 @@ def test_lora_addmm_under_autocast_with_fp32_lora_weights():
     assert got[0].dtype == torch.bfloat16
     for a, b in zip(got, ref):
         assert relerr(a, b) < 1e-2
+
+
+def _graph_nodes(t: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes behind `t` (each once)."""
+    seen, todo, names = set(), [t.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_lora_node_matches_the_lora_operators(autocast):
+    """One autograd node (`_LoRAAddmm`) instead of the casts, transposes, products and views: the same numbers, in
+    fp32 to float rounding and under bf16 autocast to bf16 rounding."""
+    base, module = _lora()
+    x = torch.randn(2, 5, 32)
+    if autocast:
+        base.to(torch.bfloat16)
+        x = x.bfloat16()
+    previous = lora_generic.set_lora_one_node(False)
+    try:
+        ref = _lora_step(base, module, x, autocast=autocast)
+    finally:
+        lora_generic.set_lora_one_node(previous)
+    got = _lora_step(base, module, x, autocast=autocast)
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype
+        assert relerr(a, b) < (1e-2 if autocast else 1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        nodes = _graph_nodes(base(x.clone().requires_grad_(True)))
+    assert nodes.count("_LoRAAddmmBackward") == 1
+    assert nodes.count("AddmmBackward0") == 1, nodes  # the base Linear's (with its bias)
+    assert not {"MmBackward0", "ToCopyBackward0", "TBackward0"} & set(nodes), nodes
+
+
+def test_the_lora_node_gradients_by_finite_differences():
+    out = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    down = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: lora_generic._LoRAAddmm.apply(*t, 0.35), (out, x, down, up))
+    # only the inputs that need a gradient get one (a frozen down-projection, an input without grad)
+    y = lora_generic._LoRAAddmm.apply(out.detach(), x.detach(), down.detach(), up, 0.35)
+    y.sum().backward()
+    assert up.grad is not None
 
 
 def test_lora_with_dropout_in_training_takes_the_plain_form():
