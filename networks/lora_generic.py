@@ -107,6 +107,66 @@ class _LoRAAddmm(torch.autograd.Function):
         return (grad if need_out else None), grad_x, grad_down, grad_up, None
 
 
+class _DenseProduct:
+    """A frozen `nn.Linear`'s product as `_LoRALinear` runs it: F.linear forward, addmm backward (the LoRA's input
+    gradient as the addend). The other product is `library.quant.convrot.Int8Product`; both share these methods."""
+
+    @staticmethod
+    def tensors(m: nn.Linear) -> tuple[torch.Tensor, ...]:
+        return (m.weight,) if m.bias is None else (m.weight, m.bias)
+
+    @staticmethod
+    def forward(m: nn.Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def grad_input(m: nn.Linear, grad: torch.Tensor, accumulate: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.addmm(accumulate, grad, weight)
+
+
+class _LoRALinear(torch.autograd.Function):
+    """org(x) + alpha * (x @ down^T) @ up^T as one autograd node, where org is a frozen Linear whose product the node
+    runs itself (`_DenseProduct`, `Int8Product`): the eager form of the whole wrapped Linear.
+
+    Beyond `_LoRAAddmm`'s saving, the base Linear's own node goes too, and with it the add that sums the input
+    gradients of the base and the LoRA: the LoRA's input gradient is the addend of the base's backward product
+    (addmm). The up-projection accumulates into the base output (addmm). It keeps what the two nodes would keep."""
+
+    @staticmethod
+    def forward(ctx, x, down, up, alpha, org, product, *base):  # type: ignore[override]
+        dtype = x.dtype
+        d, u = down.to(dtype), up.to(dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = product.forward(org, x, *base)
+        lx = torch.mm(x2, d.t())
+        # not in place: selective checkpointing may keep the product's output for the recomputation
+        y = torch.addmm(out.reshape(-1, out.shape[-1]), lx, u.t(), alpha=alpha).view(out.shape)
+        ctx.save_for_backward(x2, lx, d, u, *base)
+        ctx.alpha, ctx.x_shape, ctx.dtypes, ctx.org, ctx.product = alpha, x.shape, (down.dtype, up.dtype), org, product
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x2, lx, d, u, *base = ctx.saved_tensors
+        need_x, need_down, need_up = ctx.needs_input_grad[:3]
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_down = grad_up = None
+        if need_x or need_down:
+            glx = torch.mm(g2, u).mul_(ctx.alpha)
+            if need_down:
+                grad_down = torch.mm(glx.t(), x2).to(ctx.dtypes[0])
+            if need_x:
+                grad_x = ctx.product.grad_input(ctx.org, g2, torch.mm(glx, d), *base).view(ctx.x_shape)
+        if need_up:
+            grad_up = torch.mm(g2.t(), lx).mul_(ctx.alpha).to(ctx.dtypes[1])
+        return grad_x, grad_down, grad_up, None, None, None, *(None for _ in base)
+
+
+def _frozen(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return t is None or (not t.requires_grad and t.dtype == dtype)
+
+
 class LoRAModule(AdapterModule):
     """y = org(x) + multiplier * (alpha / rank) * up(down(x)); wraps the original forward, never touches its weights."""
 
@@ -143,6 +203,39 @@ class LoRAModule(AdapterModule):
             lx = lx * keep
             scale = scale / (1.0 - self.rank_dropout)
         return self.lora_up(lx) * scale
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        product = self._node_product(x, args, kwargs)
+        if product is None:
+            return super().forward(x, *args, **kwargs)
+        org = self.org_module
+        return _LoRALinear.apply(x, self.lora_down.weight, self.lora_up.weight, self.scale * self.multiplier, org,
+                                 product, *product.tensors(org))
+
+    def _node_product(self, x: torch.Tensor, args: tuple, kwargs: dict) -> type | None:
+        """The frozen product that `_LoRALinear` can run for this call, or None: the eager form where it applies
+        (as `add_delta`'s, with the base Linear's output in x's dtype and nothing of the base to train), else the
+        base's own forward and `add_delta`."""
+        if (args or kwargs or not _ONE_NODE["enabled"] or not self.enabled or self.multiplier == 0 or x.dim() < 2
+                or not eager_fused()):
+            return None
+        if self.training and (self.module_dropout or self.dropout or self.rank_dropout):
+            return None
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
+            return None
+        if not torch.is_autocast_enabled(device) and not (self.lora_down.weight.dtype == self.lora_up.weight.dtype
+                                                           == x.dtype):
+            return None
+        org = self.org_module
+        if type(org) is nn.Linear:
+            if getattr(self._org_forward, "__func__", None) is not nn.Linear.forward:
+                return None  # another wrapper's forward, which must run
+            return _DenseProduct if _frozen(org.weight, x.dtype) and _frozen(org.bias, x.dtype) else None
+        frozen_product = getattr(org, "frozen_product", None)
+        if frozen_product is None or getattr(self._org_forward, "__func__", None) is not type(org).forward:
+            return None
+        return frozen_product()
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Eager form (`library.runtime.eager_fusion`): one autograd node (`_LoRAAddmm`) in which the up-projection

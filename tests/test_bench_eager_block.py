@@ -51,4 +51,4 @@ def test_fake_counts_at_full_width(tmp_path):
     if HAVE_TRITON:
         with_kernels = memory_model.block_kept_bytes_per_token(sizes.dit_sizes(MossImageConfig()), e=2, rank=16,
                                                                norm_bytes=2, fused_swiglu=True)
-        assert runs["bf16_none"]["kernels"]["saved_bytes_per_block_token"] == pytest.approx(with_kernels, rel=0.03)
+        assert runs["bf16_none"]["kernels"]["saved_bytes_per_block_token"] == pytest.approx(with_kernels, rel=0.06)

@@ -118,7 +118,49 @@ def run_checks(device: str) -> dict:
         "after_inplace_ok": bool(torch.equal(y3, K.int8_linear(x, q, s, None, 256, backend="eager"))),
     }
     out["plans"] = _check_plans(device)
+    out["lora_node"] = _check_lora_node(device)
     return out
+
+
+def _check_lora_node(device: str) -> dict:
+    """A LoRA around the int8 Linear as one autograd node (`networks.lora_generic._LoRALinear`, the module's
+    launch plans inside it, the LoRA's input gradient as the addend of the replayed backward product) against the
+    module's own node plus the LoRA operators: the same values to bf16 rounding."""
+    from library.quant import convrot as U
+    from networks import lora_generic
+
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(512, 40, bias=True).to(device=device, dtype=torch.bfloat16)
+    mod = U.ConvRotInt8Linear.from_linear(lin, 256)
+    lora = lora_generic.LoRAModule("lora_x", "x", mod, lora_dim=4, alpha=4.0)
+    lora.to(device)
+    with torch.no_grad():
+        lora.lora_up.weight.normal_(0, 0.1)
+    lora.apply_to()
+    x0 = torch.randn(2, 9, 512, device=device, dtype=torch.bfloat16)
+    gy = torch.randn(2, 9, 40, device=device, dtype=torch.bfloat16)
+    runs = {}
+    for one_node in (False, True, True):  # the second node run replays the bound backward (with its addend)
+        previous = lora_generic.set_lora_one_node(one_node)
+        try:
+            x = x0.clone().requires_grad_(True)
+            with torch.autocast(device, dtype=torch.bfloat16):  # the trainer's case: fp32 LoRA tensors
+                y = mod(x)
+            node = type(y.grad_fn).__name__
+            y.backward(gy)
+        finally:
+            lora_generic.set_lora_one_node(previous)
+        runs.setdefault(one_node, []).append((node, y.detach(), x.grad, lora.lora_down.weight.grad.clone(),
+                                              lora.lora_up.weight.grad.clone()))
+        lora.zero_grad(set_to_none=True)
+    ref = runs[False][0]
+    rel = [max(_relerr(a, b) for a, b in zip(run[1:], ref[1:])) for run in runs[True]]
+    bwd_plans = sum(len(key) == 3 for key in mod._eager_plans.plans)  # the backward's bound dequantisation
+    return {"nodes": [run[0] for run in runs[True]], "relerr": rel, "bwd_plans": bwd_plans}
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 def _check_plans(device: str) -> dict:
@@ -262,6 +304,8 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
         assert p == {"same": True, "replays": 4, "plans": 1, "moved": True, "after_switch": True,
                      "replays_total": 9 if rotated else 8, "grad_same": True, "bwd_plans": int(rotated)}, (tag, p)
     assert res["one_buffer"] == {"same": True, "layout_ok": True}
+    assert res["lora_node"]["nodes"] == ["_LoRALinearBackward"] * 2, res["lora_node"]
+    assert max(res["lora_node"]["relerr"]) < 1e-2 and res["lora_node"]["bwd_plans"] == 1, res["lora_node"]
 
 
 def _triton_importable() -> bool:

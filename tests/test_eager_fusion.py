@@ -78,7 +78,8 @@ def test_eager_mode_runs_the_eager_forms_and_the_switch_the_plain_ones(fused):
     assert block_ops.names["addcmul"] == (4 if fused else 0)
     assert block_ops.names["complex"] == (1 if fused else 0)
     assert block_ops.names["stack"] == (0 if fused else 2)
-    # the base Linear (with its bias) is one addmm; the eager LoRA accumulates its up-projection in a second one
+    # the base Linear (with its bias) is one addmm; the eager LoRA node accumulates its up-projection into that
+    # output in a second one
     assert lora_ops.names["addmm"] == (2 if fused else 1)
 
 
@@ -239,10 +240,13 @@ def _graph_nodes(t: torch.Tensor) -> list[str]:
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_the_lora_node_matches_the_lora_operators(autocast):
-    """One autograd node (`_LoRAAddmm`) instead of the casts, transposes, products and views: the same numbers, in
-    fp32 to float rounding and under bf16 autocast to bf16 rounding."""
+@pytest.mark.parametrize("whole", [True, False], ids=["linear_node", "delta_node"])
+def test_the_lora_node_matches_the_lora_operators(autocast, whole):
+    """One autograd node instead of the casts, transposes, products and views: the same numbers, in fp32 to float
+    rounding and under bf16 autocast to bf16 rounding. Around a frozen Linear the node runs the base product too
+    (`_LoRALinear`); around a base with something to train it adds the delta to the base's output (`_LoRAAddmm`)."""
     base, module = _lora()
+    base.weight.requires_grad_(not whole)
     x = torch.randn(2, 5, 32)
     if autocast:
         base.to(torch.bfloat16)
@@ -258,9 +262,38 @@ def test_the_lora_node_matches_the_lora_operators(autocast):
         assert relerr(a, b) < (1e-2 if autocast else 1e-6)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         nodes = _graph_nodes(base(x.clone().requires_grad_(True)))
-    assert nodes.count("_LoRAAddmmBackward") == 1
-    assert nodes.count("AddmmBackward0") == 1, nodes  # the base Linear's (with its bias)
-    assert not {"MmBackward0", "ToCopyBackward0", "TBackward0"} & set(nodes), nodes
+    if whole:
+        assert sorted(nodes) == ["AccumulateGrad"] * 3 + ["_LoRALinearBackward"], nodes
+    else:
+        assert nodes.count("_LoRAAddmmBackward") == 1
+        assert nodes.count("AddmmBackward0") == 1, nodes  # the base Linear's (with its bias)
+        assert not {"MmBackward0", "ToCopyBackward0"} & set(nodes), nodes
+
+
+def test_the_lora_node_around_a_convrot_int8_linear():
+    """Around a ConvRot INT8 Linear the node runs the int8 product and its backward (the eager numerics on the CPU)
+    and takes the LoRA's input gradient as the backward product's addend: the module's node plus the LoRA
+    operators' values, to bf16 rounding."""
+    from library.quant.convrot import ConvRotInt8Linear
+
+    torch.manual_seed(5)
+    base = ConvRotInt8Linear.from_linear(nn.Linear(256, 48, bias=True).bfloat16(), 64)
+    module = LoRAModule("lora_unet_x", "x", base, multiplier=0.7, lora_dim=4, alpha=8.0)
+    with torch.no_grad():
+        module.lora_up.weight.normal_(0, 0.3)
+    module.apply_to()
+    x = torch.randn(2, 5, 256).bfloat16()
+    previous = lora_generic.set_lora_one_node(False)
+    try:
+        ref = _lora_step(base, module, x, autocast=True)
+    finally:
+        lora_generic.set_lora_one_node(previous)
+    got = _lora_step(base, module, x, autocast=True)
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and relerr(a, b) < 1e-2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        nodes = _graph_nodes(base(x.clone().requires_grad_(True)))
+    assert sorted(nodes) == ["AccumulateGrad"] * 3 + ["_LoRALinearBackward"], nodes
 
 
 def test_the_lora_node_gradients_by_finite_differences():
@@ -269,6 +302,10 @@ def test_the_lora_node_gradients_by_finite_differences():
     down = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     up = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda *t: lora_generic._LoRAAddmm.apply(*t, 0.35), (out, x, down, up))
+    base = nn.Linear(5, 6, bias=False).to(torch.float64).requires_grad_(False)
+    assert torch.autograd.gradcheck(
+        lambda x, d, u: lora_generic._LoRALinear.apply(x, d, u, 0.35, base, lora_generic._DenseProduct, base.weight),
+        (x, down, up))
     # only the inputs that need a gradient get one (a frozen down-projection, an input without grad)
     y = lora_generic._LoRAAddmm.apply(out.detach(), x.detach(), down.detach(), up, 0.35)
     y.sum().backward()

@@ -13,7 +13,7 @@ import moss_image_minimal_inference as inference_script
 import moss_image_train_network as trainer_script
 from library.errors import UserError
 from library.planning import run_options
-from library.planning.planner import STEP_TIE
+from library.planning.planner import INT8_TIE, STEP_TIE
 from library.planning.speed_model import PLANNED_SKIP_MAX
 from tools import plan_memory
 
@@ -69,8 +69,9 @@ def check_invariants(plan) -> None:
     chosen = plan.chosen
     assert chosen.fits(plan.budget)
     for c in plan.candidates:
-        if c.fits(plan.budget):
-            assert c.step >= chosen.step / (1 + STEP_TIE) - 1e-9  # nothing that fits is clearly faster
+        if c.fits(plan.budget):  # nothing that fits is clearly faster (bf16 weights may cost INT8_TIE)
+            tie = INT8_TIE if chosen.setup.dit == "bf16" and c.setup.dit != "bf16" else STEP_TIE
+            assert c.step >= chosen.step / (1 + tie) - 1e-9
     lines = plan.lines()
     assert len(lines) == len(plan.candidates) + 5 and lines[0].startswith("VRAM plan for --vram_budget")
     assert sum("<- chosen" in line for line in lines) == 1
@@ -109,7 +110,7 @@ def test_a_bitsandbytes_encoder_read_at_startup_counts_in_the_latent_caching(wit
     # outputs cached in memory: the encoder is read at startup, before the latents are cached, and a bitsandbytes
     # encoder is quantised on the GPU then and stays there; nf4 then needs more than 8 GiB in that phase
     in_memory = [a for a in RUN if a != "--cache_text_encoder_outputs_to_disk"] + ["--cache_text_encoder_outputs"]
-    plan, values, _ = training_plan(["--vram_budget", "8", *in_memory])
+    plan, _, _ = training_plan(["--vram_budget", "8", *in_memory])
     assert summary(plan) == ("int8", "full", 9, "none", False)
     assert "nf4 (bitsandbytes) on the GPU needs 10.3 GiB" in plan.te_line
     # cached to disk: the encoder is read in its own caching phase, after the latents (the 8 GiB plan caches with nf4)
@@ -120,12 +121,13 @@ def test_a_bitsandbytes_encoder_read_at_startup_counts_in_the_latent_caching(wit
 
 
 @pytest.mark.parametrize("budget, expected", [
-    # compiled, ConvRot INT8 measured about as fast as bf16 with full checkpointing and 8 % faster with the
-    # selective policy (the H200's fourth run): INT8 + selective wins wherever bf16 does not run without it
+    # compiled, ConvRot INT8 measured about as fast as bf16 with full checkpointing and 3 % faster with the
+    # selective policy (the H200's fourth run): INT8 + selective wins wherever bf16 + selective does not fit; where
+    # it does (24 GiB), bf16 is within planner.INT8_TIE and its exact weights win
     (8, ("int8", "selective", 20, "none", False)),
     (12, ("int8", "selective", 0, "convrot_int8", True)),
     (16, ("int8", "selective", 0, "convrot_int8", True)),
-    (24, ("int8", "selective", 0, "none", True)),
+    (24, ("bf16", "selective", 0, "none", True)),
 ])
 def test_choices_with_selective_checkpointing_compiled(no_bitsandbytes, budget, expected):
     plan, values, _ = training_plan(["--vram_budget", str(budget), *RUN, "--compile"], selective=True)
@@ -224,7 +226,8 @@ def test_skip_blocks_given_are_planned_around(no_bitsandbytes):
 def test_memory_to_spare_leaves_blocks_out_of_checkpointing(no_bitsandbytes):
     """Without --checkpointing_skip_blocks, a full or selective candidate that fits unswapped gets a twin with the
     most blocks left out of checkpointing that still fits (at most speed_model.PLANNED_SKIP_MAX), which is faster."""
-    plan, values, _ = training_plan(["--vram_budget", "22", *RUN])
+    bf16 = ["--convrot_int8", "false"]  # the INT8 twin leaves the most blocks out (PLANNED_SKIP_MAX) at this budget
+    plan, values, _ = training_plan(["--vram_budget", "22", *bf16, *RUN])
     check_invariants(plan)
     chosen = plan.chosen
     assert chosen.setup.checkpointing == "full" and 0 < chosen.setup.skip_blocks < PLANNED_SKIP_MAX["full"]
@@ -235,7 +238,7 @@ def test_memory_to_spare_leaves_blocks_out_of_checkpointing(no_bitsandbytes):
     assert chosen.step < twin.step and chosen.reserved > twin.reserved
     # one block more does not fit unswapped: the planner swaps a block for it
     more, _, _ = training_plan(["--vram_budget", "22", "--checkpointing_skip_blocks", str(chosen.setup.skip_blocks + 1),
-                                *RUN])
+                                *bf16, *RUN])
     same = [c for c in more.candidates if (c.setup.dit, c.setup.checkpointing) == ("bf16", "full")]
     assert len(same) == 1 and same[0].setup.blocks_to_swap >= 1
     roomy, _, _ = training_plan(["--vram_budget", "30", "--gradient_checkpointing", *RUN])
@@ -252,13 +255,13 @@ def test_a_plan_that_cannot_fit_gives_the_smallest_budget(no_bitsandbytes):
         training_plan(["--vram_budget", "3", *RUN])
     text = str(e.value)
     # the latent caching bounds the smallest plans (4.9 GiB): of those, the fastest is named
-    assert text.startswith("--vram_budget 3 GiB is too small for this run: the smallest plan (bf16,"
+    assert text.startswith("--vram_budget 3 GiB is too small for this run: the smallest plan (INT8 (at load),"
                            " gradient checkpointing, swap 40 (h2d), text encoder bf16 on the CPU) needs 4.9 GiB at its"
                            " caching latents peak")
     assert text.count(". ") == 0 and text.endswith(".")  # one sentence
     need = float(text.split("give --vram_budget ")[1].split(" ")[0])
     plan, _, _ = training_plan(["--vram_budget", str(need), *RUN])  # that budget fits
-    assert plan.chosen.setup.blocks_to_swap == 40
+    assert plan.chosen.needs <= plan.budget and plan.chosen.setup.blocks_to_swap >= 36
     with pytest.raises(UserError, match=r"with the options given \(--unsloth_offload_checkpointing\)"):
         training_plan(["--vram_budget", "6", "--unsloth_offload_checkpointing", *RUN])
     with pytest.raises(UserError, match="is not a size"):

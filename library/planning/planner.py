@@ -8,7 +8,8 @@ blocks left out of checkpointing (for full/selective candidates that fit unswapp
 (torch's reserved memory, the largest phase) plus the CUDA context and a safety margin is within the budget
 (`Overheads`). Of those that fit, the fastest
 by the relative step time wins; within `STEP_TIE` of it, bf16 and then fewer swapped blocks are preferred (exact
-weights, less host memory).
+weights, less host memory). A bf16 candidate within `INT8_TIE` of a faster ConvRot INT8 one is preferred too: the
+exact weights are worth that much, and the measured INT8 / bf16 ratio moves by about that much between runs.
 
 When the text encoder is used only to cache its outputs, it has a phase of its own before the DiT is read: its
 placement is chosen first, the first of bf16 on the GPU, ConvRot INT8 on the GPU, nf4 on the GPU (bitsandbytes) and
@@ -41,6 +42,7 @@ NCCL_BUFFERS_GIB = 0.9  # per GPU with several processes: e2e DDP table, driver 
 SAFETY_MARGIN_SHARE = 0.05  # of the predicted peak (the model is within 4 % of every measured row)
 SAFETY_MARGIN_MIN_GIB = 0.25
 STEP_TIE = 0.02  # candidates this close to the fastest count as equally fast
+INT8_TIE = 0.05  # a bf16 candidate this close to a faster INT8 one counts as equally fast (eager INT8: 1.03-1.07x)
 
 CHECKPOINTING_LABELS = {
     "none": "no checkpointing",
@@ -193,7 +195,11 @@ def _cannot_fit(budget: int, smallest: Candidate, choices: Choices, kind: str) -
 
 def _pick(fitting: list[Candidate], choices: Choices) -> tuple[Candidate, str]:
     fastest = min(fitting, key=lambda c: c.step)
-    near = [c for c in fitting if c.step <= fastest.step * (1 + STEP_TIE)]
+
+    def tie(c: Candidate) -> float:
+        return INT8_TIE if c.setup.dit == "bf16" and fastest.setup.dit != "bf16" else STEP_TIE
+
+    near = [c for c in fitting if c.step <= fastest.step * (1 + tie(c))]
 
     def preference(c: Candidate) -> tuple:
         te = (c.setup.te_variant, c.setup.te_on_gpu)
@@ -203,15 +209,20 @@ def _pick(fitting: list[Candidate], choices: Choices) -> tuple[Candidate, str]:
     chosen = min(near, key=preference)
     why = f"the fastest of the {len(fitting)} candidates that fit {{budget}}"
     if chosen is not fastest:
-        why += f" (within {STEP_TIE:.0%} of the fastest: bf16 weights, the preferred text encoder, fewer swapped blocks)"
+        why += (f" (within {tie(chosen):.0%} of the fastest: bf16 weights, the preferred text encoder, fewer swapped"
+                 " blocks)")
     return chosen, why
 
 
-def _faster_note(chosen: Candidate, candidates: list[Candidate], label: Callable[[Candidate], str]) -> str:
+def _faster_note(chosen: Candidate, candidates: list[Candidate], label: Callable[[Candidate], str],
+                 budget: int) -> str:
     faster = [c for c in candidates if c.step < chosen.step * (1 - STEP_TIE)]
     if not faster:
         return ""
     best = min(faster, key=lambda c: c.step)
+    if best.fits(budget):  # passed over for exact weights (INT8_TIE)
+        return (f"; {label(best)} ({best.step:.2f}x) fits too and is a little faster, with ConvRot INT8 weights"
+                " (give --convrot_int8 to take it)")
     return f"; faster would be {label(best)} ({best.step:.2f}x), which needs {gib(best.needs)} GiB"
 
 
@@ -331,7 +342,7 @@ def _finish(kind: str, rows: list[Candidate], choices: Choices, budget: int, hea
     plan = Plan(kind, budget, header, tuple(rows), chosen, te_line, "", choices=choices, te_in_rows=te_in_rows)
     reason = (f"{why.format(budget=f'{budget / GIB:g} GiB')}: predicted peak {gib(chosen.reserved)} GiB in the"
               f" {chosen.estimate.peak_phase.name} phase, {gib(chosen.needs)} GiB with the CUDA context and the"
-              f" margin{_faster_note(chosen, rows, plan.label)}.")
+              f" margin{_faster_note(chosen, rows, plan.label, budget)}.")
     return replace(plan, reason=reason)
 
 

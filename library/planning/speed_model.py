@@ -24,11 +24,11 @@ from __future__ import annotations
 from library.planning.memory_model import SKIP_BLOCK_MODES, InferenceWorkload, Setup, Workload
 from library.planning.sizes import DitSizes
 
-# eager, with the eager forms of library.runtime.eager_fusion and the fused Triton kernels of
-# library.runtime.fused_ops: bench.checkpointing, twelfth H200 run (2026-12-03, one call): no checkpointing 266.6 ms,
-# gc 373.2 ms (fifth run, before the kernels: 314.7 and 426.4 ms); the offload modes from the training-step table,
-# run A (plain forms: gc 564.6 ms, unsloth offload 666.5 ms)
-EAGER_CHECKPOINTING = {"none": 0.714, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
+# eager, with the eager forms of library.runtime.eager_fusion, the fused Triton kernels of library.runtime.fused_ops
+# and the one-node LoRA of networks.lora_generic: bench.checkpointing, twelfth H200 run (2026-12-03, call 3): no
+# checkpointing 257.0 ms, gc 356.0 ms (fifth run, before the kernels and the node: 314.7 and 426.4 ms); the offload
+# modes from the training-step table, run A (plain forms: gc 564.6 ms, unsloth offload 666.5 ms)
+EAGER_CHECKPOINTING = {"none": 0.722, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
 # --compile: bench.checkpointing, third H200 run (2026-12-01, one call): no checkpointing 261.7 ms, gc 347.5 ms
 # (e2e run A, earlier: 252 vs 379 ms); the offload modes were not measured compiled (eager ratio)
 COMPILED_CHECKPOINTING = {"none": 0.753, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
@@ -41,17 +41,14 @@ COMPILED_CHECKPOINTING = {"none": 0.753, "full": 1.0, "unsloth": 1.181, "cpu_off
 SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.953, (True, "int8"): 0.916, (False, "int8"): 2.556}
 # ConvRot INT8 DiT against bf16, gc, bench.checkpointing, each pair in one call. The planner plans for cards whose
 # GPU, not the host, bounds the step (8-24 GB cards are slower than an H200, their int8 tensor cores 2x+ their bf16
-# ones), so the eager factor is the GPU-bound one. Eager, eleventh run (2026-12-03, four calls, eager full
-# checkpointing in torch's reentrant form): the median of INT8's nine process medians 436.1 ms (400.8-532.6: 400-402
-# in processes the host kept up with, more where the hypervisor took CPU time) against the median of bf16's six,
-# 428.6 ms (424.6-433.7). (Before the reentrant form, fifth run: 556.9 vs 426.4 ms.) Twelfth run (one call, with the
-# fused kernels, which take the same GPU time off both): INT8 432.4 ms against bf16's 373.2 ms, host-bound on the
-# H200 (its autograd thread); its fastest steps, 346.6-366.3 ms, are where the GPU led.
+# ones), so the eager factor is the GPU-bound one. Eager, twelfth run (2026-12-03, call 3, the one-node LoRA): INT8
+# 333.2 and 346.2 ms in two processes (median 339.7) against bf16's 356.0 ms, both GPU-bound. (Call 1, before the
+# node: INT8 432.4 ms, host-bound, against 373.2; eleventh run: 436.1 against 428.6 ms.)
 # Compiled, fourth run: 334.5 vs 339.1 ms
 # (the TMA GEMMs launched raw), with AOTAutograd's graph-safe RNG functionalisation. The seventh run (2026-12-02,
 # full checkpointing with every operator of the compiled checkpoint tagged, one call) had INT8 at 332.3-355.2 ms in
 # two processes against bf16's 344.7 ms: the same factor. (The sixth run's 379.2 ms was its call's first process.)
-INT8_FACTOR = {False: 1.017, True: 0.986}
+INT8_FACTOR = {False: 0.954, True: 0.986}
 # --checkpointing_skip_blocks as the planner may choose it, per checkpointing mode: at most the values where the
 # measured step still followed the line above (bench.checkpointing, fifth H200 run, one call: bf16 gc + compile,
 # skip 20, 306.9 ms against 303.8 predicted from the 344.4 ms without; INT8 selective + compile: 301.3 ms at skip

@@ -257,6 +257,27 @@ def _input_for(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------------
 # Modules
 # --------------------------------------------------------------------------------------------------------------------
+class Int8Product:
+    """A ConvRot INT8 Linear's frozen product as an adapter's autograd node runs it (`networks.lora_generic`): the
+    same launches as the module's eager forward (its launch plans, its activation cache) and backward, with the
+    adapter's input gradient as the backward product's addend. x must be in the compute dtype already."""
+
+    @staticmethod
+    def tensors(m: ConvRotInt8Linear) -> tuple[torch.Tensor, ...]:
+        """What the node keeps for backward (what the module's own autograd node keeps): the codes and scales."""
+        return m.weight, m.weight_scale
+
+    @staticmethod
+    def forward(m: ConvRotInt8Linear, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+        return ops.eager_forward(x, weight, weight_scale, m.bias, m.group_size, m._eager_plans)
+
+    @staticmethod
+    def grad_input(m: ConvRotInt8Linear, grad: torch.Tensor, accumulate: torch.Tensor, weight: torch.Tensor,
+                   weight_scale: torch.Tensor) -> torch.Tensor:
+        """accumulate + the gradient of x, from the output's gradient (both 2-D, rows x features)."""
+        return m._eager_plans.grad_input(grad, weight, weight_scale, m.group_size, m.bwd, accumulate=accumulate)
+
+
 class _Int8StateMixin:
     """Shared state handling: keep int8/fp32 buffers through .to(dtype); ComfyUI marker in the state dict."""
 
@@ -375,6 +396,13 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
 
     def reset_parameters(self) -> None:
         """Nothing to initialise: the int8 codes are frozen data (nn.Linear's init would fail on them)."""
+
+    def frozen_product(self) -> type[Int8Product] | None:
+        """The eager int8 product for an adapter whose autograd node wraps this Linear (`networks.lora_generic`), or
+        None where the module's own forward must run: a full-precision layer, a trainable bias, torch.compile."""
+        if self.full_precision or (self.bias is not None and self.bias.requires_grad) or torch.compiler.is_compiling():
+            return None
+        return Int8Product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _input_for(x)

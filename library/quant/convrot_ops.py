@@ -33,7 +33,7 @@ from library.quant.linear_plan import LinearPlans
 
 __all__ = [
     "DEQUANTIZE", "LINEAR", "LINEAR_GRAD_INPUT", "QUANTIZE", "dedupe_quantize", "dequantize",
-    "enable_inductor_quantize_dedupe", "linear", "linear_eager",
+    "eager_forward", "enable_inductor_quantize_dedupe", "linear", "linear_eager",
 ]
 
 
@@ -291,7 +291,7 @@ class _EagerLinear(torch.autograd.Function):
     def forward(ctx, x, weight, weight_scale, bias, group_size, bwd, plans):  # type: ignore[override]
         _save_for_backward(ctx, weight, weight_scale, bias, group_size, bwd)
         ctx.plans = plans
-        return _eager_forward(x, weight, weight_scale, bias, group_size, plans)
+        return eager_forward(x, weight, weight_scale, bias, group_size, plans)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -307,8 +307,9 @@ class _EagerLinear(torch.autograd.Function):
         return grad_x, None, None, grad_bias, None, None, None
 
 
-def _eager_forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                   group_size: int, plans: LinearPlans | None) -> torch.Tensor:
+def eager_forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                  group_size: int, plans: LinearPlans | None) -> torch.Tensor:
+    """The int8 product without autograd, from `plans` where given (the eager forward's launches)."""
     if plans is not None:
         return plans.forward(x, weight, weight_scale, bias, group_size)
     return kernels.linear_forward(x, weight, weight_scale, bias, group_size)
@@ -322,7 +323,7 @@ def linear_eager(
     `plans`: the calling module's launch plans (`library.quant.linear_plan`), which replay the forward's launches."""
     if _needs_grad(x, bias):
         return _EagerLinear.apply(x, weight, weight_scale, bias, group_size, bwd, plans)
-    return _eager_forward(x, weight, weight_scale, bias, group_size, plans)
+    return eager_forward(x, weight, weight_scale, bias, group_size, plans)
 
 
 def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
