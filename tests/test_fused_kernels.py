@@ -233,6 +233,32 @@ def _tuning_invariant(device: str) -> float:
     return max(_rel(a, b) for a, b in zip(after, before))
 
 
+def _launch_paths(device: str) -> dict[str, bool]:
+    """Each kernel's first launch of a specialisation (through Triton) and the next (the direct launch that every
+    later call takes, `library.quant.triton_launch`) give the same bits: with the launchers' caches cleared, so the
+    first call of each goes through Triton again."""
+    from library.runtime import fused_kernels
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 5, 3, 64, generator=g).to(device, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(device, torch.bfloat16)
+    cos, sin = _tables(2, 5, 64, False, device)
+    u = torch.randn(2, 5, 2 * 72, generator=g).to(device, torch.bfloat16)
+    h = torch.randn(2, 5, 200, generator=g).to(device, torch.bfloat16)
+    hw = (1 + 0.1 * torch.randn(200, generator=g)).to(device, torch.bfloat16)
+    mod = (torch.randn(2, 2, 200, generator=g) * 0.3).to(device, torch.bfloat16)
+    calls = {
+        "norm_rope_forward": lambda: fused_kernels.norm_rope_forward(x, w, cos, sin, 1e-6),
+        "norm_rope_backward": lambda: fused_kernels.norm_rope_backward(x, x, w, cos, sin, 1e-6),
+        "swiglu_forward": lambda: fused_kernels.swiglu_forward(u),
+        "swiglu_backward": lambda: fused_kernels.swiglu_backward(u[..., :72], u),
+        "norm_modulate_forward": lambda: fused_kernels.norm_modulate_forward(h, hw, mod[:, 0], mod[:, 1], 1e-6),
+        "norm_modulate_backward": lambda: fused_kernels.norm_modulate_backward(h, h, hw, mod[:, 1], 1e-6),
+    }
+    fused_kernels._LAUNCHERS.clear()
+    return {name: bool(torch.equal(call(), call())) for name, call in calls.items()}
+
+
 def run_checks(device: str) -> dict:
     checked = fused_ops.prepare(device)
     cases = [_case(dtype, dim, one, device) for dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -250,6 +276,7 @@ def run_checks(device: str) -> dict:
         y_c, gx_c = _block_step(blk, True, policy, device)
         ckpt[policy] = max(_rel(y_c, y_k), _rel(gx_c, gx_k))
     return {"interpreted": os.environ.get("TRITON_INTERPRET") == "1", "checked": checked,
+            "launch_paths_equal": _launch_paths(device),
             "tuning_invariant": _tuning_invariant(device), "cases": cases, "swiglu": swiglu,
             "norm_modulate": norm_modulate,
             "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e), "launches": launches,
@@ -258,6 +285,7 @@ def run_checks(device: str) -> dict:
 
 def _assert_checks(res: dict) -> None:
     assert res["checked"]  # the kernels' own check passed on this device
+    assert res["launch_paths_equal"] == dict.fromkeys(LAUNCHES, True), res["launch_paths_equal"]
     assert res["tuning_invariant"] == 0 if res["interpreted"] else res["tuning_invariant"] < 1e-3
     assert len(res["cases"]) == 12
     for c in res["cases"]:
