@@ -49,6 +49,7 @@ import torch
 import moss_image_train_network as trainer_script
 from bench.gpu_profile import kernel_profile
 from bench.host_profile import host_profile
+from library.lora import eager_node
 from library.quant import int8_gemm_kernels
 from library.runtime import fused_ops
 from library.runtime.eager_fusion import plain_forms
@@ -56,7 +57,6 @@ from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState
 from library.training.run_options import RunOptions
 from library.training.step_loop import StepGarbageCollector
-from networks import lora_generic
 
 try:  # the main thread's CPU time and preemptions (Unix)
     import resource
@@ -156,7 +156,7 @@ NO_KERNELS = "_no_kernels"
 for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8", "gc_selective_eager"):
     CONFIGS[_name + NO_KERNELS] = CONFIGS[_name]
 # bench-only: the eager configurations with each LoRA delta as separate operators instead of one autograd node
-# (networks.lora_generic.set_lora_one_node), for the ratio of the two in one run
+# (library.lora.eager_node.set_lora_one_node), for the ratio of the two in one run
 LORA_OPS = "_lora_ops"
 for _name in ("no_gc_eager", "gc_full_eager", "gc_full_eager_int8"):
     CONFIGS[_name + LORA_OPS] = CONFIGS[_name]
@@ -413,7 +413,7 @@ def bench_variant(name: str) -> Any:
     if name.endswith(NONREENTRANT):
         checkpointing.EAGER_FULL["reentrant"] = False
     saved_kernels = fused_ops.set_fused_kernels(not name.endswith(NO_KERNELS))
-    saved_lora = lora_generic.set_lora_one_node(not name.endswith(LORA_OPS))
+    saved_lora = eager_node.set_lora_one_node(not name.endswith(LORA_OPS))
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
@@ -425,7 +425,7 @@ def bench_variant(name: str) -> Any:
         checkpointing.COMPILED_FULL["per_operator_tags"] = saved
         checkpointing.EAGER_FULL["reentrant"] = saved_reentrant
         fused_ops.set_fused_kernels(saved_kernels)
-        lora_generic.set_lora_one_node(saved_lora)
+        eager_node.set_lora_one_node(saved_lora)
         convrot_kernels.set_quantiser(saved_quantiser)
         linear_plan.set_linear_plans(True)
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from library.lora.conventions import ALPHA, LORA_DOWN, LORA_PREFIX_TEXT_ENCODER, LORA_PREFIX_UNET, lora_name_for
+from library.lora.eager_node import DenseProduct, LoRAAddmm, LoRALinear, one_node
 from library.runtime.eager_fusion import eager_fused
 from networks.network_args import (
     COMMON_NETWORK_ARGS as ACCEPTED_NETWORK_ARGS,
@@ -55,112 +56,8 @@ __all__ = [
     "ACCEPTED_NETWORK_ARGS", "DEFAULT_NETWORK_ALPHA", "DEFAULT_NETWORK_DIM", "LORA_PREFIX_TEXT_ENCODER",
     "LORA_PREFIX_UNET", "LoRAModule", "LoRANetwork", "NetworkOptions", "create_network", "create_network_from_weights",
     "dit_candidates", "is_linear_like", "lora_name_for", "normalize_lora_state_dict", "parse_bool", "parse_float",
-    "parse_pattern_list", "parse_regex_values", "set_lora_one_node", "text_encoder_candidates",
+    "parse_pattern_list", "parse_regex_values", "text_encoder_candidates",
 ]
-
-
-_ONE_NODE = {"enabled": True}
-
-
-def set_lora_one_node(enabled: bool) -> bool:
-    """Let the eager LoRA delta run as one autograd node (`_LoRAAddmm`, the default) or as separate operators (the
-    same kernels; the benchmark's same-run comparison). Returns the previous setting."""
-    previous = _ONE_NODE["enabled"]
-    _ONE_NODE["enabled"] = bool(enabled)
-    return previous
-
-
-class _LoRAAddmm(torch.autograd.Function):
-    """out + alpha * (x @ down^T) @ up^T, with down and up in out's dtype, as one autograd node.
-
-    The eager form of `LoRAModule.add_delta`. Its kernels are those the operators would launch (the two casts, the
-    down mm and the up-projection accumulated into out by addmm; in backward four mm, two alpha scalings and the two
-    casts back), but autograd records one node instead of about nine (two casts, two transposes, two matmuls, views),
-    which takes host time off every pass of an eager step: the forward, the recomputation under checkpointing and
-    the backward. It keeps what the operators would keep: x, the rank activations and the two cast weights."""
-
-    @staticmethod
-    def forward(ctx, out, x, down, up, alpha):  # type: ignore[override]
-        dtype = out.dtype
-        d, u = down.to(dtype), up.to(dtype)
-        x2 = x.reshape(-1, x.shape[-1])
-        lx = torch.mm(x2, d.t())
-        y = torch.addmm(out.reshape(-1, out.shape[-1]), lx, u.t(), alpha=alpha)
-        ctx.save_for_backward(x2, lx, d, u)
-        ctx.alpha, ctx.x_shape, ctx.dtypes = alpha, x.shape, (down.dtype, up.dtype)
-        return y.view(out.shape)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        x2, lx, d, u = ctx.saved_tensors
-        need_out, need_x, need_down, need_up = ctx.needs_input_grad[:4]
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_down = grad_up = None
-        if need_x or need_down:
-            glx = torch.mm(g2, u).mul_(ctx.alpha)
-            if need_x:
-                grad_x = torch.mm(glx, d).view(ctx.x_shape)
-            if need_down:
-                grad_down = torch.mm(glx.t(), x2).to(ctx.dtypes[0])
-        if need_up:
-            grad_up = torch.mm(g2.t(), lx).mul_(ctx.alpha).to(ctx.dtypes[1])
-        return (grad if need_out else None), grad_x, grad_down, grad_up, None
-
-
-class _DenseProduct:
-    """A frozen `nn.Linear`'s product as `_LoRALinear` runs it: F.linear forward, addmm backward (the LoRA's input
-    gradient as the addend). The other product is `library.quant.convrot.Int8Product`; both share these methods."""
-
-    @staticmethod
-    def tensors(m: nn.Linear) -> tuple[torch.Tensor, ...]:
-        return (m.weight,) if m.bias is None else (m.weight, m.bias)
-
-    @staticmethod
-    def forward(m: nn.Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def grad_input(m: nn.Linear, grad: torch.Tensor, accumulate: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.addmm(accumulate, grad, weight)
-
-
-class _LoRALinear(torch.autograd.Function):
-    """org(x) + alpha * (x @ down^T) @ up^T as one autograd node, where org is a frozen Linear whose product the node
-    runs itself (`_DenseProduct`, `Int8Product`): the eager form of the whole wrapped Linear.
-
-    Beyond `_LoRAAddmm`'s saving, the base Linear's own node goes too, and with it the add that sums the input
-    gradients of the base and the LoRA: the LoRA's input gradient is the addend of the base's backward product
-    (addmm). The up-projection accumulates into the base output (addmm). It keeps what the two nodes would keep."""
-
-    @staticmethod
-    def forward(ctx, x, down, up, alpha, org, product, *base):  # type: ignore[override]
-        dtype = x.dtype
-        d, u = down.to(dtype), up.to(dtype)
-        x2 = x.reshape(-1, x.shape[-1])
-        out = product.forward(org, x, *base)
-        lx = torch.mm(x2, d.t())
-        # not in place: selective checkpointing may keep the product's output for the recomputation
-        y = torch.addmm(out.reshape(-1, out.shape[-1]), lx, u.t(), alpha=alpha).view(out.shape)
-        ctx.save_for_backward(x2, lx, d, u, *base)
-        ctx.alpha, ctx.x_shape, ctx.dtypes, ctx.org, ctx.product = alpha, x.shape, (down.dtype, up.dtype), org, product
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        x2, lx, d, u, *base = ctx.saved_tensors
-        need_x, need_down, need_up = ctx.needs_input_grad[:3]
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_down = grad_up = None
-        if need_x or need_down:
-            glx = torch.mm(g2, u).mul_(ctx.alpha)
-            if need_down:
-                grad_down = torch.mm(glx.t(), x2).to(ctx.dtypes[0])
-            if need_x:
-                grad_x = ctx.product.grad_input(ctx.org, g2, torch.mm(glx, d), *base).view(ctx.x_shape)
-        if need_up:
-            grad_up = torch.mm(g2.t(), lx).mul_(ctx.alpha).to(ctx.dtypes[1])
-        return grad_x, grad_down, grad_up, None, None, None, *(None for _ in base)
 
 
 def _frozen(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
@@ -209,14 +106,14 @@ class LoRAModule(AdapterModule):
         if product is None:
             return super().forward(x, *args, **kwargs)
         org = self.org_module
-        return _LoRALinear.apply(x, self.lora_down.weight, self.lora_up.weight, self.scale * self.multiplier, org,
+        return LoRALinear.apply(x, self.lora_down.weight, self.lora_up.weight, self.scale * self.multiplier, org,
                                  product, *product.tensors(org))
 
     def _node_product(self, x: torch.Tensor, args: tuple, kwargs: dict) -> type | None:
-        """The frozen product that `_LoRALinear` can run for this call, or None: the eager form where it applies
+        """The frozen product that `LoRALinear` (`library.lora.eager_node`) can run for this call, or None: the eager form where it applies
         (as `add_delta`'s, with the base Linear's output in x's dtype and nothing of the base to train), else the
         base's own forward and `add_delta`."""
-        if (args or kwargs or not _ONE_NODE["enabled"] or not self.enabled or self.multiplier == 0 or x.dim() < 2
+        if (args or kwargs or not one_node() or not self.enabled or self.multiplier == 0 or x.dim() < 2
                 or not eager_fused()):
             return None
         if self.training and (self.module_dropout or self.dropout or self.rank_dropout):
@@ -231,14 +128,14 @@ class LoRAModule(AdapterModule):
         if type(org) is nn.Linear:
             if getattr(self._org_forward, "__func__", None) is not nn.Linear.forward:
                 return None  # another wrapper's forward, which must run
-            return _DenseProduct if _frozen(org.weight, x.dtype) and _frozen(org.bias, x.dtype) else None
+            return DenseProduct if _frozen(org.weight, x.dtype) and _frozen(org.bias, x.dtype) else None
         frozen_product = getattr(org, "frozen_product", None)
         if frozen_product is None or getattr(self._org_forward, "__func__", None) is not type(org).forward:
             return None
         return frozen_product()
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Eager form (`library.runtime.eager_fusion`): one autograd node (`_LoRAAddmm`) in which the up-projection
+        """Eager form (`library.runtime.eager_fusion`): one autograd node (`library.lora.eager_node.LoRAAddmm`) in which the up-projection
         accumulates into the base output by addmm, multiplier * scale as its alpha. The plain form is used under
         torch.compile, with the training-time dropouts, for inputs of another dtype than the output, or when the
         dtypes would need casts that autocast does not make."""
@@ -251,8 +148,8 @@ class LoRAModule(AdapterModule):
                 or (self.training and (self.dropout or self.rank_dropout))):
             return super().add_delta(out, x)
         alpha = self.scale * self.multiplier
-        if _ONE_NODE["enabled"]:
-            return _LoRAAddmm.apply(out, x, down, up, alpha)
+        if one_node():
+            return LoRAAddmm.apply(out, x, down, up, alpha)
         lx = self.lora_down(x)
         y = torch.addmm(out.reshape(-1, out.shape[-1]), lx.reshape(-1, lx.shape[-1]), up.t(), alpha=alpha)
         return y.view(out.shape)

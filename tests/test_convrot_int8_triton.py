@@ -123,9 +123,10 @@ def run_checks(device: str) -> dict:
 
 
 def _check_lora_node(device: str) -> dict:
-    """A LoRA around the int8 Linear as one autograd node (`networks.lora_generic._LoRALinear`, the module's
+    """A LoRA around the int8 Linear as one autograd node (`library.lora.eager_node.LoRALinear`, the module's
     launch plans inside it, the LoRA's input gradient as the addend of the replayed backward product) against the
     module's own node plus the LoRA operators: the same values to bf16 rounding."""
+    from library.lora import eager_node
     from library.quant import convrot as U
     from networks import lora_generic
 
@@ -141,7 +142,7 @@ def _check_lora_node(device: str) -> dict:
     gy = torch.randn(2, 9, 40, device=device, dtype=torch.bfloat16)
     runs = {}
     for one_node in (False, True, True):  # the second node run replays the bound backward (with its addend)
-        previous = lora_generic.set_lora_one_node(one_node)
+        previous = eager_node.set_lora_one_node(one_node)
         try:
             x = x0.clone().requires_grad_(True)
             with torch.autocast(device, dtype=torch.bfloat16):  # the trainer's case: fp32 LoRA tensors
@@ -149,7 +150,7 @@ def _check_lora_node(device: str) -> dict:
             node = type(y.grad_fn).__name__
             y.backward(gy)
         finally:
-            lora_generic.set_lora_one_node(previous)
+            eager_node.set_lora_one_node(previous)
         runs.setdefault(one_node, []).append((node, y.detach(), x.grad, lora.lora_down.weight.grad.clone(),
                                               lora.lora_up.weight.grad.clone()))
         lora.zero_grad(set_to_none=True)
@@ -304,7 +305,7 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
         assert p == {"same": True, "replays": 4, "plans": 1, "moved": True, "after_switch": True,
                      "replays_total": 9 if rotated else 8, "grad_same": True, "bwd_plans": int(rotated)}, (tag, p)
     assert res["one_buffer"] == {"same": True, "layout_ok": True}
-    assert res["lora_node"]["nodes"] == ["_LoRALinearBackward"] * 2, res["lora_node"]
+    assert res["lora_node"]["nodes"] == ["LoRALinearBackward"] * 2, res["lora_node"]
     assert max(res["lora_node"]["relerr"]) < 1e-2 and res["lora_node"]["bwd_plans"] == 1, res["lora_node"]
 
 

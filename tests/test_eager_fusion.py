@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from library.lora import eager_node
 from library.moss_image.dit import MossImageBlock, MossImageConfig, RMSNorm, RopeTables, apply_rope
 from library.runtime.attention import Attention
 from library.runtime.eager_fusion import eager_fused, plain_forms, set_eager_fusion
-from networks import lora_generic
 from networks.lora_generic import LoRAModule
 
 CFG = MossImageConfig(hidden_size=256, num_heads=2, head_dim=128, ffn_hidden=512)
@@ -244,18 +244,18 @@ def _graph_nodes(t: torch.Tensor) -> list[str]:
 def test_the_lora_node_matches_the_lora_operators(autocast, whole):
     """One autograd node instead of the casts, transposes, products and views: the same numbers, in fp32 to float
     rounding and under bf16 autocast to bf16 rounding. Around a frozen Linear the node runs the base product too
-    (`_LoRALinear`); around a base with something to train it adds the delta to the base's output (`_LoRAAddmm`)."""
+    (`LoRALinear`); around a base with something to train it adds the delta to the base's output (`LoRAAddmm`)."""
     base, module = _lora()
     base.weight.requires_grad_(not whole)
     x = torch.randn(2, 5, 32)
     if autocast:
         base.to(torch.bfloat16)
         x = x.bfloat16()
-    previous = lora_generic.set_lora_one_node(False)
+    previous = eager_node.set_lora_one_node(False)
     try:
         ref = _lora_step(base, module, x, autocast=autocast)
     finally:
-        lora_generic.set_lora_one_node(previous)
+        eager_node.set_lora_one_node(previous)
     got = _lora_step(base, module, x, autocast=autocast)
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype
@@ -263,9 +263,9 @@ def test_the_lora_node_matches_the_lora_operators(autocast, whole):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         nodes = _graph_nodes(base(x.clone().requires_grad_(True)))
     if whole:
-        assert sorted(nodes) == ["AccumulateGrad"] * 3 + ["_LoRALinearBackward"], nodes
+        assert sorted(nodes) == ["AccumulateGrad"] * 3 + ["LoRALinearBackward"], nodes
     else:
-        assert nodes.count("_LoRAAddmmBackward") == 1
+        assert nodes.count("LoRAAddmmBackward") == 1
         assert nodes.count("AddmmBackward0") == 1, nodes  # the base Linear's (with its bias)
         assert not {"MmBackward0", "ToCopyBackward0"} & set(nodes), nodes
 
@@ -283,17 +283,17 @@ def test_the_lora_node_around_a_convrot_int8_linear():
         module.lora_up.weight.normal_(0, 0.3)
     module.apply_to()
     x = torch.randn(2, 5, 256).bfloat16()
-    previous = lora_generic.set_lora_one_node(False)
+    previous = eager_node.set_lora_one_node(False)
     try:
         ref = _lora_step(base, module, x, autocast=True)
     finally:
-        lora_generic.set_lora_one_node(previous)
+        eager_node.set_lora_one_node(previous)
     got = _lora_step(base, module, x, autocast=True)
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype and relerr(a, b) < 1e-2
     with torch.autocast("cpu", dtype=torch.bfloat16):
         nodes = _graph_nodes(base(x.clone().requires_grad_(True)))
-    assert sorted(nodes) == ["AccumulateGrad"] * 3 + ["_LoRALinearBackward"], nodes
+    assert sorted(nodes) == ["AccumulateGrad"] * 3 + ["LoRALinearBackward"], nodes
 
 
 def test_the_lora_node_gradients_by_finite_differences():
@@ -301,13 +301,13 @@ def test_the_lora_node_gradients_by_finite_differences():
     x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     down = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     up = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *t: lora_generic._LoRAAddmm.apply(*t, 0.35), (out, x, down, up))
+    assert torch.autograd.gradcheck(lambda *t: eager_node.LoRAAddmm.apply(*t, 0.35), (out, x, down, up))
     base = nn.Linear(5, 6, bias=False).to(torch.float64).requires_grad_(False)
     assert torch.autograd.gradcheck(
-        lambda x, d, u: lora_generic._LoRALinear.apply(x, d, u, 0.35, base, lora_generic._DenseProduct, base.weight),
+        lambda x, d, u: eager_node.LoRALinear.apply(x, d, u, 0.35, base, eager_node.DenseProduct, base.weight),
         (x, down, up))
     # only the inputs that need a gradient get one (a frozen down-projection, an input without grad)
-    y = lora_generic._LoRAAddmm.apply(out.detach(), x.detach(), down.detach(), up, 0.35)
+    y = eager_node.LoRAAddmm.apply(out.detach(), x.detach(), down.detach(), up, 0.35)
     y.sum().backward()
     assert up.grad is not None
 
