@@ -22,3 +22,17 @@ def test_eager_host_bench_runs_each_configuration_and_restores_the_switches(tmp_
         assert r["forward_us"] > 0 and r["backward_us"] > 0
     assert checkpointing.EAGER_FULL["reentrant"] and linear_plan._STATE["enabled"]
     assert eager_host.main(["--width", "200", "--device", "cpu", "--out", str(out)]) == 2
+
+
+def test_the_op_profile_names_the_lora_node_and_counts_per_block(tmp_path):
+    """`--ops N`: the host time by operator and by autograd node, per block; the LoRA-wrapped Linears show as one
+    node each (`library.lora.eager_node.LoRALinear`), six per block in backward."""
+    out = tmp_path / "eager_host.json"
+    argv = ["--device", "cpu", "--layers", "2", "--width", "256", "--tokens", "40", "--iters", "1", "--warmup", "1",
+            "--configs", "bf16", "--ops", "2", "--out", str(out)]
+    assert eager_host.main(argv) == 0
+    (prof,) = json.loads(out.read_text())["op_profiles"]
+    assert prof["config"] == "bf16" and prof["layers"] == 2 and prof["iters"] == 2
+    assert prof["events_per_block"] > 0 and prof["self_us_per_block"] > 0
+    nodes = {r["name"]: r for r in prof["autograd_nodes_by_total_time"]}
+    assert nodes["LoRALinearBackward"]["calls_per_block"] == 6, nodes
