@@ -9,8 +9,8 @@ shapes of a 1024x1024 step (4,352 tokens, width 3,072 in 24 heads of 128, FFN 8,
 Each chain runs as the block calls it (`library.moss_image.dit`: `norm_modulate`, `norm_rope`, `swiglu`), with the
 fused kernels on and off (`library.runtime.fused_ops.set_fused_kernels`): the forward (with autograd recording, as in
 training) and the forward + backward. A timed call makes `--reps` calls back to back; on CUDA a sleep kernel holds the
-GPU while the host queues it (`held_gpu_ms`), so the GPU time is measured with the host out of it (as in a step where the
-GPU leads: one chain's kernels take less time than autograd's call around them). The median over `--iters` timed
+GPU while the host queues it (`held_gpu_ms`), so the GPU time is measured with the host out of it (as in a step where
+the GPU leads: one chain's kernels take less time than autograd's call around them). The median over `--iters` timed
 calls is divided by `--reps`. ``gbps`` is the kernels' traffic (the bytes their arguments and results take) over
 their time.
 `--sweep` times the kernels form for each value of each launch parameter (`fused_kernels.TUNING`), one at a time.

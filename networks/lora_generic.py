@@ -110,9 +110,9 @@ class LoRAModule(AdapterModule):
                                  product, *product.tensors(org))
 
     def _node_product(self, x: torch.Tensor, args: tuple, kwargs: dict) -> type | None:
-        """The frozen product that `LoRALinear` (`library.lora.eager_node`) can run for this call, or None: the eager form where it applies
-        (as `add_delta`'s, with the base Linear's output in x's dtype and nothing of the base to train), else the
-        base's own forward and `add_delta`."""
+        """The frozen product that `LoRALinear` (`library.lora.eager_node`) can run for this call, or None: the one
+        node where the eager form applies (as `add_delta`'s, with x in the compute dtype and nothing of the base to
+        train), else the base's own forward and `add_delta`."""
         if (args or kwargs or not one_node() or not self.enabled or self.multiplier == 0 or x.dim() < 2
                 or not eager_fused()):
             return None
@@ -135,10 +135,10 @@ class LoRAModule(AdapterModule):
         return frozen_product()
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Eager form (`library.runtime.eager_fusion`): one autograd node (`library.lora.eager_node.LoRAAddmm`) in which the up-projection
-        accumulates into the base output by addmm, multiplier * scale as its alpha. The plain form is used under
-        torch.compile, with the training-time dropouts, for inputs of another dtype than the output, or when the
-        dtypes would need casts that autocast does not make."""
+        """Eager form (`library.runtime.eager_fusion`): one autograd node (`library.lora.eager_node.LoRAAddmm`) in
+        which the up-projection accumulates into the base output by addmm, multiplier * scale as its alpha. The plain
+        form is used under torch.compile, with the training-time dropouts, for inputs of another dtype than the
+        output, or when the dtypes would need casts that autocast does not make."""
         up, down, device = self.lora_up.weight, self.lora_down.weight, out.device.type
         if torch.is_autocast_enabled(device):  # addmm returns the autocast dtype: only where out has it already
             casts = out.dtype != torch.get_autocast_dtype(device)

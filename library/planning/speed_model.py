@@ -25,7 +25,7 @@ from library.planning.memory_model import SKIP_BLOCK_MODES, InferenceWorkload, S
 from library.planning.sizes import DitSizes
 
 # eager, with the eager forms of library.runtime.eager_fusion, the fused Triton kernels of library.runtime.fused_ops
-# and the one-node LoRA of networks.lora_generic: bench.checkpointing, twelfth H200 run (2026-12-03, call 3): no
+# and the one-node LoRA of library.lora.eager_node: bench.checkpointing, twelfth H200 run (2026-12-03, call 3): no
 # checkpointing 257.0 ms, gc 356.0 ms (fifth run, before the kernels and the node: 314.7 and 426.4 ms); the offload
 # modes from the training-step table, run A (plain forms: gc 564.6 ms, unsloth offload 666.5 ms)
 EAGER_CHECKPOINTING = {"none": 0.722, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}

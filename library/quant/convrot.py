@@ -258,7 +258,7 @@ def _input_for(x: torch.Tensor) -> torch.Tensor:
 # Modules
 # --------------------------------------------------------------------------------------------------------------------
 class Int8Product:
-    """A ConvRot INT8 Linear's frozen product as an adapter's autograd node runs it (`networks.lora_generic`): the
+    """A ConvRot INT8 Linear's frozen product as an adapter's autograd node runs it (`library.lora.eager_node`): the
     same launches as the module's eager forward (its launch plans, its activation cache) and backward, with the
     adapter's input gradient as the backward product's addend. x must be in the compute dtype already."""
 
@@ -268,7 +268,8 @@ class Int8Product:
         return m.weight, m.weight_scale
 
     @staticmethod
-    def forward(m: ConvRotInt8Linear, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    def forward(m: ConvRotInt8Linear, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+                ) -> torch.Tensor:
         return ops.eager_forward(x, weight, weight_scale, m.bias, m.group_size, m._eager_plans)
 
     @staticmethod
@@ -398,7 +399,7 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
         """Nothing to initialise: the int8 codes are frozen data (nn.Linear's init would fail on them)."""
 
     def frozen_product(self) -> type[Int8Product] | None:
-        """The eager int8 product for an adapter whose autograd node wraps this Linear (`networks.lora_generic`), or
+        """The eager int8 product for an adapter whose autograd node wraps this Linear (`library.lora.eager_node`), or
         None where the module's own forward must run: a full-precision layer, a trainable bias, torch.compile."""
         if self.full_precision or (self.bias is not None and self.bias.requires_grad) or torch.compiler.is_compiling():
             return None

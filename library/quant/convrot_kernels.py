@@ -196,6 +196,15 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b)
 
 
+def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.addmm(c, a, b) in the operands' own dtype (as `_mm`)."""
+    device = a.device.type
+    if torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
+            return torch.addmm(c, a, b)
+    return torch.addmm(c, a, b)
+
+
 def _grouped_matmul(x: torch.Tensor, h: torch.Tensor, group_size: int) -> torch.Tensor:
     """Blockwise x [..., K] @ h along the last axis: one [numel / g, g] @ [g, g] product."""
     grouped = x.reshape(-1, group_size)

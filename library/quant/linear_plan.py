@@ -132,7 +132,7 @@ class LinearPlans:
             plan.dequantise(weight, w, weight_scale.view(-1))
             g2 = grad.reshape(-1, n)
             if accumulate is not None:
-                return torch.addmm(accumulate.view(-1, k), g2, w).view(*grad.shape[:-1], k)
+                return kernels._addmm(accumulate.view(-1, k), g2, w).view(*grad.shape[:-1], k)
             return kernels._mm(g2, w).view(*grad.shape[:-1], k)
         out = self._regular_grad_input(grad, weight, weight_scale, group_size, bwd)
         if accumulate is not None:
