@@ -294,6 +294,11 @@ H200_ROWS = [
     ("twelfth run: INT8 gc, eager", _w12(), M.Setup("int8", "full"), "training", 7.23, 8.16),
     ("twelfth run: INT8 gc, eager, no kernels", _w12(fused_kernels=False), M.Setup("int8", "full"), "training",
      7.30, 8.04),
+    # twelfth run, call 4: with the one-node LoRA (library.lora.eager_node) too
+    ("twelfth run, call 4: INT8 no checkpointing, eager", _w12(), M.Setup("int8", "none"), "training", 24.88, 26.10),
+    ("twelfth run, call 4: no checkpointing, eager", _w12(), M.Setup("bf16", "none"), "training", 29.22, 30.08),
+    ("twelfth run, call 4: gc, eager", _w12(), M.Setup("bf16", "full"), "training", 11.64, 12.16),
+    ("twelfth run, call 4: INT8 gc, eager", _w12(), M.Setup("int8", "full"), "training", 7.29, 8.20),
     # caching table (16 images of 1024 x 1024)
     ("caching: cache_latents.py", _w(), M.Setup(), "caching latents", 3.37, 3.90),
     ("caching: cache_text_encoder_outputs.py, bf16", _w(), M.Setup(), "caching text-encoder outputs", 14.85, 14.86),
