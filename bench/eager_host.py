@@ -16,12 +16,13 @@ INT8 configurations with "_unplanned" run without the int8 Linears' launch plans
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,10 @@ def _forward_into(blocks: _Blocks, x: torch.Tensor, out: list[torch.Tensor]) -> 
     out.append(blocks.forward(x))
 
 
-def measure(name: str, cfg: MossImageConfig, seq: int, device: str, iters: int, warmup: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def _configured(name: str, cfg: MossImageConfig, seq: int, device: str) -> Iterator[_Blocks]:
+    """The blocks of configuration `name`, each fully checkpointed, with its checkpoint form and launch plans set
+    while inside (the trainer's switches put back after)."""
     opts = CONFIGS[name]
     blocks = _Blocks(cfg, seq, device, int8=opts["int8"])
     for blk in blocks.dit.layers:
@@ -67,8 +71,17 @@ def measure(name: str, cfg: MossImageConfig, seq: int, device: str, iters: int, 
     saved = checkpointing.EAGER_FULL["reentrant"], linear_plan._STATE["enabled"]
     checkpointing.EAGER_FULL["reentrant"] = opts["reentrant"]
     linear_plan.set_linear_plans(opts["plans"])
-    fwd, bwd = [], []
     try:
+        yield blocks
+    finally:
+        checkpointing.EAGER_FULL["reentrant"], plans = saved
+        linear_plan.set_linear_plans(plans)
+
+
+def measure(name: str, cfg: MossImageConfig, seq: int, device: str, iters: int, warmup: int) -> dict[str, Any]:
+    opts = CONFIGS[name]
+    fwd, bwd = [], []
+    with _configured(name, cfg, seq, device) as blocks:
         for i in range(warmup + iters):
             x = blocks.x.detach().requires_grad_(True)  # as under checkpointing: the block input requires grad
             out: list[torch.Tensor] = []
@@ -78,9 +91,6 @@ def measure(name: str, cfg: MossImageConfig, seq: int, device: str, iters: int, 
             if i >= warmup:
                 fwd.append(f)
                 bwd.append(b)
-    finally:
-        checkpointing.EAGER_FULL["reentrant"], plans = saved
-        linear_plan.set_linear_plans(plans)
     n = len(blocks.dit.layers)
     per_block = {"forward_us": statistics.median(fwd) * 1000 / n, "backward_us": statistics.median(bwd) * 1000 / n}
     per_block["step_us"] = per_block["forward_us"] + per_block["backward_us"]
@@ -102,14 +112,7 @@ def op_profile(name: str, cfg: MossImageConfig, seq: int, device: str, iters: in
     event, so read shares rather than absolute times."""
     from torch.profiler import ProfilerActivity, profile
 
-    opts = CONFIGS[name]
-    blocks = _Blocks(cfg, seq, device, int8=opts["int8"])
-    for blk in blocks.dit.layers:
-        blk.checkpointing = "full"
-    saved = checkpointing.EAGER_FULL["reentrant"], linear_plan._STATE["enabled"]
-    checkpointing.EAGER_FULL["reentrant"] = opts["reentrant"]
-    linear_plan.set_linear_plans(opts["plans"])
-    try:
+    with _configured(name, cfg, seq, device) as blocks:
         for _ in range(3):
             blocks.train_step()
             blocks.net.zero_grad(set_to_none=True)
@@ -119,9 +122,6 @@ def op_profile(name: str, cfg: MossImageConfig, seq: int, device: str, iters: in
                 blocks.train_step()
                 blocks.net.zero_grad(set_to_none=True)
             _sync(device)
-    finally:
-        checkpointing.EAGER_FULL["reentrant"], plans = saved
-        linear_plan.set_linear_plans(plans)
     per = iters * len(blocks.dit.layers)
     ops: dict[str, list[float]] = {}
     nodes: dict[str, list[float]] = {}

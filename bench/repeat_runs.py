@@ -23,37 +23,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
 from library.files.safetensors_io import load_safetensors
 from library.lora import eager_node
 from library.moss_image.tiny_snapshot import build_tiny_snapshot
 from library.runtime import fused_ops
+from tools.demo import write_dataset
 
 
-def _toy_data(root: Path, n: int = 2, size: int = 64) -> Path:
-    folder = root / "4_toy"
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        arr = np.full((size, size, 3), 128, np.uint8)
-        arr[size // 4: 3 * size // 4, size // 4: 3 * size // 4] = (220, 30, 30)
-        Image.fromarray(arr).save(folder / f"img{i}.png")
-        (folder / f"img{i}.txt").write_text("a red square on a grey background")
-    return root
-
-
-def _train(snapshot: Path, data: Path, out: Path, policy: str) -> dict[str, torch.Tensor]:
-    """One run of the trainer (on the GPU where there is one)."""
+def _train(snapshot: Path, config: Path, out: Path, policy: str) -> dict[str, torch.Tensor]:
+    """One run of the trainer on the dataset `config` (on the GPU where there is one)."""
     from accelerate.state import AcceleratorState
 
     import moss_image_train_network as trainer
 
     AcceleratorState._reset_state(reset_partial_state=True)  # one process, several runs
-    argv = ["--snapshot", str(snapshot), "--train_data_dir", str(data), "--resolution", "64", "--output_dir",
-            str(out), "--output_name", "toy", "--network_module", "networks.lora_generic", "--network_dim", "4",
-            "--network_train_unet_only", "--seed", "7", "--max_data_loader_n_workers", "0", "--cache_latents",
+    argv = ["--snapshot", str(snapshot), "--dataset_config", str(config), "--output_dir", str(out), "--output_name",
+            "toy", "--network_module", "networks.lora_generic", "--network_dim", "4", "--network_train_unet_only", "--seed", "7", "--max_data_loader_n_workers", "0", "--cache_latents",
             "--cache_text_encoder_outputs", "--max_train_steps", "3", "--learning_rate", "1e-2",
             "--gradient_checkpointing", "--checkpointing_policy", policy]
     trainer.MossImageNetworkTrainer().train(trainer.setup_parser().parse_args(argv))
@@ -85,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             snapshot = build_tiny_snapshot(root / "snapshot")
-            data = _toy_data(root / "data")
-            files = [_train(snapshot, data, root / f"run{i}", policies[i % len(policies)])
+            config = write_dataset(root / "data", n=2)  # the demo's images and dataset.toml
+            files = [_train(snapshot, config, root / f"run{i}", policies[i % len(policies)])
                      for i in range(ns.runs)]
     finally:
         fused_ops.set_fused_kernels(kernels)

@@ -226,6 +226,16 @@ def test_lora_addmm_under_autocast_with_fp32_lora_weights():
         assert relerr(a, b) < 1e-2
 
 
+def _node_and_operators(base: nn.Module, module: LoRAModule, x: torch.Tensor, autocast: bool) -> tuple:
+    """`_lora_step` with the one-node LoRA (the default), then with the LoRA as separate operators."""
+    got = _lora_step(base, module, x, autocast=autocast)
+    previous = eager_node.set_lora_one_node(False)
+    try:
+        return got, _lora_step(base, module, x, autocast=autocast)
+    finally:
+        eager_node.set_lora_one_node(previous)
+
+
 def _graph_nodes(t: torch.Tensor) -> list[str]:
     """The names of the autograd nodes behind `t` (each once)."""
     seen, todo, names = set(), [t.grad_fn], []
@@ -251,12 +261,7 @@ def test_the_lora_node_matches_the_lora_operators(autocast, whole):
     if autocast:
         base.to(torch.bfloat16)
         x = x.bfloat16()
-    previous = eager_node.set_lora_one_node(False)
-    try:
-        ref = _lora_step(base, module, x, autocast=autocast)
-    finally:
-        eager_node.set_lora_one_node(previous)
-    got = _lora_step(base, module, x, autocast=autocast)
+    got, ref = _node_and_operators(base, module, x, autocast=autocast)
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype
         assert relerr(a, b) < (1e-2 if autocast else 1e-6)
@@ -283,12 +288,7 @@ def test_the_lora_node_around_a_convrot_int8_linear():
         module.lora_up.weight.normal_(0, 0.3)
     module.apply_to()
     x = torch.randn(2, 5, 256).bfloat16()
-    previous = eager_node.set_lora_one_node(False)
-    try:
-        ref = _lora_step(base, module, x, autocast=True)
-    finally:
-        eager_node.set_lora_one_node(previous)
-    got = _lora_step(base, module, x, autocast=True)
+    got, ref = _node_and_operators(base, module, x, autocast=True)
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype and relerr(a, b) < 1e-2
     with torch.autocast("cpu", dtype=torch.bfloat16):
