@@ -16,7 +16,11 @@ def test_runs_in_one_process_give_the_same_lora(tmp_path):
     payload = json.loads(out.read_text())
     assert [r["policy"] for r in payload["runs"]] == ["full", "selective", "full"]
     assert all(r["vs_last_run"] == 0.0 for r in payload["runs"]), payload["runs"]
-    assert payload["one_node"] is False and payload["kernels"] is True
+    # each run's cached latents and text-encoder outputs (two images: at least a latent and an output each) and its
+    # three losses, the same in every run
+    assert all(r["cached_tensors"] >= 4 and r["cached_inputs_vs_last_run"] == 0.0 for r in payload["runs"])
+    assert all(len(r["losses"]) == 3 and r["losses"] == payload["runs"][-1]["losses"] for r in payload["runs"])
+    assert payload["one_node"] is False and payload["kernels"] is True and payload["direct_launch"] is True
     assert eager_node.one_node() and fused_ops._STATE["enabled"]
 
 
