@@ -160,6 +160,11 @@ for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager
 LORA_OPS = "_lora_ops"
 for _name in ("no_gc_eager", "gc_full_eager", "gc_full_eager_int8"):
     CONFIGS[_name + LORA_OPS] = CONFIGS[_name]
+# bench-only: the one-node LoRA adding into new tensors (a device copy of the addend each) instead of in place
+# (library.lora.eager_node.set_lora_in_place), for the ratio of the two in one run
+LORA_COPIES = "_lora_copies"
+for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8"):
+    CONFIGS[_name + LORA_COPIES] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -397,7 +402,8 @@ def block_memory(dit: Any, step: Callable[[], None]) -> list[float]:
 def bench_variant(name: str) -> Any:
     """What a bench-only configuration name changes while it runs (restored afterwards, for --tiny's configurations in
     one process): the plain forms, dynamo's own checkpoint tags, the older RNG functionalisation, the previous
-    activation quantiser, the int8 Linears without their launch plans, eager full checkpointing's non-reentrant form."""
+    activation quantiser, the int8 Linears without their launch plans, eager full checkpointing's non-reentrant form,
+    the fused kernels off, the LoRA as operators or adding into new tensors."""
     import torch._functorch.config as functorch_config
 
     from library.quant import convrot_kernels, linear_plan
@@ -414,6 +420,7 @@ def bench_variant(name: str) -> Any:
         checkpointing.EAGER_FULL["reentrant"] = False
     saved_kernels = fused_ops.set_fused_kernels(not name.endswith(NO_KERNELS))
     saved_lora = eager_node.set_lora_one_node(not name.endswith(LORA_OPS))
+    saved_in_place = eager_node.set_lora_in_place(not name.endswith(LORA_COPIES))
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
@@ -426,6 +433,7 @@ def bench_variant(name: str) -> Any:
         checkpointing.EAGER_FULL["reentrant"] = saved_reentrant
         fused_ops.set_fused_kernels(saved_kernels)
         eager_node.set_lora_one_node(saved_lora)
+        eager_node.set_lora_in_place(saved_in_place)
         convrot_kernels.set_quantiser(saved_quantiser)
         linear_plan.set_linear_plans(True)
 

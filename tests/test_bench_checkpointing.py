@@ -37,6 +37,17 @@ def test_tiny_bench_runs_the_trainer_step_per_configuration(tiny_snapshot, tmp_p
     assert all(v > 0 for v in ref) and results["gc_full_compile"]["dynamo_stats"]["unique_graphs"] >= 1
 
 
+def test_bench_variants_switch_the_lora_node_for_their_own_run():
+    from library.lora import eager_node
+
+    with bench.bench_variant("gc_full_eager_lora_copies"):
+        assert eager_node.one_node() and not eager_node.in_place()
+    with bench.bench_variant("no_gc_eager_lora_ops"):
+        assert not eager_node.one_node() and eager_node.in_place()
+    assert eager_node.one_node() and eager_node.in_place()
+    assert {"no_gc_eager_lora_copies", "gc_full_eager_int8_lora_copies"} <= set(bench.CONFIGS)
+
+
 def test_block_memory_reads_the_growth_of_each_main_block(monkeypatch):
     """--block_memory: the allocated memory each main block's forward leaves behind, from the eager block loop; the
     text refiner's blocks are not listed and the DiT's own `_run_block` is back afterwards."""

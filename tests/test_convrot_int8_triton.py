@@ -125,7 +125,8 @@ def run_checks(device: str) -> dict:
 def _check_lora_node(device: str) -> dict:
     """A LoRA around the int8 Linear as one autograd node (`library.lora.eager_node.LoRALinear`, the module's
     launch plans inside it, the LoRA's input gradient as the addend of the replayed backward product) against the
-    module's own node plus the LoRA operators: the same values to bf16 rounding."""
+    module's own node plus the LoRA operators: the same values to bf16 rounding; the sums in place (the default) and
+    into new tensors (`set_lora_in_place(False)`) bit for bit."""
     from library.lora import eager_node
     from library.quant import convrot as U
     from networks import lora_generic
@@ -141,8 +142,10 @@ def _check_lora_node(device: str) -> dict:
     x0 = torch.randn(2, 9, 512, device=device, dtype=torch.bfloat16)
     gy = torch.randn(2, 9, 40, device=device, dtype=torch.bfloat16)
     runs = {}
-    for one_node in (False, True, True):  # the second node run replays the bound backward (with its addend)
+    # the second node run replays the bound backward (with its addend), in place; the third into new tensors
+    for one_node, in_place in ((False, True), (True, True), (True, True), (True, False)):
         previous = eager_node.set_lora_one_node(one_node)
+        previous_in_place = eager_node.set_lora_in_place(in_place)
         try:
             x = x0.clone().requires_grad_(True)
             with torch.autocast(device, dtype=torch.bfloat16):  # the trainer's case: fp32 LoRA tensors
@@ -151,13 +154,16 @@ def _check_lora_node(device: str) -> dict:
             y.backward(gy)
         finally:
             eager_node.set_lora_one_node(previous)
+            eager_node.set_lora_in_place(previous_in_place)
         runs.setdefault(one_node, []).append((node, y.detach(), x.grad, lora.lora_down.weight.grad.clone(),
                                               lora.lora_up.weight.grad.clone()))
         lora.zero_grad(set_to_none=True)
     ref = runs[False][0]
     rel = [max(_relerr(a, b) for a, b in zip(run[1:], ref[1:])) for run in runs[True]]
     bwd_plans = sum(len(key) == 3 for key in mod._eager_plans.plans)  # the backward's bound dequantisation
-    return {"nodes": [run[0] for run in runs[True]], "relerr": rel, "bwd_plans": bwd_plans}
+    in_place_equal = all(torch.equal(a, b) for a, b in zip(runs[True][1][1:], runs[True][2][1:]))
+    return {"nodes": [run[0] for run in runs[True]], "relerr": rel, "bwd_plans": bwd_plans,
+            "in_place_equal": in_place_equal}
 
 
 def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -305,8 +311,9 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
         assert p == {"same": True, "replays": 4, "plans": 1, "moved": True, "after_switch": True,
                      "replays_total": 9 if rotated else 8, "grad_same": True, "bwd_plans": int(rotated)}, (tag, p)
     assert res["one_buffer"] == {"same": True, "layout_ok": True}
-    assert res["lora_node"]["nodes"] == ["LoRALinearBackward"] * 2, res["lora_node"]
+    assert res["lora_node"]["nodes"] == ["LoRALinearBackward"] * 3, res["lora_node"]
     assert max(res["lora_node"]["relerr"]) < 1e-2 and res["lora_node"]["bwd_plans"] == 1, res["lora_node"]
+    assert res["lora_node"]["in_place_equal"], res["lora_node"]
 
 
 def _triton_importable() -> bool:

@@ -296,6 +296,81 @@ def test_the_lora_node_around_a_convrot_int8_linear():
     assert sorted(nodes) == ["AccumulateGrad"] * 3 + ["LoRALinearBackward"], nodes
 
 
+def _copies(fn) -> int:
+    """How many aten::copy_ calls `fn` makes (torch's addmm into a new tensor copies its addend first)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
+
+
+@pytest.mark.parametrize("kind", ["dense", "int8"])
+def test_the_lora_node_adds_in_place_without_copies_and_with_the_same_bits(kind):
+    """`LoRALinear` adds the up-projection into the product's output and the base's input gradient into the LoRA's,
+    in place: no copy of either (two per Linear and step otherwise, twelve per block), and the same bits as the
+    sums into new tensors (`set_lora_in_place(False)`)."""
+    from library.quant.convrot import ConvRotInt8Linear
+
+    if kind == "dense":
+        base, module = _lora()
+        base.bias = None
+        x = torch.randn(2, 5, 32)
+    else:
+        torch.manual_seed(5)
+        base = ConvRotInt8Linear.from_linear(nn.Linear(256, 48, bias=False).bfloat16(), 64)
+        module = LoRAModule("lora_unet_x", "x", base, multiplier=0.7, lora_dim=4, alpha=8.0)
+        with torch.no_grad():
+            module.lora_up.weight.normal_(0, 0.3)
+        module.apply_to()
+        x = torch.randn(2, 5, 256).bfloat16()
+    autocast = kind == "int8"
+    step = lambda: _lora_step(base, module, x, autocast=autocast)  # noqa: E731
+    copies_in_place = _copies(step)
+    got = step()
+    previous = eager_node.set_lora_in_place(False)
+    try:
+        copies_new = _copies(step)
+        ref = step()
+    finally:
+        eager_node.set_lora_in_place(previous)
+    assert eager_node.in_place()
+    # the forward's copy, and the dense backward's (the int8 backward's regular path, which the CPU takes, sums with
+    # an add, in place or not; its replayed path on CUDA takes addmm: tests/test_convrot_int8_triton.py)
+    assert copies_new - copies_in_place == (2 if kind == "dense" else 1), (copies_new, copies_in_place)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+def test_the_lora_node_keeps_a_product_output_that_selective_checkpointing_saves():
+    """Under selective checkpointing the forward adds into a new tensor: the policy may keep the product's output
+    for the recomputation (a narrowing product, K >= 2N), which an add in place would change; the gradients are
+    those of no checkpointing."""
+    from library.runtime.checkpointing import checkpointed
+
+    torch.manual_seed(4)
+    base = nn.Linear(64, 16, bias=False).requires_grad_(False)  # K = 4 N: the policy keeps its output
+    module = LoRAModule("lora_unet_x", "x", base, multiplier=1.0, lora_dim=4, alpha=4.0)
+    with torch.no_grad():
+        module.lora_up.weight.normal_(0, 0.3)
+    module.apply_to()
+    x0 = torch.randn(3, 7, 64)
+
+    def grads(checkpointed_run: bool) -> list[torch.Tensor]:
+        module.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        fn = lambda t: base(t).square()  # noqa: E731
+        y = checkpointed(fn, "selective", x) if checkpointed_run else fn(x)
+        y.sum().backward()
+        return [x.grad, module.lora_down.weight.grad, module.lora_up.weight.grad]
+
+    reference = grads(False)
+    for a, b in zip(grads(True), reference):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # the guard is what keeps them: added in place, the kept output would carry the LoRA twice when recomputed
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(eager_node, "_no_dispatch_mode", lambda: True)
+        assert any(not torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(grads(True), reference))
+
+
 def test_the_lora_node_gradients_by_finite_differences():
     out = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
     x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)

@@ -274,9 +274,11 @@ class Int8Product:
 
     @staticmethod
     def grad_input(m: ConvRotInt8Linear, grad: torch.Tensor, accumulate: torch.Tensor, weight: torch.Tensor,
-                   weight_scale: torch.Tensor) -> torch.Tensor:
-        """accumulate + the gradient of x, from the output's gradient (both 2-D, rows x features)."""
-        return m._eager_plans.grad_input(grad, weight, weight_scale, m.group_size, m.bwd, accumulate=accumulate)
+                   weight_scale: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """accumulate + the gradient of x, from the output's gradient (both 2-D, rows x features); with `in_place`,
+        added into `accumulate` (the caller's own tensor)."""
+        return m._eager_plans.grad_input(grad, weight, weight_scale, m.group_size, m.bwd, accumulate=accumulate,
+                                         in_place=in_place)
 
 
 class _Int8StateMixin:

@@ -196,8 +196,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b)
 
 
-def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.addmm(c, a, b) in the operands' own dtype (as `_mm`)."""
+def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """torch.addmm(c, a, b) in the operands' own dtype (as `_mm`); with `in_place`, into c (c.addmm_(a, b): no copy
+    of c first)."""
+    if in_place:  # in-place operators are not cast by autocast
+        return c.addmm_(a, b)
     device = a.device.type
     if torch.is_autocast_enabled(device):
         with torch.autocast(device, enabled=False):

@@ -117,12 +117,13 @@ class LinearPlans:
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     def grad_input(self, grad: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
-                   bwd: str, accumulate: torch.Tensor | None = None) -> torch.Tensor:
+                   bwd: str, accumulate: torch.Tensor | None = None, in_place: bool = False) -> torch.Tensor:
         """``int8_linear_grad_input(grad, weight, weight_scale, group_size, bwd)``: where that dequantises the
         weight with the Triton kernel and multiplies (the default), the dequantisation's launch from a plan of the
         weight's address and the gradient's dtype (bound after a regular call), then the same product.
         `accumulate` (grad's rows x K, grad's dtype): a gradient to add, which the replayed product takes as its
-        addend (addmm) instead of a separate add."""
+        addend (addmm) instead of a separate add; with `in_place`, the sum is written into `accumulate` (the
+        caller's own tensor: no copy of it first)."""
         n, k = weight.shape
         key = (grad.dtype, weight.data_ptr(), weight_scale.data_ptr())  # forward keys have 8 items
         plan = self.plans.get(key)
@@ -132,11 +133,11 @@ class LinearPlans:
             plan.dequantise(weight, w, weight_scale.view(-1))
             g2 = grad.reshape(-1, n)
             if accumulate is not None:
-                return kernels._addmm(accumulate.view(-1, k), g2, w).view(*grad.shape[:-1], k)
+                return kernels._addmm(accumulate.view(-1, k), g2, w, in_place).view(*grad.shape[:-1], k)
             return kernels._mm(g2, w).view(*grad.shape[:-1], k)
         out = self._regular_grad_input(grad, weight, weight_scale, group_size, bwd)
         if accumulate is not None:
-            out = out + accumulate.view(out.shape)
+            out = out.add_(accumulate.view(out.shape)) if in_place else out + accumulate.view(out.shape)
         return out
 
     def _regular_grad_input(self, grad: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
