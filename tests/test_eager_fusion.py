@@ -323,7 +323,7 @@ def test_the_lora_node_adds_in_place_without_copies_and_with_the_same_bits(kind)
         module.apply_to()
         x = torch.randn(2, 5, 256).bfloat16()
     autocast = kind == "int8"
-    step = lambda: _lora_step(base, module, x, autocast=autocast)  # noqa: E731
+    step = lambda: _lora_step(base, module, x, autocast=autocast)
     copies_in_place = _copies(step)
     got = step()
     previous = eager_node.set_lora_in_place(False)
@@ -357,7 +357,7 @@ def test_the_lora_node_keeps_a_product_output_that_selective_checkpointing_saves
     def grads(checkpointed_run: bool) -> list[torch.Tensor]:
         module.zero_grad(set_to_none=True)
         x = x0.clone().requires_grad_(True)
-        fn = lambda t: base(t).square()  # noqa: E731
+        fn = lambda t: base(t).square()
         y = checkpointed(fn, "selective", x) if checkpointed_run else fn(x)
         y.sum().backward()
         return [x.grad, module.lora_down.weight.grad, module.lora_up.weight.grad]
