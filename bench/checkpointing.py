@@ -477,7 +477,8 @@ def run_config(name: str, snapshot: Path, shape: Shape) -> dict[str, Any]:
             losses = list(run.loss_history)  # the profiled steps below train on: their losses are not compared
             profile = None
             if shape.profile and device.type == "cuda":
-                profile = kernel_profile(lambda: trainer._run_epoch(run, iter([batch]), _Progress(), *loop), steps=3)
+                profile = kernel_profile(lambda: trainer._run_epoch(run, iter([batch]), _Progress(), *loop), steps=3,
+                                         top=40)
             grown = None
             if shape.block_memory and device.type == "cuda":
                 grown = block_memory(run.unet, lambda: trainer._run_epoch(run, iter([batch]), _Progress(), *loop))
