@@ -212,14 +212,13 @@ class MossImageNetworkTrainer(NetworkTrainer):
         model.enable_block_swap(args.blocks_to_swap, BlockSwapConfig.from_args(args, accelerator.device))
 
     def prepare_unet(self, run: RunState) -> None:
-        from library.runtime.compile import apply_cuda_optimizations, compile_blocks
+        from library.runtime.compile import compile_blocks
 
         if getattr(run.unet, "block_offloader", None) is not None:
             run.unet.move_to_device_except_swap_blocks(run.accelerator.device)
             run.unet.prepare_block_swap_before_forward()
         else:
             run.unet.to(run.accelerator.device)
-        apply_cuda_optimizations(run.args)
         if run.args.compile:
             buckets = {i.bucket_reso for g in (run.train_group, run.val_group) if g is not None for i in g.image_infos()}
             compile_blocks(run.args, run.unet, num_shapes=len(buckets))

@@ -172,6 +172,37 @@ def test_latents_in_memory_write_no_file(tmp_path):
     assert torch.equal(strategy.get_latents(info, True)[0], info.latents_flipped)
 
 
+def test_caching_runs_with_full_fp32_matmuls_whatever_the_process_set(tmp_path):
+    """The trainer turns TF32 on for its steps and leaves it on for the process: caching turns it off while it
+    encodes (latents and text-encoder outputs), so a process's later runs cache what its first run and the cache
+    tools cache, and puts the setting back afterwards."""
+    seen: list[bool] = []
+    matmul = torch.backends.cuda.matmul
+
+    class RecordingVAE(FakeVAE):
+        def encode(self, images: torch.Tensor) -> torch.Tensor:
+            seen.append(matmul.allow_tf32)
+            return super().encode(images)
+
+    class RecordingTextEncoder(FakeTextEncoder):
+        def __call__(self, captions):
+            seen.append(matmul.allow_tf32)
+            return super().__call__(captions)
+
+    folder = image_folder(tmp_path / "a", ["x", "y"])
+    train, _ = build(tmp_path, [({}, [{"image_dir": str(folder)}])])
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        assert sm.cache_latents([train], RecordingVAE(), sm.MossImageLatentsCachingStrategy(False),
+                                show_progress=False)
+        cache_te(train, RecordingTextEncoder(), to_disk=False)
+        assert matmul.allow_tf32
+    finally:
+        matmul.allow_tf32 = before
+    assert len(seen) >= 3 and not any(seen), seen  # a latents batch, the empty prompt, the captions
+
+
 # -------------------------------------------------------------------------------------- text-encoder outputs
 def test_te_cache_holds_every_candidate_and_the_uncond(tmp_path):
     folder = image_folder(tmp_path / "a", ["first\nline two\n---\nsecond", "only one"])

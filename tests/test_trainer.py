@@ -273,3 +273,21 @@ def test_lora_saved_in_fp32_by_default_and_no_metadata_keeps_the_basics(tiny_sna
     meta = read_metadata(out / "toy.safetensors")
     assert meta["ss_network_module"] == "networks.lora_generic" and "ss_datasets" not in meta
     assert meta["modelspec.resolution"] == "64x64"
+
+
+def test_tf32_is_set_before_anything_is_cached_or_trained(tiny_snapshot, toy_data, tmp_path, monkeypatch):
+    """The trainer's TF32 setting (`apply_cuda_optimizations`, which stays set for the process) comes at the start
+    of a run, before caching and the steps, so that no run computes anything before it (a process's first run would
+    then differ from its later ones); caching itself takes full fp32 (tests/test_caching.py)."""
+    import moss_image_train_network as m
+    from library.training import network_trainer
+
+    order: list[str] = []
+    real_optimizations = network_trainer.apply_cuda_optimizations
+    real_cache = m.MossImageNetworkTrainer.cache_latents
+    monkeypatch.setattr(network_trainer, "apply_cuda_optimizations",
+                        lambda args: (order.append("tf32"), real_optimizations(args))[1])
+    monkeypatch.setattr(m.MossImageNetworkTrainer, "cache_latents",
+                        lambda self, run: (order.append("cache_latents"), real_cache(self, run))[1])
+    train(base_args(tiny_snapshot, toy_data, tmp_path / "out", "--max_train_steps", "1"))
+    assert order == ["tf32", "cache_latents"], order

@@ -53,6 +53,7 @@ from library.datasets.caption_variants import CacheCaptions, VariantRecipe
 from library.datasets.image_info import ImageInfo
 from library.errors import UserError
 from library.files.safetensors_io import remove_stale_temp_files, write_atomic
+from library.runtime.compile import exact_fp32_matmul
 from library.text_encoder.encoding import EncodeFn, LazyEncoder, TextOutputs
 from library.text_encoder.qwen35 import PROMPT_TEMPLATE_ID
 from library.text_encoder.variant import BF16, cache_variant, variant_dtype
@@ -598,7 +599,7 @@ def cache_latents(
     for batch in _progress(batches, "caching latents", show_progress):
         prepared = [prepare_image_for_cache(i) for i in batch]
         images = torch.stack([p.image for p in prepared])
-        with torch.no_grad():
+        with torch.no_grad(), exact_fp32_matmul():  # the same latents whatever the process set before
             lat = vae.encode(images)
             lat_flipped = vae.encode(images.flip(-1)) if batch[0].subset.flip_aug else None
         for k, (info, p) in enumerate(zip(batch, prepared)):
@@ -658,12 +659,13 @@ def cache_text_encoder_outputs(
     else:
         files, mine = {}, set()
         todo = [(i, g.text_encoder_cache_captions(i)) for g in groups for i in _unique(g.image_infos())]
-    if todo or _files_without_uncond(files):
-        strategy.set_uncond(encode([""])[0])  # stored in every file; dropout reads it from there
-    elif strategy.cache_to_disk:
-        _log_all_valid(encode, len(mine), num_processes)
-    todo.sort(key=lambda item: max((len(c) for c in item[1].texts), default=0))
-    done = _encode_and_store(todo, encode, strategy, show_progress)
+    with exact_fp32_matmul():  # the same outputs whatever the process set before (fp32 encoders)
+        if todo or _files_without_uncond(files):
+            strategy.set_uncond(encode([""])[0])  # stored in every file; dropout reads it from there
+        elif strategy.cache_to_disk:
+            _log_all_valid(encode, len(mine), num_processes)
+        todo.sort(key=lambda item: max((len(c) for c in item[1].texts), default=0))
+        done = _encode_and_store(todo, encode, strategy, show_progress)
     logger.info("text encoder outputs: %d images encoded by this process", len(todo))
     if done.captions:
         logger.info("text encoder outputs: %d captions in %.1f s (%.1f captions/s)", done.captions, done.seconds,

@@ -36,11 +36,10 @@ is merged first, then quantized).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +60,7 @@ from library.lora.conventions import (
 )
 from library.lora.convert import read_lora, to_sd_scripts
 from library.lora.weights import delta_shape, delta_weight, module_scale
+from library.runtime.compile import exact_fp32_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +110,12 @@ def merged_modules(
     for algorithm, (parts, _) in zip(algorithms, active):
         _check_fits(algorithm, parts, weight, key)
     if round_trip is not None and weight.device.type == "cpu":
-        with _exact_fp32_matmul(round_trip.device):
+        with exact_fp32_matmul(round_trip.device):
             return round_trip.merge(weight, _row_updates(active, algorithms, round_trip.device), dtype)
     if weight.device.type == "cpu" and set(algorithms) == {"lora"}:
         return _merge_lora_rows(weight, active, dtype)
     result = weight.to(dtype=torch.float32, copy=True)
-    with _exact_fp32_matmul(result.device):
+    with exact_fp32_matmul(result.device):
         for algorithm, (parts, multiplier) in zip(algorithms, active):
             if algorithm == "lora":  # one fused multiply-add, no full-size temporary
                 up32 = parts[LORA_UP].to(result.device, torch.float32)
@@ -264,20 +264,6 @@ class DeviceRoundTrip:
         began = time.perf_counter()
         out[start:end].copy_(self._rows(self._out[slot], out.dtype, end - start, out.shape[1]))
         self.times.copy_out_s += time.perf_counter() - began
-
-
-@contextlib.contextmanager
-def _exact_fp32_matmul(device: torch.device) -> Iterator[None]:
-    """fp32 matmuls in full fp32 on CUDA (no TF32, which --allow_tf32 / cuDNN settings may have turned on)."""
-    if device.type != "cuda":
-        yield
-        return
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _check_fits(algorithm: str, parts: ModuleParts, weight: torch.Tensor, key: str) -> None:

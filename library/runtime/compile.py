@@ -18,7 +18,9 @@ stays light.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from library.errors import UserError
@@ -84,6 +86,27 @@ def apply_cuda_optimizations(args: argparse.Namespace) -> None:
         return
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+
+
+@contextlib.contextmanager
+def exact_fp32_matmul(device: Any = None) -> Iterator[None]:
+    """fp32 matmuls in full fp32 on CUDA (no TF32, which `apply_cuda_optimizations` or --cuda_allow_tf32 turns on),
+    restoring the setting afterwards; for a `device` other than CUDA nothing changes. What must not depend on when
+    in a process it runs takes it: caching (the trainer sets TF32 when it places the DiT, so a process's first run
+    would otherwise cache with full fp32 and its later runs with TF32, and the cache tools, which never set it, with
+    full fp32), and the LoRA merge."""
+    import torch
+
+    if device is not None and torch.device(device).type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = before
 
 
 def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> None:

@@ -30,7 +30,7 @@ import torch
 from library.errors import UserError
 from library.files import base_model_hash, model_spec
 from library.options.implications import TRAINING_IMPLICATIONS, apply_implications
-from library.runtime.compile import apply_cuda_backend_options
+from library.runtime.compile import apply_cuda_backend_options, apply_cuda_optimizations
 from library.runtime.checkpointing import check_checkpointing_args, skip_blocks
 from library.training import checkpoints as train_checkpoints
 from library.training import flow_matching
@@ -381,6 +381,10 @@ class NetworkTrainer(abc.ABC):
         options = RunOptions.from_args(args, self.is_train_text_encoder(args))
         flow_matching.log_timestep_sampling_info(options.timestep_sampling)
         apply_cuda_backend_options(args)
+        # TF32 matmuls from the start of the run, before any model runs (it stays set for the process): set when the
+        # DiT is placed, what ran before (sample prompts encoded in fp32) differed between a process's first run and
+        # its later ones. Caching takes full fp32 either way (`exact_fp32_matmul`), as the cache tools do.
+        apply_cuda_optimizations(args)
         if args.cuda_expandable_segments:
             from library.runtime.compile import enable_expandable_segments
 
