@@ -47,7 +47,7 @@ from library.moss_image.dit import MossImageConfig
 from library.runtime import eager_fusion, fused_ops
 from library.runtime.checkpointing import ATTENTION_OPS
 
-MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "_scaled_mm"}
+MATMUL_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "_scaled_mm"}
 # operators that move no data (a view, an alias, an allocation without a fill) as they reach the dispatcher
 VIEW_OPS = {"view", "_unsafe_view", "_reshape_alias", "expand", "unbind", "select", "slice", "t", "transpose", "permute",
             "as_strided", "unsqueeze", "squeeze", "view_as_complex", "view_as_real", "detach", "alias", "split",
