@@ -165,6 +165,11 @@ for _name in ("no_gc_eager", "gc_full_eager", "gc_full_eager_int8"):
 LORA_COPIES = "_lora_copies"
 for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8"):
     CONFIGS[_name + LORA_COPIES] = CONFIGS[_name]
+# bench-only: a block's q, k and v LoRA-wrapped Linears as one node each instead of one LoRAGroup node
+# (library.lora.eager_node.set_lora_grouped), for the ratio of the two in one run
+LORA_UNGROUPED = "_lora_ungrouped"
+for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8"):
+    CONFIGS[_name + LORA_UNGROUPED] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -403,7 +408,7 @@ def bench_variant(name: str) -> Any:
     """What a bench-only configuration name changes while it runs (restored afterwards, for --tiny's configurations in
     one process): the plain forms, dynamo's own checkpoint tags, the older RNG functionalisation, the previous
     activation quantiser, the int8 Linears without their launch plans, eager full checkpointing's non-reentrant form,
-    the fused kernels off, the LoRA as operators or adding into new tensors."""
+    the fused kernels off, the LoRA as operators, adding into new tensors or without the q/k/v group."""
     import torch._functorch.config as functorch_config
 
     from library.quant import convrot_kernels, linear_plan
@@ -421,6 +426,7 @@ def bench_variant(name: str) -> Any:
     saved_kernels = fused_ops.set_fused_kernels(not name.endswith(NO_KERNELS))
     saved_lora = eager_node.set_lora_one_node(not name.endswith(LORA_OPS))
     saved_in_place = eager_node.set_lora_in_place(not name.endswith(LORA_COPIES))
+    saved_grouped = eager_node.set_lora_grouped(not name.endswith(LORA_UNGROUPED))
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
@@ -434,6 +440,7 @@ def bench_variant(name: str) -> Any:
         fused_ops.set_fused_kernels(saved_kernels)
         eager_node.set_lora_one_node(saved_lora)
         eager_node.set_lora_in_place(saved_in_place)
+        eager_node.set_lora_grouped(saved_grouped)
         convrot_kernels.set_quantiser(saved_quantiser)
         linear_plan.set_linear_plans(True)
 

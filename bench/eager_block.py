@@ -43,6 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.convrot_int8 import _Blocks, relerr, time_ms
+from library.lora import eager_node
 from library.moss_image.dit import MossImageConfig
 from library.runtime import eager_fusion, fused_ops
 from library.runtime.checkpointing import ATTENTION_OPS
@@ -267,13 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--int8", action="store_true", help="also the ConvRot INT8 blocks")
     p.add_argument("--fake", action="store_true", help="count operators and saved bytes on fake tensors (no data, no "
                    "timing, no comparison): the full-width figures on a machine too slow to run them")
+    p.add_argument("--lora_ungrouped", action="store_true",
+                   help="q, k and v's LoRA as one node each, not one LoRAGroup (library.lora.eager_node)")
     p.add_argument("--out", required=True, help="JSON file for the results (also printed)")
     args = p.parse_args(argv)
     cfg = dataclasses.replace(MossImageConfig(), num_layers=args.layers, num_refiner_layers=0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
                            "torch": torch.__version__, "tokens": args.tokens, "layers": args.layers,
-                           "fake": args.fake, "runs": {}}
-    previous = eager_fusion.set_eager_fusion(True), fused_ops.set_fused_kernels(True)
+                           "fake": args.fake, "lora_grouped": not args.lora_ungrouped, "runs": {}}
+    previous = (eager_fusion.set_eager_fusion(True), fused_ops.set_fused_kernels(True),
+                eager_node.set_lora_grouped(not args.lora_ungrouped))
     forms_run = forms_for(args.device, args.fake)
     try:
         for precision in ("bf16", "int8") if args.int8 else ("bf16",):
@@ -288,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         eager_fusion.set_eager_fusion(previous[0])
         fused_ops.set_fused_kernels(previous[1])
+        eager_node.set_lora_grouped(previous[2])
     text = json.dumps(out, indent=1)
     path = Path(args.out)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from library.lora.conventions import ALPHA, LORA_DOWN, LORA_PREFIX_TEXT_ENCODER, LORA_PREFIX_UNET, lora_name_for
-from library.lora.eager_node import DenseProduct, LoRAAddmm, LoRALinear, one_node
+from library.lora.eager_node import DenseProduct, LoRAAddmm, LoRALinear, NodePart, one_node
 from library.runtime.eager_fusion import eager_fused
 from networks.network_args import (
     COMMON_NETWORK_ARGS as ACCEPTED_NETWORK_ARGS,
@@ -108,6 +108,16 @@ class LoRAModule(AdapterModule):
         org = self.org_module
         return LoRALinear.apply(x, self.lora_down.weight, self.lora_up.weight, self.scale * self.multiplier, org,
                                  product, *product.tensors(org))
+
+    def node_part(self, x: torch.Tensor) -> NodePart | None:
+        """This module's share of a `LoRAGroup` node over a block's Linears of one input (`library.lora.eager_node.
+        lora_group_parts`), or None where its call would not be one `LoRALinear` node."""
+        product = self._node_product(x, (), {})
+        if product is None:
+            return None
+        org = self.org_module
+        return NodePart(self.lora_down.weight, self.lora_up.weight, self.scale * self.multiplier, org, product,
+                        tuple(product.tensors(org)))
 
     def _node_product(self, x: torch.Tensor, args: tuple, kwargs: dict) -> type | None:
         """The frozen product that `LoRALinear` (`library.lora.eager_node`) can run for this call, or None: the one

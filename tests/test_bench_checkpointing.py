@@ -42,10 +42,13 @@ def test_bench_variants_switch_the_lora_node_for_their_own_run():
 
     with bench.bench_variant("gc_full_eager_lora_copies"):
         assert eager_node.one_node() and not eager_node.in_place()
+    with bench.bench_variant("no_gc_eager_int8_lora_ungrouped"):
+        assert eager_node.in_place() and not eager_node.grouped()
     with bench.bench_variant("no_gc_eager_lora_ops"):
         assert not eager_node.one_node() and eager_node.in_place()
-    assert eager_node.one_node() and eager_node.in_place()
-    assert {"no_gc_eager_lora_copies", "gc_full_eager_int8_lora_copies"} <= set(bench.CONFIGS)
+    assert eager_node.one_node() and eager_node.in_place() and eager_node.grouped()
+    assert {"no_gc_eager_lora_copies", "gc_full_eager_int8_lora_copies", "gc_full_eager_lora_ungrouped"} <= set(
+        bench.CONFIGS)
 
 
 def test_block_memory_reads_the_growth_of_each_main_block(monkeypatch):

@@ -451,3 +451,104 @@ def test_cuda_block_under_autocast_fused_norm_and_fp32_closeness():
     for i in (0, 1):
         assert relerr(fused[i], ref[i]) <= 1.05 * relerr(plain[i], ref[i]) + 1e-4
         assert relerr(fused[i], plain[i]) < 1e-2
+
+
+def _three_loras(dtype: torch.dtype = torch.float32, ranks=(4, 8, 2), int8: bool = False):
+    """Three frozen Linears of one input (as a block's q, k, v), each with its own LoRA: other ranks, multipliers."""
+    from library.quant.convrot import ConvRotInt8Linear
+
+    torch.manual_seed(6)
+    linears = []
+    for i, rank in enumerate(ranks):
+        base = nn.Linear(256 if int8 else 32, 48 - 8 * i, bias=False).to(dtype).requires_grad_(False)
+        if int8:
+            base = ConvRotInt8Linear.from_linear(base, 64)
+        module = LoRAModule(f"lora_unet_x{i}", f"x{i}", base, multiplier=0.5 + 0.25 * i, lora_dim=rank, alpha=4.0)
+        with torch.no_grad():
+            module.lora_up.weight.normal_(0, 0.3)
+        module.apply_to()
+        linears.append((base, module))
+    return linears
+
+
+def _group_step(linears, x0: torch.Tensor, autocast: bool, group: bool):
+    """The three outputs and the gradients of x and of every LoRA weight, through `lora_group` or one call each."""
+    for _, module in linears:
+        module.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        bases = [b for b, _ in linears]
+        parts = eager_node.lora_group_parts(bases, x) if group else None
+        assert (parts is not None) == group
+        ys = eager_node.lora_group(x, parts) if group else tuple(b(x) for b in bases)
+    sum(((i + 1) * y.float()).square().sum() for i, y in enumerate(ys)).backward()
+    grads = [t for _, m in linears for t in (m.lora_down.weight.grad, m.lora_up.weight.grad)]
+    return [*(y.detach() for y in ys), x.grad, *grads], ys[0]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_lora_group_matches_a_node_per_linear(autocast):
+    """q, k and v as one node (`LoRAGroup`: one down-projection product, one LoRA input-gradient product into which
+    the bases' are added) against a `LoRALinear` each, and against the operators: to float rounding in fp32, to bf16
+    rounding under autocast; ranks and multipliers differ per Linear."""
+    linears = _three_loras(torch.bfloat16 if autocast else torch.float32)
+    x = torch.randn(2, 5, 32)
+    if autocast:
+        x = x.bfloat16()
+    got, y = _group_step(linears, x, autocast, group=True)
+    assert _graph_nodes(y).count("LoRAGroupBackward") == 1
+    per_linear, _ = _group_step(linears, x, autocast, group=False)
+    previous = eager_node.set_lora_one_node(False)
+    try:
+        operators, _ = _group_step(linears, x, autocast, group=False)
+    finally:
+        eager_node.set_lora_one_node(previous)
+    for ref in (per_linear, operators):
+        for a, b in zip(got, ref):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert relerr(a, b) < (1e-2 if autocast else 1e-6)
+
+
+def test_the_lora_group_around_convrot_int8_linears():
+    linears = _three_loras(torch.bfloat16, int8=True)
+    x = torch.randn(2, 5, 256).bfloat16()
+    got, _ = _group_step(linears, x, True, group=True)
+    ref, _ = _group_step(linears, x, True, group=False)
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and relerr(a, b) < 1e-2
+
+
+def test_the_lora_group_gradients_by_finite_differences():
+    torch.manual_seed(8)
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    parts, tensors = [], []
+    for out_features, rank in ((5, 2), (4, 3)):
+        base = nn.Linear(6, out_features, bias=False).double().requires_grad_(False)
+        down = torch.randn(rank, 6, dtype=torch.float64, requires_grad=True)
+        up = torch.randn(out_features, rank, dtype=torch.float64, requires_grad=True)
+        parts.append(eager_node.NodePart(down, up, 0.7, base, eager_node.DenseProduct, (base.weight,)))
+        tensors += [down, up]
+
+    def fn(x, *weights):
+        rebuilt = [eager_node.NodePart(weights[2 * i], weights[2 * i + 1], p.alpha, p.org, p.product, p.base)
+                   for i, p in enumerate(parts)]
+        return eager_node.lora_group(x, rebuilt)
+
+    assert torch.autograd.gradcheck(fn, (x, *tensors))
+
+
+def test_the_lora_group_needs_every_linear_to_offer_its_part():
+    """Without a LoRA on one of the Linears (a pattern that leaves v out, say), or with the grouping switched off,
+    the block calls the Linears one by one."""
+    linears = _three_loras()
+    bases = [b for b, _ in linears]
+    x = torch.randn(2, 5, 32)
+    assert eager_node.lora_group_parts(bases, x) is not None
+    assert eager_node.lora_group_parts([*bases[:2], nn.Linear(32, 32)], x) is None
+    previous = eager_node.set_lora_grouped(False)
+    try:
+        assert eager_node.lora_group_parts(bases, x) is None
+    finally:
+        eager_node.set_lora_grouped(previous)
+    with plain_forms():  # the plain forms (as under torch.compile): no one-node LoRA, so no group
+        assert eager_node.lora_group_parts(bases, x) is None

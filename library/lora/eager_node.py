@@ -20,21 +20,30 @@ accumulates): two M x N copies per Linear and step, twelve per block, about 10 m
 forward's in-place add is skipped where a dispatch mode is active: selective checkpointing may keep the product's
 output for the recomputation, which an add in place would change.
 
+- `LoRAGroup`: several such Linears of one input (a block's q, k and v), one node for all. Their down-projections
+  are one product (x read once, the rank activations side by side), and so are the LoRA parts of the input gradient
+  and the down-projections' gradients; the bases' input gradients are added in place into that one tensor, instead
+  of three tensors that autograd adds up. A block asks for it with `lora_group_parts` (None: call the Linears).
+
 `set_lora_one_node(False)` makes LoRAModule use the operators again (the same kernels; the benchmark's comparison);
-`set_lora_in_place(False)` makes the nodes add into new tensors (the same sums, bit for bit).
+`set_lora_in_place(False)` makes the nodes add into new tensors (the same sums, bit for bit); `set_lora_grouped(
+False)` makes each Linear of a group its own `LoRALinear`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DenseProduct", "LoRAAddmm", "LoRALinear", "in_place", "one_node", "set_lora_in_place",
+__all__ = ["DenseProduct", "LoRAAddmm", "LoRAGroup", "LoRALinear", "NodePart", "grouped", "in_place",
+           "lora_group", "lora_group_parts", "one_node", "set_lora_grouped", "set_lora_in_place",
            "set_lora_one_node"]
 
-_ONE_NODE = {"enabled": True, "in_place": True}
+_ONE_NODE = {"enabled": True, "in_place": True, "grouped": True}
 
 
 def set_lora_one_node(enabled: bool) -> bool:
@@ -59,6 +68,18 @@ def set_lora_in_place(enabled: bool) -> bool:
 
 def in_place() -> bool:
     return _ONE_NODE["in_place"]
+
+
+def set_lora_grouped(enabled: bool) -> bool:
+    """Let a block's Linears of one input run as one `LoRAGroup` node (the default) or each as its own node (the
+    benchmark's comparison). Returns the previous setting."""
+    previous = _ONE_NODE["grouped"]
+    _ONE_NODE["grouped"] = bool(enabled)
+    return previous
+
+
+def grouped() -> bool:
+    return _ONE_NODE["grouped"]
 
 
 def _no_dispatch_mode() -> bool:
@@ -164,3 +185,118 @@ class LoRALinear(torch.autograd.Function):
             # grad_x is the node's own tensor (`_rank_backward` made it): the base's gradient is added into it
             grad_x = ctx.product.grad_input(ctx.org, g2, grad_x, *base, in_place=in_place()).view(ctx.x_shape)
         return grad_x, grad_down, grad_up, None, None, None, *(None for _ in base)
+
+
+@dataclass(frozen=True)
+class NodePart:
+    """What `LoRALinear` takes for one wrapped Linear (an adapter's `node_part`): the LoRA weights, the multiplier x
+    scale, the frozen Linear and its product (`DenseProduct` or `Int8Product`) with the tensors that product keeps."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    alpha: float
+    org: nn.Module
+    product: Any
+    base: tuple[torch.Tensor, ...]
+
+
+def lora_group_parts(linears: Sequence[nn.Module], x: torch.Tensor) -> list[NodePart] | None:
+    """The parts of one `LoRAGroup` over `linears`, all called with x, or None where the group does not apply: the
+    grouping off, a Linear without an adapter that offers its part for this call (`node_part`: one-node LoRA in
+    eager mode, no dropout, nothing of the base to train), or LoRA weights of several dtypes."""
+    if not (grouped() and one_node()):
+        return None
+    parts = []
+    for m in linears:
+        adapter = getattr(m.forward, "__self__", None)
+        part_of = getattr(adapter, "node_part", None)
+        part = part_of(x) if part_of is not None else None
+        if part is None:
+            return None
+        parts.append(part)
+    if len({p.down.dtype for p in parts}) > 1 or len({p.up.dtype for p in parts}) > 1:
+        return None
+    return parts
+
+
+def lora_group(x: torch.Tensor, parts: Sequence[NodePart]) -> tuple[torch.Tensor, ...]:
+    """Each part's org(x) + alpha * (x @ down^T) @ up^T, as one autograd node (`LoRAGroup`)."""
+    meta = tuple((p.alpha, p.org, p.product, len(p.base)) for p in parts)
+    flat = [t for p in parts for t in (p.down, p.up, *p.base)]
+    return LoRAGroup.apply(x, meta, *flat)
+
+
+def _unflatten(meta: tuple, flat: Sequence[Any]) -> tuple[list[Any], list[Any], list[tuple[Any, ...]]]:
+    """`lora_group`'s flat tensors back as the downs, the ups and each part's base tensors."""
+    downs, ups, bases, i = [], [], [], 0
+    for _alpha, _org, _product, n_base in meta:
+        downs.append(flat[i])
+        ups.append(flat[i + 1])
+        bases.append(tuple(flat[i + 2:i + 2 + n_base]))
+        i += 2 + n_base
+    return downs, ups, bases
+
+
+class LoRAGroup(torch.autograd.Function):
+    """`LoRALinear` for several frozen Linears of one input x (in the compute dtype), one node: the down-projections
+    as one product, the LoRA's input gradient as one product into which the bases' input gradients are added."""
+
+    @staticmethod
+    def forward(ctx, x, meta, *flat):  # type: ignore[override]
+        dtype = x.dtype
+        downs, ups, bases = _unflatten(meta, flat)
+        d = torch.cat(downs).to(dtype)  # [sum of ranks, K]
+        x2 = x.reshape(-1, x.shape[-1])
+        lx = torch.mm(x2, d.t())
+        us = [u.to(dtype) for u in ups]
+        add_in_place = in_place() and _no_dispatch_mode()  # as in LoRALinear
+        outs, start = [], 0
+        for (alpha, org, product, _), u, base in zip(meta, us, bases):
+            rank = u.shape[1]
+            out = product.forward(org, x, *base)
+            out2 = out.reshape(-1, out.shape[-1])
+            lxi = lx[:, start:start + rank]
+            y = out2.addmm_(lxi, u.t(), alpha=alpha) if add_in_place else torch.addmm(out2, lxi, u.t(), alpha=alpha)
+            outs.append(y.view(out.shape))
+            start += rank
+        ctx.save_for_backward(x2, lx, d, *us, *(t for base in bases for t in base))
+        ctx.meta, ctx.x_shape = meta, x.shape
+        ctx.dtypes = [(dn.dtype, up.dtype) for dn, up in zip(downs, ups)]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        saved = ctx.saved_tensors  # read once (non-reentrant checkpointing allows one unpacking)
+        meta, n = ctx.meta, len(ctx.meta)
+        x2, lx, d, us = saved[0], saved[1], saved[2], saved[3:3 + n]
+        base_flat, bases, i = saved[3 + n:], [], 0
+        for *_, n_base in meta:
+            bases.append(base_flat[i:i + n_base])
+            i += n_base
+        needs = ctx.needs_input_grad
+        need_x = needs[0]
+        g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
+        flat_index, need_down, need_up = 2, [], []
+        for *_, n_base in meta:  # the positions of each part's down and up among the inputs
+            need_down.append(needs[flat_index])
+            need_up.append(needs[flat_index + 1])
+            flat_index += 2 + n_base
+        grad_x = grad_down = None
+        if need_x or any(need_down):
+            glx = torch.cat([torch.mm(g2, u).mul_(alpha) for g2, u, (alpha, *_) in zip(g2s, us, meta)], dim=1)
+            if need_x:
+                grad_x = torch.mm(glx, d)  # every part's LoRA input gradient, in one product
+                for g2, (_, org, product, _), base in zip(g2s, meta, bases):
+                    grad_x = product.grad_input(org, g2, grad_x, *base, in_place=in_place())
+                grad_x = grad_x.view(ctx.x_shape)
+            if any(need_down):
+                grad_down = torch.mm(glx.t(), x2)
+        out: list[torch.Tensor | None] = [grad_x, None]
+        start = 0
+        for k, (g2, u, part_meta) in enumerate(zip(g2s, us, meta)):
+            alpha, n_base, rank = part_meta[0], part_meta[3], u.shape[1]
+            gd = grad_down[start:start + rank].to(ctx.dtypes[k][0]) if need_down[k] else None
+            gu = torch.mm(g2.t(), lx[:, start:start + rank]).mul_(alpha).to(ctx.dtypes[k][1]) if need_up[k] else None
+            out += [gd, gu, *(None for _ in range(n_base))]
+            start += rank
+        return tuple(out)

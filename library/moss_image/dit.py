@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from library.lora.eager_node import lora_group, lora_group_parts
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
 from library.runtime.eager_fusion import eager_fused
@@ -330,11 +331,22 @@ class MossImageBlock(nn.Module):
         # MossImage.enable_gradient_checkpointing; None: not checkpointed here)
         self.checkpointing: str | None = None
 
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of h: one autograd node for the three where each is a LoRA-wrapped Linear that runs as one
+        (`library.lora.eager_node.LoRAGroup`, eager mode), else the three Linears."""
+        linears = (self.proj.q, self.proj.k, self.proj.v)
+        parts = lora_group_parts(linears, h) if eager_fused() else None
+        if parts is not None:
+            q, k, v = lora_group(h, parts)
+            return q, k, v
+        return self.proj.q(h), self.proj.k(h), self.proj.v(h)
+
     def _attn(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         shape = (*h.shape[:2], self.cfg.num_heads, self.cfg.head_dim)
-        q = norm_rope(self.q_norm, self.proj.q(h).view(shape), cos, sin)
-        k = norm_rope(self.k_norm, self.proj.k(h).view(shape), cos, sin)
-        v = self.proj.v(h).view(shape)
+        q, k, v = self._qkv(h)
+        q = norm_rope(self.q_norm, q.view(shape), cos, sin)
+        k = norm_rope(self.k_norm, k.view(shape), cos, sin)
+        v = v.view(shape)
         out = self.attention(q, k, v, key_mask).flatten(2)
         return self.proj.o(out)
 
