@@ -26,7 +26,8 @@ def test_eager_host_bench_runs_each_configuration_and_restores_the_switches(tmp_
 
 def test_the_op_profile_names_the_lora_node_and_counts_per_block(tmp_path):
     """`--ops N`: the host time by operator and by autograd node, per block; the LoRA-wrapped Linears show as one
-    node each (`library.lora.eager_node.LoRALinear`), six per block in backward."""
+    node each (`library.lora.eager_node.LoRALinear`), and q, k and v as one node for the three (`LoRAGroup`): three
+    and one per block in backward."""
     out = tmp_path / "eager_host.json"
     argv = ["--device", "cpu", "--layers", "2", "--width", "256", "--tokens", "40", "--iters", "1", "--warmup", "1",
             "--configs", "bf16", "--ops", "2", "--out", str(out)]
@@ -35,4 +36,5 @@ def test_the_op_profile_names_the_lora_node_and_counts_per_block(tmp_path):
     assert prof["config"] == "bf16" and prof["layers"] == 2 and prof["iters"] == 2
     assert prof["events_per_block"] > 0 and prof["self_us_per_block"] > 0
     nodes = {r["name"]: r for r in prof["autograd_nodes_by_total_time"]}
-    assert nodes["LoRALinearBackward"]["calls_per_block"] == 6, nodes
+    assert nodes["LoRALinearBackward"]["calls_per_block"] == 3, nodes
+    assert nodes["LoRAGroupBackward"]["calls_per_block"] == 1, nodes

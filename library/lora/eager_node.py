@@ -10,8 +10,9 @@ they would keep (x, the rank activations, the two cast weights, the base's froze
   into out by addmm). Used where the base's own forward must run.
 - `LoRALinear`: the whole wrapped Linear, where the base is frozen and its product can run inside the node
   (`DenseProduct` for `nn.Linear`, `library.quant.convrot.Int8Product` for the ConvRot INT8 Linear, both with the
-  methods ``tensors``, ``forward`` and ``grad_input(..., in_place=)``). The base's node goes too, and with it the add that would sum
-  the base's and the LoRA's input gradients: the LoRA's input gradient is the addend of the base's backward product.
+  methods ``tensors``, ``forward`` and ``grad_input(..., in_place=)``). The base's node goes too, and with it the add
+  that would sum the base's and the LoRA's input gradients: the LoRA's input gradient is the addend of the base's
+  backward product.
 
 Where `LoRALinear` can, it adds in place, into tensors that it made itself: the up-projection into the product's
 output, and the base's input gradient into the LoRA's (the base's backward product takes it as its addend). A new

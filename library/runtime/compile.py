@@ -91,10 +91,10 @@ def apply_cuda_optimizations(args: argparse.Namespace) -> None:
 @contextlib.contextmanager
 def exact_fp32_matmul(device: Any = None) -> Iterator[None]:
     """fp32 matmuls in full fp32 on CUDA (no TF32, which `apply_cuda_optimizations` or --cuda_allow_tf32 turns on),
-    restoring the setting afterwards; for a `device` other than CUDA nothing changes. What must not depend on when
-    in a process it runs takes it: caching (the trainer sets TF32 when it places the DiT, so a process's first run
-    would otherwise cache with full fp32 and its later runs with TF32, and the cache tools, which never set it, with
-    full fp32), and the LoRA merge."""
+    restoring the setting afterwards; for a `device` other than CUDA nothing changes. What must not depend on the
+    process's setting takes it: caching (the trainer turns TF32 on for the rest of the process, the cache tools never
+    do: the same images must give the same caches in a tool, a process's first run and its later runs) and the LoRA
+    merge."""
     import torch
 
     if device is not None and torch.device(device).type != "cuda":
