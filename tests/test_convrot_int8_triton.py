@@ -119,7 +119,45 @@ def run_checks(device: str) -> dict:
     }
     out["plans"] = _check_plans(device)
     out["lora_node"] = _check_lora_node(device)
+    out["lora_group"] = _check_lora_group(device)
     return out
+
+
+def _check_lora_group(device: str) -> dict:
+    """Three LoRA-wrapped int8 Linears of one input as one node (`library.lora.eager_node.LoRAGroup`: the launch
+    plans inside it, the bases' input gradients added in place into the LoRA's, the second run replaying the bound
+    backward) against a node each: the same values to bf16 rounding."""
+    from library.lora import eager_node
+    from library.quant import convrot as U
+    from networks import lora_generic
+
+    torch.manual_seed(3)
+    linears = []
+    for i, rank in enumerate((4, 8, 4)):
+        mod = U.ConvRotInt8Linear.from_linear(torch.nn.Linear(512, 40 + 8 * i, bias=False).to(device,
+                                                                                              torch.bfloat16), 256)
+        lora = lora_generic.LoRAModule(f"lora_x{i}", f"x{i}", mod, lora_dim=rank, alpha=4.0)
+        lora.to(device)
+        with torch.no_grad():
+            lora.lora_up.weight.normal_(0, 0.1)
+        lora.apply_to()
+        linears.append((mod, lora))
+    x0 = torch.randn(2, 9, 512, device=device, dtype=torch.bfloat16)
+    runs = []
+    for group in (False, True, True):
+        x = x0.clone().requires_grad_(True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            parts = eager_node.lora_group_parts([m for m, _ in linears], x) if group else None
+            ys = eager_node.lora_group(x, parts) if parts is not None else [m(x) for m, _ in linears]
+        sum((y.float() * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+        runs.append((parts is not None, [y.detach() for y in ys], x.grad,
+                     [t.grad.clone() for _, lora in linears for t in (lora.lora_down.weight, lora.lora_up.weight)]))
+        for _, lora in linears:
+            lora.zero_grad(set_to_none=True)
+    ref = runs[0]
+    rel = [max(_relerr(a, b) for a, b in zip([*run[1], run[2], *run[3]], [*ref[1], ref[2], *ref[3]]))
+           for run in runs[1:]]
+    return {"grouped": [run[0] for run in runs], "relerr": rel}
 
 
 def _check_lora_node(device: str) -> dict:
@@ -314,6 +352,8 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
     assert res["lora_node"]["nodes"] == ["LoRALinearBackward"] * 3, res["lora_node"]
     assert max(res["lora_node"]["relerr"]) < 1e-2 and res["lora_node"]["bwd_plans"] == 1, res["lora_node"]
     assert res["lora_node"]["in_place_equal"], res["lora_node"]
+    assert res["lora_group"]["grouped"] == [False, True, True], res["lora_group"]
+    assert max(res["lora_group"]["relerr"]) < 1e-2, res["lora_group"]
 
 
 def _triton_importable() -> bool:
