@@ -444,3 +444,27 @@ def test_single_candidate_files_of_0_12_1_are_checked_for_their_dtype(tmp_path):
         sm.save_npz_atomic(path, {"prompt_embeds": old[0].numpy(), "attn_mask": old[1].numpy()})
         count = cache_te(te_groups(tmp_path, folder), Bf16TextEncoder(), variant="none")[0]
         assert count == (0 if valid_for_bf16 else 1)
+
+
+def test_exact_fp32_matmul_turns_the_reduced_precision_switches_off_and_back():
+    """The one context for full-precision matmuls (caching, the LoRA merge, the ConvRot rotations): TF32 off, with
+    `exact_reductions` the bf16 / fp16 reduced-precision reductions too; every switch back as it was afterwards;
+    for a device other than CUDA nothing is touched."""
+    from library.runtime.compile import exact_fp32_matmul
+
+    matmul = torch.backends.cuda.matmul
+    names = ("allow_tf32", "allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+    before = {n: getattr(matmul, n) for n in names}
+    try:
+        for n in names:
+            setattr(matmul, n, True)
+        with exact_fp32_matmul():
+            assert [getattr(matmul, n) for n in names] == [False, True, True]
+        with exact_fp32_matmul("cuda", exact_reductions=True):
+            assert [getattr(matmul, n) for n in names] == [False, False, False]
+        with exact_fp32_matmul("cpu", exact_reductions=True):
+            assert all(getattr(matmul, n) for n in names)
+        assert all(getattr(matmul, n) for n in names)
+    finally:
+        for n, value in before.items():
+            setattr(matmul, n, value)

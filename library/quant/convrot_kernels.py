@@ -37,12 +37,10 @@ L2-flush buffer) in its first training step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -77,6 +75,7 @@ from library.quant.int8_gemm_kernels import (  # noqa: F401 - set_*, backward_ke
     set_gemm_kernel,
 )
 from library.quant.int8_grad_kernels import _grad_input_upcast_triton
+from library.runtime.compile import exact_fp32_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -168,24 +167,6 @@ def hadamard(
     return _hadamard_cached(int(group_size), device, dtype)
 
 
-_MATMUL_FLAGS = ("allow_tf32", "allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
-
-
-@contextlib.contextmanager
-def _full_precision_cuda_matmul() -> Iterator[None]:
-    """Run the rotation matmuls without TF32 and without reduced-precision reductions (a trainer may have enabled
-    TF32 globally; that would change the quantised codes), restoring the flags afterwards."""
-    m = torch.backends.cuda.matmul
-    saved = {f: getattr(m, f) for f in _MATMUL_FLAGS if hasattr(m, f)}
-    try:
-        for f in saved:
-            setattr(m, f, False)
-        yield
-    finally:
-        for f, v in saved.items():
-            setattr(m, f, v)
-
-
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.mm in the operands' own dtype: an enclosing autocast would round the exact int8 sums and the fp32
     rotations to bf16 (the int8 Linear runs inside the caller's autocast region in eager mode)."""
@@ -212,7 +193,7 @@ def _grouped_matmul(x: torch.Tensor, h: torch.Tensor, group_size: int) -> torch.
     """Blockwise x [..., K] @ h along the last axis: one [numel / g, g] @ [g, g] product."""
     grouped = x.reshape(-1, group_size)
     if x.is_cuda:
-        with _full_precision_cuda_matmul():
+        with exact_fp32_matmul(exact_reductions=True):  # a trainer's TF32 would change the quantised codes
             return _mm(grouped, h).view(x.shape)
     return _mm(grouped, h).view(x.shape)
 

@@ -88,25 +88,32 @@ def apply_cuda_optimizations(args: argparse.Namespace) -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
+_REDUCTION_FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
+
 @contextlib.contextmanager
-def exact_fp32_matmul(device: Any = None) -> Iterator[None]:
+def exact_fp32_matmul(device: Any = None, exact_reductions: bool = False) -> Iterator[None]:
     """fp32 matmuls in full fp32 on CUDA (no TF32, which `apply_cuda_optimizations` or --cuda_allow_tf32 turns on),
     restoring the setting afterwards; for a `device` other than CUDA nothing changes. What must not depend on the
     process's setting takes it: caching (the trainer turns TF32 on for the rest of the process, the cache tools never
     do: the same images must give the same caches in a tool, a process's first run and its later runs) and the LoRA
-    merge."""
+    merge. `exact_reductions`: bf16 / fp16 matmuls without reduced-precision reductions too (the ConvRot rotations,
+    whose quantised codes must not depend on the settings)."""
     import torch
 
     if device is not None and torch.device(device).type != "cuda":
         yield
         return
     matmul = torch.backends.cuda.matmul
-    before = matmul.allow_tf32
-    matmul.allow_tf32 = False
+    flags = ("allow_tf32", *(_REDUCTION_FLAGS if exact_reductions else ()))
+    saved = {f: getattr(matmul, f) for f in flags if hasattr(matmul, f)}
     try:
+        for f in saved:
+            setattr(matmul, f, False)
         yield
     finally:
-        matmul.allow_tf32 = before
+        for f, value in saved.items():
+            setattr(matmul, f, value)
 
 
 def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> None:
