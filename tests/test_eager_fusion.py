@@ -275,18 +275,24 @@ def test_the_lora_node_matches_the_lora_operators(autocast, whole):
         assert not {"MmBackward0", "ToCopyBackward0"} & set(nodes), nodes
 
 
-def test_the_lora_node_around_a_convrot_int8_linear():
-    """Around a ConvRot INT8 Linear the node runs the int8 product and its backward (the eager numerics on the CPU)
-    and takes the LoRA's input gradient as the backward product's addend: the module's node plus the LoRA
-    operators' values, to bf16 rounding."""
+def _int8_lora(bias: bool) -> tuple[nn.Module, LoRAModule]:
+    """A ConvRot INT8 Linear (256 -> 48, bf16) with a rank-4 LoRA whose up-projection is not zero."""
     from library.quant.convrot import ConvRotInt8Linear
 
     torch.manual_seed(5)
-    base = ConvRotInt8Linear.from_linear(nn.Linear(256, 48, bias=True).bfloat16(), 64)
+    base = ConvRotInt8Linear.from_linear(nn.Linear(256, 48, bias=bias).bfloat16(), 64)
     module = LoRAModule("lora_unet_x", "x", base, multiplier=0.7, lora_dim=4, alpha=8.0)
     with torch.no_grad():
         module.lora_up.weight.normal_(0, 0.3)
     module.apply_to()
+    return base, module
+
+
+def test_the_lora_node_around_a_convrot_int8_linear():
+    """Around a ConvRot INT8 Linear the node runs the int8 product and its backward (the eager numerics on the CPU)
+    and takes the LoRA's input gradient as the backward product's addend: the module's node plus the LoRA
+    operators' values, to bf16 rounding."""
+    base, module = _int8_lora(bias=True)
     x = torch.randn(2, 5, 256).bfloat16()
     got, ref = _node_and_operators(base, module, x, autocast=True)
     for a, b in zip(got, ref):
@@ -308,19 +314,12 @@ def test_the_lora_node_adds_in_place_without_copies_and_with_the_same_bits(kind)
     """`LoRALinear` adds the up-projection into the product's output and the base's input gradient into the LoRA's,
     in place: no copy of either (two per Linear and step otherwise, twelve per block), and the same bits as the
     sums into new tensors (`set_lora_in_place(False)`)."""
-    from library.quant.convrot import ConvRotInt8Linear
-
     if kind == "dense":
         base, module = _lora()
         base.bias = None
         x = torch.randn(2, 5, 32)
     else:
-        torch.manual_seed(5)
-        base = ConvRotInt8Linear.from_linear(nn.Linear(256, 48, bias=False).bfloat16(), 64)
-        module = LoRAModule("lora_unet_x", "x", base, multiplier=0.7, lora_dim=4, alpha=8.0)
-        with torch.no_grad():
-            module.lora_up.weight.normal_(0, 0.3)
-        module.apply_to()
+        base, module = _int8_lora(bias=False)
         x = torch.randn(2, 5, 256).bfloat16()
     autocast = kind == "int8"
     step = lambda: _lora_step(base, module, x, autocast=autocast)

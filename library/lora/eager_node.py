@@ -47,12 +47,17 @@ __all__ = ["DenseProduct", "LoRAAddmm", "LoRAGroup", "LoRALinear", "NodePart", "
 _ONE_NODE = {"enabled": True, "in_place": True, "grouped": True}
 
 
+def _switch(name: str, enabled: bool) -> bool:
+    """Set one of the switches; returns its previous setting."""
+    previous = _ONE_NODE[name]
+    _ONE_NODE[name] = bool(enabled)
+    return previous
+
+
 def set_lora_one_node(enabled: bool) -> bool:
     """Let eager LoRA modules run as one autograd node (the default) or as separate operators. Returns the previous
     setting."""
-    previous = _ONE_NODE["enabled"]
-    _ONE_NODE["enabled"] = bool(enabled)
-    return previous
+    return _switch("enabled", enabled)
 
 
 def one_node() -> bool:
@@ -62,9 +67,7 @@ def one_node() -> bool:
 def set_lora_in_place(enabled: bool) -> bool:
     """Let `LoRALinear` add into the tensors it made (the default) or into new ones (a device copy each: the
     benchmark's comparison). Returns the previous setting."""
-    previous = _ONE_NODE["in_place"]
-    _ONE_NODE["in_place"] = bool(enabled)
-    return previous
+    return _switch("in_place", enabled)
 
 
 def in_place() -> bool:
@@ -74,9 +77,7 @@ def in_place() -> bool:
 def set_lora_grouped(enabled: bool) -> bool:
     """Let a block's Linears of one input run as one `LoRAGroup` node (the default) or each as its own node (the
     benchmark's comparison). Returns the previous setting."""
-    previous = _ONE_NODE["grouped"]
-    _ONE_NODE["grouped"] = bool(enabled)
-    return previous
+    return _switch("grouped", enabled)
 
 
 def grouped() -> bool:
@@ -86,6 +87,16 @@ def grouped() -> bool:
 def _no_dispatch_mode() -> bool:
     """True when no Python dispatch mode (selective checkpointing's, a fake-tensor mode) sees the operators."""
     return torch._C._len_torch_dispatch_stack() == 0
+
+
+def _add_up(out: torch.Tensor, lx: torch.Tensor, up: torch.Tensor, alpha: float) -> torch.Tensor:
+    """out + alpha * lx @ up^T (out: the product's output, the node's own tensor), shaped as out: in place, where no
+    dispatch mode is active (selective checkpointing may keep the product's output for the recomputation, which an
+    add in place would change) and `set_lora_in_place` allows it; else into a new tensor."""
+    out2 = out.reshape(-1, out.shape[-1])
+    if in_place() and _no_dispatch_mode():
+        return out2.addmm_(lx, up.t(), alpha=alpha).view(out.shape)
+    return torch.addmm(out2, lx, up.t(), alpha=alpha).view(out.shape)
 
 
 def _rank_forward(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, dtype: torch.dtype
@@ -165,12 +176,7 @@ class LoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, down, up, alpha, org, product, *base):  # type: ignore[override]
         x2, lx, d, u = _rank_forward(x, down, up, x.dtype)
-        out = product.forward(org, x, *base)
-        out2 = out.reshape(-1, out.shape[-1])
-        if in_place() and _no_dispatch_mode():  # the product's output is the node's own: no copy of it
-            y = out2.addmm_(lx, u.t(), alpha=alpha).view(out.shape)
-        else:  # selective checkpointing may keep the product's output for the recomputation: a new tensor
-            y = torch.addmm(out2, lx, u.t(), alpha=alpha).view(out.shape)
+        y = _add_up(product.forward(org, x, *base), lx, u, alpha)
         ctx.save_for_backward(x2, lx, d, u, *base)
         ctx.alpha, ctx.x_shape, ctx.dtypes, ctx.org, ctx.product = alpha, x.shape, (down.dtype, up.dtype), org, product
         return y
@@ -250,15 +256,10 @@ class LoRAGroup(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         lx = torch.mm(x2, d.t())
         us = [u.to(dtype) for u in ups]
-        add_in_place = in_place() and _no_dispatch_mode()  # as in LoRALinear
         outs, start = [], 0
         for (alpha, org, product, _), u, base in zip(meta, us, bases):
             rank = u.shape[1]
-            out = product.forward(org, x, *base)
-            out2 = out.reshape(-1, out.shape[-1])
-            lxi = lx[:, start:start + rank]
-            y = out2.addmm_(lxi, u.t(), alpha=alpha) if add_in_place else torch.addmm(out2, lxi, u.t(), alpha=alpha)
-            outs.append(y.view(out.shape))
+            outs.append(_add_up(product.forward(org, x, *base), lx[:, start:start + rank], u, alpha))
             start += rank
         ctx.save_for_backward(x2, lx, d, *us, *(t for base in bases for t in base))
         ctx.meta, ctx.x_shape = meta, x.shape
