@@ -27,6 +27,7 @@ from library.options.checks import check_attention_args
 from library.planning.run_options import add_vram_budget_argument, apply_vram_budget
 from library.quant.convrot_kernels import HAS_TRITON
 from library.runtime.compile import check_compile_args, check_cpu_compiler
+from library.runtime.transfer import to_device
 from library.text_encoder.encoding import LazyEncoder, encode_captions, pad_and_stack, text_encoder_batch_size
 from library.text_encoder.loading import (
     TextEncoderOptions,
@@ -316,7 +317,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
         if raw is None:
             run.vae.to(acc.device)
             raw = run.vae.encode(batch["images"].to(acc.device))
-        raw = raw.to(acc.device, torch.float32, non_blocking=True)  # no blocking copy: the queue keeps running
+        raw = to_device(raw, acc.device, torch.float32)  # pinned first: the queue keeps running
         if self.bn_running_mean.device != acc.device:  # moved once, not copied every step
             self.bn_running_mean = self.bn_running_mean.to(acc.device)
             self.bn_running_var = self.bn_running_var.to(acc.device)
@@ -335,7 +336,7 @@ class MossImageNetworkTrainer(NetworkTrainer):
             raise UserError(f"The text-encoder outputs are {embeds.shape[-1]} wide, but the DiT takes"
                             f" {run.unet.config.text_dim}: the *_moss_te.npz cache files were made by another text"
                             " encoder; delete them (or drop --skip_cache_check) to re-create them.")
-        return embeds.to(run.accelerator.device, non_blocking=True), mask
+        return to_device(embeds, run.accelerator.device), mask
 
     def get_noise_pred_and_target(
         self, run: RunState, latents: torch.Tensor, text_conds: Any, batch: dict[str, Any], is_train: bool,

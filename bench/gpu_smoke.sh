@@ -40,5 +40,5 @@ echo "wall $(( $(date +%s) - t0 )) s"
 cp "$W"/out/sample/*.png "$W"/inf/*.png "$OUT"/ 2>/dev/null || true
 python3 -m bench.repeat_runs --runs 3 --out "$OUT/repeat_runs.json" 2>&1 | grep "^run " || true
 python3 -m pytest -q -p no:cacheprovider tests/test_convrot_int8_triton.py tests/test_fused_kernels.py \
-  tests/test_triton_launch.py tests/test_moss_image_models.py tests/test_eager_fusion.py \
+  tests/test_triton_launch.py tests/test_moss_image_models.py tests/test_eager_fusion.py tests/test_transfer.py \
   tests/test_checkpointing.py::test_trainer_selective_policy_trains_the_same_lora_as_full 2>&1 | tail -n 3

@@ -32,6 +32,7 @@ from library.files import base_model_hash, model_spec
 from library.options.implications import TRAINING_IMPLICATIONS, apply_implications
 from library.runtime.compile import apply_cuda_backend_options, apply_cuda_optimizations
 from library.runtime.checkpointing import check_checkpointing_args, skip_blocks
+from library.runtime.transfer import to_device
 from library.training import checkpoints as train_checkpoints
 from library.training import flow_matching
 from library.training import host_random, nonfinite, run_checks, sensitive_options, state_io, trackers
@@ -640,7 +641,7 @@ class NetworkTrainer(abc.ABC):
             loss = loss * weighting.to(loss.device, loss.dtype)
         masks = batch.get("alpha_masks")
         if masks is not None and (args.masked_loss or args.alpha_mask):
-            m = masks.to(loss.device, loss.dtype, non_blocking=True)[:, None]  # host batches: no blocking copy
+            m = to_device(masks, loss.device, loss.dtype)[:, None]  # host batches: pinned, no blocking copy
             m = torch.nn.functional.interpolate(m, size=loss.shape[-2:], mode="area")
             loss = loss * m
         loss = loss.mean(dim=list(range(1, loss.ndim)))
