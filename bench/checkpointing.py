@@ -51,7 +51,7 @@ from bench.gpu_profile import kernel_profile
 from bench.host_profile import host_profile
 from library.lora import eager_node
 from library.quant import int8_gemm_kernels
-from library.runtime import fused_ops
+from library.runtime import fused_ops, transfer
 from library.runtime.eager_fusion import plain_forms
 from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState
@@ -170,6 +170,11 @@ for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager
 LORA_UNGROUPED = "_lora_ungrouped"
 for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8"):
     CONFIGS[_name + LORA_UNGROUPED] = CONFIGS[_name]
+# bench-only: the batch copied to the GPU from pageable host memory instead of pinned memory
+# (library.runtime.transfer.set_pinned_transfers), for the ratio of the two in one run
+PAGEABLE = "_pageable"
+for _name in ("no_gc_eager", "no_gc_compile", "gc_full_eager", "gc_full_compile"):
+    CONFIGS[_name + PAGEABLE] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -427,6 +432,7 @@ def bench_variant(name: str) -> Any:
     saved_lora = eager_node.set_lora_one_node(not name.endswith(LORA_OPS))
     saved_in_place = eager_node.set_lora_in_place(not name.endswith(LORA_COPIES))
     saved_grouped = eager_node.set_lora_grouped(not name.endswith(LORA_UNGROUPED))
+    saved_pinned = transfer.set_pinned_transfers(not name.endswith(PAGEABLE))
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
@@ -441,6 +447,7 @@ def bench_variant(name: str) -> Any:
         eager_node.set_lora_one_node(saved_lora)
         eager_node.set_lora_in_place(saved_in_place)
         eager_node.set_lora_grouped(saved_grouped)
+        transfer.set_pinned_transfers(saved_pinned)
         convrot_kernels.set_quantiser(saved_quantiser)
         linear_plan.set_linear_plans(True)
 

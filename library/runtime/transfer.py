@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["to_device"]
+__all__ = ["set_pinned_transfers", "to_device"]
+
+_PINNED = True
+
+
+def set_pinned_transfers(enabled: bool) -> bool:
+    """Pin host tensors before copying them (the default), or copy them from where they are (pageable memory: what
+    the step did before; `bench/checkpointing.py` measures both in one process). Returns the previous setting."""
+    global _PINNED
+    previous, _PINNED = _PINNED, bool(enabled)
+    return previous
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -18,7 +28,7 @@ def to_device(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dty
     device is pinned first; the dtype conversion runs on the device, after the copy, so the copy reads the pinned
     memory itself (a conversion on the host would make a new pageable tensor)."""
     device = torch.device(device)
-    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+    if _PINNED and device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
         tensor = tensor.pin_memory()
     moved = tensor.to(device, non_blocking=True)
     return moved if dtype is None else moved.to(dtype)
