@@ -51,7 +51,7 @@ from bench.gpu_profile import kernel_profile
 from bench.host_profile import host_profile
 from library.lora import eager_node
 from library.quant import int8_gemm_kernels
-from library.runtime import fused_ops, transfer
+from library.runtime import fused_compiled, fused_ops, transfer
 from library.runtime.eager_fusion import plain_forms
 from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState
@@ -175,6 +175,14 @@ for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager
 PAGEABLE = "_pageable"
 for _name in ("no_gc_eager", "no_gc_compile", "gc_full_eager", "gc_full_compile"):
     CONFIGS[_name + PAGEABLE] = CONFIGS[_name]
+# bench-only: compiled blocks without the fused kernels as ops (inductor's kernels for all the element-wise code, the
+# form before library.runtime.fused_compiled), and with the norm + modulation kernel too (off by default)
+COMPILED_PLAIN = "_compiled_plain"
+COMPILED_ALL = "_compiled_all"
+for _name in ("no_gc_compile", "no_gc_compile_int8", "gc_full_compile", "gc_full_compile_int8", "gc_selective_compile",
+              "gc_selective_compile_int8", "gc_selective_compile_int8_skip16"):
+    CONFIGS[_name + COMPILED_PLAIN] = CONFIGS[_name]
+    CONFIGS[_name + COMPILED_ALL] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -433,6 +441,9 @@ def bench_variant(name: str) -> Any:
     saved_in_place = eager_node.set_lora_in_place(not name.endswith(LORA_COPIES))
     saved_grouped = eager_node.set_lora_grouped(not name.endswith(LORA_UNGROUPED))
     saved_pinned = transfer.set_pinned_transfers(not name.endswith(PAGEABLE))
+    saved_compiled = fused_compiled.set_compiled_kernels(
+        **({"norm_rope": False, "swiglu": False} if name.endswith(COMPILED_PLAIN) else {}),
+        **({"norm_modulate": True} if name.endswith(COMPILED_ALL) else {}))
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
@@ -448,6 +459,7 @@ def bench_variant(name: str) -> Any:
         eager_node.set_lora_in_place(saved_in_place)
         eager_node.set_lora_grouped(saved_grouped)
         transfer.set_pinned_transfers(saved_pinned)
+        fused_compiled.set_compiled_kernels(**saved_compiled)
         convrot_kernels.set_quantiser(saved_quantiser)
         linear_plan.set_linear_plans(True)
 

@@ -27,6 +27,15 @@ from library.lora.eager_node import lora_group, lora_group_parts
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
 from library.runtime.eager_fusion import eager_fused
+from library.runtime.fused_compiled import (
+    compiled_kernel,
+    norm_modulate_applies,
+    norm_rope_applies,
+    op_norm_modulate,
+    op_norm_rope,
+    op_swiglu,
+    swiglu_applies,
+)
 from library.runtime.fused_ops import (
     fused_norm_modulate,
     fused_norm_rope,
@@ -206,10 +215,14 @@ def _plain_norm(module: nn.Module) -> bool:
 
 def norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope(norm(x), cos, sin) for the q/k of a block; in eager CUDA runs one Triton kernel each way
-    (`library.runtime.fused_ops`), where the eager forms take four. A norm whose call does more than its forward
+    (`library.runtime.fused_ops`), where the eager forms take four, and a compiled CUDA block the same kernels as
+    ops (`library.runtime.fused_compiled`). A norm whose call does more than its forward
     (a hook, a wrapped forward) is called as it is."""
-    if eager_fused() and _plain_norm(norm) and norm_rope_usable(x, norm.weight, cos, sin):
-        return fused_norm_rope(x, norm.weight, cos, sin, norm.eps)
+    if _plain_norm(norm):
+        if eager_fused() and norm_rope_usable(x, norm.weight, cos, sin):
+            return fused_norm_rope(x, norm.weight, cos, sin, norm.eps)
+        if compiled_kernel("norm_rope", x) and norm_rope_applies(x, norm.weight, cos, sin):
+            return op_norm_rope(x, norm.weight, cos, sin, norm.eps)
     return apply_rope(norm(x), cos, sin)
 
 
@@ -268,9 +281,12 @@ class RopeTables:
 
 def swiglu(u: torch.Tensor) -> torch.Tensor:
     """silu(gate) * value of the FFN's up/gate output u = [value | gate]; in eager CUDA runs one Triton kernel each
-    way (`library.runtime.fused_ops`)."""
+    way (`library.runtime.fused_ops`), and a compiled CUDA block the same kernels as ops
+    (`library.runtime.fused_compiled`)."""
     if eager_fused() and swiglu_usable(u):
         return fused_swiglu(u)
+    if compiled_kernel("swiglu", u) and swiglu_applies(u):
+        return op_swiglu(u)
     value, gate = u.chunk(2, dim=-1)
     return F.silu(gate) * value
 
@@ -284,10 +300,14 @@ def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 def norm_modulate(norm: RMSNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """modulate(norm(x), shift, scale) for a block input; in eager CUDA runs one Triton kernel each way
-    (`library.runtime.fused_ops`), where the eager forms take two or three. A norm whose call does more than its
+    (`library.runtime.fused_ops`), where the eager forms take two or three (a compiled block leaves it to inductor
+    unless `set_compiled_kernels(norm_modulate=True)`). A norm whose call does more than its
     forward (a hook, a wrapped forward) is called as it is."""
-    if eager_fused() and _plain_norm(norm) and norm_modulate_usable(x, norm.weight, shift, scale):
-        return fused_norm_modulate(x, norm.weight, shift, scale, norm.eps)
+    if _plain_norm(norm):
+        if eager_fused() and norm_modulate_usable(x, norm.weight, shift, scale):
+            return fused_norm_modulate(x, norm.weight, shift, scale, norm.eps)
+        if compiled_kernel("norm_modulate", x) and norm_modulate_applies(x, norm.weight, shift, scale):
+            return op_norm_modulate(x, norm.weight, shift, scale, norm.eps)
     return modulate(norm(x), shift, scale)
 
 
@@ -614,8 +634,8 @@ class MossImage(nn.Module):
         text lengths are read from the mask on the host (see `text_lengths`), so no device sync happens here."""
         h, w = int(grid[0]), int(grid[1])
         device = self.device
-        if eager_fused() and not self._compiled:  # compiled blocks fuse the element-wise code themselves
-            prepare_fused_kernels(device)  # the kernels' one check per device, here outside any checkpointed block
+        if eager_fused():  # the kernels' one check per device (compiled blocks call them too: fused_compiled), here
+            prepare_fused_kernels(device)  # outside any checkpointed or compiled code
         b, t_pad = prompt_embeds.shape[:2]
         lengths = text_lengths(attn_mask, b, t_pad)
         # without padding no mask reaches attention, so the fast kernels run and compiled blocks keep one graph

@@ -60,6 +60,22 @@ def _kernels() -> ModuleType | None:
     return module
 
 
+def kernels_enabled() -> bool:
+    """Whether the kernels are on (`set_fused_kernels`), whatever the device."""
+    return _STATE["enabled"]
+
+
+def kernel_module() -> ModuleType | None:
+    """The kernel module (`library.runtime.fused_kernels`), None where Triton is missing."""
+    return _kernels()
+
+
+def checked(device: torch.device) -> bool:
+    """Whether the kernels passed their check on `device` already (`prepare` runs it; this never does): what code
+    being traced by torch.compile may read."""
+    return bool(_CHECKED.get(device if device.index is not None or device.type != "cuda" else _device_key(device)))
+
+
 def _device_key(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())

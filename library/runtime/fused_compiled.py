@@ -1,0 +1,328 @@
+"""The fused element-wise kernels inside compiled regions, as registered ``torch.library`` ops.
+
+A compiled block leaves its element-wise code to inductor, which fuses it with its neighbours. The profiles of the
+compiled step (docs/benchmarks.md) showed two places where inductor's kernels are slower than this project's
+(`library.runtime.fused_kernels`): the q/k head norm with RoPE (inductor builds the rotation from a stack of the two
+halves) and SwiGLU's backward (a concatenation of the two halves' gradients). Here those kernels are ops
+(namespace ``moss_image``), each with a fake implementation for tracing, a default one in torch operators (any
+device: the kernels' math in fp32) and a CUDA one (the kernels, where their self-check passed), so that a compiled
+block calls them as opaque nodes and inductor fuses the code around them:
+
+- ``fused_norm_rope`` / ``fused_norm_rope_backward``: `apply_rope(rms_norm(x, weight, eps), cos, sin)` of q or k;
+- ``fused_swiglu`` / ``fused_swiglu_backward``: `silu(gate) * value` of u = [value | gate];
+- ``fused_norm_modulate`` / ``fused_norm_modulate_backward``: `rms_norm(x, weight, eps) * (1 + scale) + shift`.
+  Off by default (`set_compiled_kernels`): inductor fuses that norm with the gated residual add before it, which
+  an opaque op would split into two passes over the activation.
+
+`op_norm_rope`, `op_swiglu` and `op_norm_modulate` are what `library.moss_image.dit` calls while torch.compile
+traces a block, where the `*_usable` checks of `library.runtime.fused_ops` (layout, no gradient for the weights)
+and `compiled_kernel` say so. On the CPU the ops stay off unless a test turns them on (`set_compiled_kernels(cpu=
+True)`): there they run the default implementation, which is what the CPU tests compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from library.runtime import fused_ops
+
+__all__ = ["compiled_kernel", "compiled_kernels", "norm_modulate_applies", "norm_rope_applies", "op_norm_modulate",
+           "op_norm_rope", "op_swiglu", "set_compiled_kernels", "swiglu_applies"]
+
+_SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "cpu": False}
+
+
+def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
+    """Which kernels compiled blocks call (`norm_rope`, `swiglu`, `norm_modulate`), and whether CPU tensors take the
+    ops too (`cpu`, for tests); returns the previous settings."""
+    unknown = set(settings) - set(_SETTINGS)
+    if unknown:
+        raise ValueError(f"unknown compiled-kernel settings {sorted(unknown)}; known: {sorted(_SETTINGS)}")
+    previous = dict(_SETTINGS)
+    _SETTINGS.update({k: bool(v) for k, v in settings.items()})
+    return previous
+
+
+@contextlib.contextmanager
+def compiled_kernels(**settings: bool) -> Iterator[None]:
+    """`set_compiled_kernels(**settings)` for the duration of a `with` block."""
+    previous = set_compiled_kernels(**settings)
+    try:
+        yield
+    finally:
+        set_compiled_kernels(**previous)
+
+
+def compiled_kernel(name: str, x: torch.Tensor) -> bool:
+    """Whether a block being compiled calls kernel `name` as an op for x: tracing, the fused kernels on, this kernel
+    on, and x on a CUDA device whose kernel check passed (`library.runtime.fused_ops.prepare`, run before the blocks
+    by `MossImage`), or on the CPU where `cpu` is set."""
+    if not (torch.compiler.is_compiling() and _SETTINGS[name] and fused_ops.kernels_enabled()):
+        return False
+    if x.device.type == "cuda":
+        return fused_ops.checked(x.device)
+    return x.device.type == "cpu" and _SETTINGS["cpu"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Where the ops apply, while a block is traced: the kernels' shapes and dtypes, and no gradient for the weights (the
+# ops' CUDA implementations bring any layout to one the kernels take)
+# --------------------------------------------------------------------------------------------------------------------
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _no_weight_grads(*weights: torch.Tensor) -> bool:
+    return not (torch.is_grad_enabled() and any(w.requires_grad for w in weights))
+
+
+def norm_rope_applies(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """x [B, S, H, D] with D a power of two, a weight [D], fp32 tables [B or 1, S, D/2] of one shape."""
+    if x.dim() != 4 or x.dtype not in _DTYPES or cos.dim() != 3 or cos.shape != sin.shape:
+        return False
+    bsz, seq, _, dim = x.shape
+    if dim < 2 or dim & (dim - 1) or weight.shape != (dim,):
+        return False
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape[0] not in (1, bsz):
+        return False
+    return cos.shape[1:] == (seq, dim // 2) and _no_weight_grads(weight, cos, sin)
+
+
+def norm_modulate_applies(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> bool:
+    """x [B, S, W], a weight [W], shift and scale [B, W] of x's dtype."""
+    if x.dim() != 3 or x.dtype not in _DTYPES or weight.shape != (x.shape[-1],):
+        return False
+    bsz, _, width = x.shape
+    if shift.shape != (bsz, width) or scale.shape != (bsz, width) or shift.dtype != x.dtype or scale.dtype != x.dtype:
+        return False
+    return _no_weight_grads(weight, shift, scale)
+
+
+def swiglu_applies(u: torch.Tensor) -> bool:
+    """u [..., 2F] of a float dtype."""
+    return u.dim() >= 1 and u.shape[-1] % 2 == 0 and u.dtype in _DTYPES
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The kernels' math in torch operators, forward and x's gradient (fp32 inside, the input's dtype out): the default
+# implementations. The gradients are written out: an op's implementation runs below autograd.
+# --------------------------------------------------------------------------------------------------------------------
+def _normed(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x / rms(x) in fp32, and 1 / rms(x)."""
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * r, r
+
+
+def _norm_grad(x: torch.Tensor, eps: float, grad_normed: torch.Tensor) -> torch.Tensor:
+    """x's gradient from the gradient of x / rms(x) (fp32), in x's dtype."""
+    n, r = _normed(x, eps)
+    return (r * (grad_normed - n * (grad_normed * n).mean(-1, keepdim=True))).to(x.dtype).contiguous()
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return cos.float()[:, :, None], sin.float()[:, :, None]
+
+
+def _norm_rope_math(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    n = (_normed(x, eps)[0] * weight.float()).unflatten(-1, (-1, 2))
+    c, s = _rope_tables(cos, sin)
+    y = torch.stack([n[..., 0] * c - n[..., 1] * s, n[..., 0] * s + n[..., 1] * c], dim=-1).flatten(-2)
+    return y.to(x.dtype).contiguous()
+
+
+def _norm_rope_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    g = grad.float().unflatten(-1, (-1, 2))
+    c, s = _rope_tables(cos, sin)
+    g_n = torch.stack([g[..., 0] * c + g[..., 1] * s, g[..., 1] * c - g[..., 0] * s], dim=-1).flatten(-2)
+    return _norm_grad(x, eps, g_n * weight.float())
+
+
+def _norm_modulate_math(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    y = _normed(x, eps)[0] * weight.float() * (1 + scale.float()[:, None]) + shift.float()[:, None]
+    return y.to(x.dtype).contiguous()
+
+
+def _norm_modulate_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    return _norm_grad(x, eps, grad.float() * weight.float() * (1 + scale.float()[:, None]))
+
+
+def _swiglu_math(u: torch.Tensor) -> torch.Tensor:
+    value, gate = u.float().chunk(2, dim=-1)
+    return (F.silu(gate) * value).to(u.dtype).contiguous()
+
+
+def _swiglu_grad(grad: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    value, gate = u.float().chunk(2, dim=-1)
+    g, sig = grad.float(), torch.sigmoid(gate)
+    d_gate = g * value * sig * (1 + gate * (1 - sig))
+    return torch.cat([g * gate * sig, d_gate], dim=-1).to(u.dtype).contiguous()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The ops
+# --------------------------------------------------------------------------------------------------------------------
+_LIB = torch.library.Library("moss_image", "FRAGMENT")  # kept for the life of the process (it owns the registrations)
+
+
+def _define(name: str, schema: str, default: Any, cuda: Any, fake: Any) -> Any:
+    _LIB.define(f"{name}{schema}")
+    _LIB.impl(name, default, "CompositeExplicitAutograd")
+    _LIB.impl(name, cuda, "CUDA")
+    torch.library.register_fake(f"moss_image::{name}", lib=_LIB)(fake)
+    return getattr(torch.ops.moss_image, name).default
+
+
+def _kernels_for(x: torch.Tensor) -> Any:
+    """The kernel module where the kernels run for x (checked on its device), else None (the torch math runs)."""
+    return fused_ops.kernel_module() if fused_ops.prepare(x.device) else None
+
+
+def _rope_layout(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x and the tables in layouts the kernels take (unit last stride, one layout for both tables)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return x, cos, sin
+
+
+def _rows(t: torch.Tensor, kernels: Any) -> torch.Tensor:
+    """t with evenly spaced rows of unit column stride (itself where it has them)."""
+    return t if t.stride(-1) == 1 and kernels.row_stride(t) is not None else t.contiguous()
+
+
+def _norm_rope_cuda(x, weight, cos, sin, eps):
+    kernels = _kernels_for(x)
+    if kernels is None:
+        return _norm_rope_math(x, weight, cos, sin, eps)
+    x, cos, sin = _rope_layout(x, cos, sin)
+    return kernels.norm_rope_forward(x, weight.contiguous(), cos, sin, eps)
+
+
+def _norm_rope_backward_cuda(grad, x, weight, cos, sin, eps):
+    kernels = _kernels_for(x)
+    if kernels is None:
+        return _norm_rope_grad(grad, x, weight, cos, sin, eps)
+    x, cos, sin = _rope_layout(x, cos, sin)
+    return kernels.norm_rope_backward(grad, x, weight.contiguous(), cos, sin, eps)
+
+
+NORM_ROPE = _define(
+    "fused_norm_rope", "(Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps) -> Tensor",
+    _norm_rope_math, _norm_rope_cuda,
+    lambda x, weight, cos, sin, eps: x.new_empty(x.shape))
+NORM_ROPE_BACKWARD = _define(
+    "fused_norm_rope_backward", "(Tensor grad, Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps) -> Tensor",
+    _norm_rope_grad, _norm_rope_backward_cuda, lambda grad, x, weight, cos, sin, eps: x.new_empty(x.shape))
+
+
+def _norm_modulate_cuda(x, weight, shift, scale, eps):
+    kernels = _kernels_for(x)
+    if kernels is None:
+        return _norm_modulate_math(x, weight, shift, scale, eps)
+    if shift.stride() != scale.stride() or scale.stride(-1) != 1:
+        shift, scale = shift.contiguous(), scale.contiguous()
+    return kernels.norm_modulate_forward(_rows(x, kernels), weight.contiguous(), shift, scale, eps)
+
+
+def _norm_modulate_backward_cuda(grad, x, weight, scale, eps):
+    kernels = _kernels_for(x)
+    if kernels is None:
+        return _norm_modulate_grad(grad, x, weight, scale, eps)
+    return kernels.norm_modulate_backward(grad, _rows(x, kernels), weight.contiguous(), _rows(scale, kernels), eps)
+
+
+NORM_MODULATE = _define(
+    "fused_norm_modulate", "(Tensor x, Tensor weight, Tensor shift, Tensor scale, float eps) -> Tensor",
+    _norm_modulate_math, _norm_modulate_cuda, lambda x, weight, shift, scale, eps: x.new_empty(x.shape))
+NORM_MODULATE_BACKWARD = _define(
+    "fused_norm_modulate_backward", "(Tensor grad, Tensor x, Tensor weight, Tensor scale, float eps) -> Tensor",
+    _norm_modulate_grad, _norm_modulate_backward_cuda, lambda grad, x, weight, scale, eps: x.new_empty(x.shape))
+
+
+def _swiglu_cuda(u):
+    kernels = _kernels_for(u)
+    if kernels is None:
+        return _swiglu_math(u)
+    return kernels.swiglu_forward(_rows(u, kernels))
+
+
+def _swiglu_backward_cuda(grad, u):
+    kernels = _kernels_for(u)
+    if kernels is None:
+        return _swiglu_grad(grad, u)
+    return kernels.swiglu_backward(grad, _rows(u, kernels))
+
+
+SWIGLU = _define("fused_swiglu", "(Tensor u) -> Tensor", _swiglu_math, _swiglu_cuda,
+                 lambda u: u.new_empty((*u.shape[:-1], u.shape[-1] // 2)))
+SWIGLU_BACKWARD = _define("fused_swiglu_backward", "(Tensor grad, Tensor u) -> Tensor",
+                          _swiglu_grad, _swiglu_backward_cuda,
+                          lambda grad, u: u.new_empty(u.shape))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Autograd (traced by torch.compile into the joint graph): x's gradient only, as the eager kernels' nodes
+# --------------------------------------------------------------------------------------------------------------------
+class _OpNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, cos, sin, eps):  # type: ignore[override]
+        ctx.save_for_backward(x, weight, cos, sin)
+        ctx.eps = eps
+        return NORM_ROPE(x, weight, cos, sin, eps)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight, cos, sin = ctx.saved_tensors
+        return NORM_ROPE_BACKWARD(grad, x, weight, cos, sin, ctx.eps), None, None, None, None
+
+
+class _OpNormModulate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, shift, scale, eps):  # type: ignore[override]
+        ctx.save_for_backward(x, weight, scale)
+        ctx.eps = eps
+        return NORM_MODULATE(x, weight, shift, scale, eps)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight, scale = ctx.saved_tensors
+        return NORM_MODULATE_BACKWARD(grad, x, weight, scale, ctx.eps), None, None, None, None
+
+
+class _OpSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u):  # type: ignore[override]
+        ctx.save_for_backward(u)
+        return SWIGLU(u)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (u,) = ctx.saved_tensors
+        return SWIGLU_BACKWARD(grad, u)
+
+
+def op_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """`fused_ops.fused_norm_rope` as an op (for a block being compiled; the same conditions of use)."""
+    return _OpNormRope.apply(x, weight, cos, sin, eps)
+
+
+def op_norm_modulate(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    """`fused_ops.fused_norm_modulate` as an op (for a block being compiled; the same conditions of use)."""
+    return _OpNormModulate.apply(x, weight, shift, scale, eps)
+
+
+def op_swiglu(u: torch.Tensor) -> torch.Tensor:
+    """`fused_ops.fused_swiglu` as an op (for a block being compiled; the same conditions of use)."""
+    return _OpSwiGLU.apply(u)

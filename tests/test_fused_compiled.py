@@ -1,0 +1,191 @@
+"""The fused kernels as registered ops inside compiled blocks (`library.runtime.fused_compiled`): the ops' torch
+implementations against autograd of the plain forms, their fake implementations, and a block compiled with
+fullgraph=True that calls them, against the plain eager block."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from library.moss_image.dit import MossImageBlock, MossImageConfig, RopeTables, apply_rope
+from library.runtime.attention import Attention
+from library.runtime.eager_fusion import plain_forms
+from library.runtime.fused_compiled import compiled_kernel, compiled_kernels, set_compiled_kernels
+
+OPS = torch.ops.moss_image
+CFG = MossImageConfig(hidden_size=256, num_heads=2, head_dim=128, ffn_hidden=512)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _check(op, grad_op, ref_fn, x, rest, grad_rest=(), out_shape=None):
+    """op(x, *rest) and grad_op(g, x, *grad_rest) against ref_fn and its autograd in float64 (the ops compute in fp32)."""
+    g = torch.randn(out_shape or x.shape, dtype=torch.float64)
+    xr = x.detach().clone().requires_grad_(True)
+    ref = ref_fn(xr)
+    ref.backward(g)
+    torch.testing.assert_close(op(x, *rest), ref.detach(), rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(grad_op(g, x, *grad_rest), xr.grad, rtol=2e-5, atol=2e-6)
+
+
+def test_the_ops_torch_math_is_the_plain_forms_forward_and_backward():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 10, 3, 8, generator=gen, dtype=torch.float64)
+    w = 1 + 0.1 * torch.randn(8, generator=gen, dtype=torch.float64)
+    ang = torch.rand(1, 10, 4, generator=gen, dtype=torch.float64) * 6
+    cos, sin = ang.cos().float(), ang.sin().float()
+    _check(OPS.fused_norm_rope, OPS.fused_norm_rope_backward,
+           lambda t: apply_rope(_rms(t, w, 1e-6), cos.double(), sin.double()),
+           x, (w, cos, sin, 1e-6), (w, cos, sin, 1e-6))
+    h = torch.randn(2, 10, 16, generator=gen, dtype=torch.float64)
+    hw = 1 + 0.1 * torch.randn(16, generator=gen, dtype=torch.float64)
+    shift, scale = torch.randn(2, 2, 16, generator=gen, dtype=torch.float64).unbind(1)
+    _check(OPS.fused_norm_modulate, OPS.fused_norm_modulate_backward,
+           lambda t: _rms(t, hw, 1e-6) * (1 + scale[:, None]) + shift[:, None],
+           h, (hw, shift, scale, 1e-6), (hw, scale, 1e-6))
+    u = torch.randn(3, 5, 12, generator=gen, dtype=torch.float64)
+
+    def swiglu(t: torch.Tensor) -> torch.Tensor:
+        value, gate = t.chunk(2, dim=-1)
+        return F.silu(gate) * value
+
+    _check(OPS.fused_swiglu, OPS.fused_swiglu_backward, swiglu, u, (), (), out_shape=(3, 5, 6))
+    strided = torch.randn(5, 24, generator=gen, dtype=torch.float64)[:, ::2]  # any layout in, contiguous out
+    assert OPS.fused_swiglu(strided).is_contiguous()
+    torch.testing.assert_close(OPS.fused_swiglu(strided), swiglu(strided))
+
+
+def test_the_ops_fake_implementations_give_the_shapes_and_dtypes():
+    x = torch.randn(2, 6, 3, 8, dtype=torch.bfloat16)
+    cos = sin = torch.ones(1, 6, 4)
+    h = torch.randn(2, 6, 16, dtype=torch.bfloat16)
+    mod = torch.zeros(2, 16, dtype=torch.bfloat16)
+    u = torch.randn(2, 6, 12, dtype=torch.bfloat16)
+    for op, args in ((OPS.fused_norm_rope, (x, torch.ones(8), cos, sin, 1e-6)),
+                     (OPS.fused_norm_rope_backward, (x, x, torch.ones(8), cos, sin, 1e-6)),
+                     (OPS.fused_norm_modulate, (h, torch.ones(16), mod, mod, 1e-6)),
+                     (OPS.fused_norm_modulate_backward, (h, h, torch.ones(16), mod, 1e-6)),
+                     (OPS.fused_swiglu, (u,)), (OPS.fused_swiglu_backward, (u[..., :6], u))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_blocks_call_the_ops_only_while_being_compiled():
+    x = torch.randn(2, 4)
+    with compiled_kernels(cpu=True):
+        assert not compiled_kernel("swiglu", x)  # not tracing: the eager kernels' business
+    with pytest.raises(ValueError, match="unknown compiled-kernel settings"):
+        set_compiled_kernels(norm=True)
+
+
+def _block() -> MossImageBlock:
+    torch.manual_seed(0)
+    blk = MossImageBlock(CFG, True, Attention())
+    with torch.no_grad():
+        blk.scale_shift_table.normal_(0, 0.2)
+        for norm in (blk.norm1, blk.norm2, blk.q_norm, blk.k_norm):
+            norm.weight.normal_(1, 0.1)
+    blk.requires_grad_(False)
+    for lin in blk.proj.children():  # something to train besides the input: the Linears' weights
+        lin.weight.requires_grad_(True)
+    return blk
+
+
+def _step(blk, x0, mod, cos, sin, gy):
+    blk.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    y = blk(x, cos, sin, None, mod)
+    y.backward(gy)
+    return y.detach(), x.grad, {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in blk.named_parameters()
+                                if p.grad is not None}
+
+
+@pytest.mark.parametrize(("backend", "policy"), [("record", None), ("record", "full"), ("record", "selective"),
+                                                 ("inductor", None), ("inductor", "selective")])
+def test_a_compiled_block_calls_the_kernel_ops_in_one_graph_and_matches_the_plain_block(backend, policy):
+    """fullgraph=True, with the block's own checkpointing inside the compiled region (none, full, selective): the
+    ops in the forward graph and their gradient ops in the backward graph (recomputed there under checkpointing),
+    and the plain eager block's output and gradients."""
+    blk = _block()
+    g = torch.Generator().manual_seed(1)
+    cos, sin = RopeTables(CFG.rope_axes_dims, CFG.rope_theta).cos_sin([5], 8, 6, 6, torch.device("cpu"))
+    x = torch.randn(1, 44, CFG.hidden_size, generator=g)
+    mod = torch.randn(1, 6, CFG.hidden_size, generator=g) * 0.3
+    gy = torch.randn(1, 44, CFG.hidden_size, generator=g)
+    with plain_forms():
+        ref = _step(blk, x, mod, cos, sin, gy)
+    blk.checkpointing = policy
+    targets: dict[str, list[str]] = {"forward": [], "backward": []}
+
+    def recorder(graph: str):
+        def compiler(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+            targets[graph].extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    record = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+
+    torch._dynamo.reset()
+    try:
+        with compiled_kernels(cpu=True, norm_modulate=True):
+            compiled = torch.compile(blk, backend=record if backend == "record" else "inductor", fullgraph=True)
+            got = _step(compiled, x, mod, cos, sin, gy)
+    finally:
+        torch._dynamo.reset()
+    if backend == "record":
+        # the aten graphs: each kernel once per use forward, its gradient op backward, and under checkpointing the
+        # kernels again in the backward graph (recomputed: the policies keep products and attention, not these)
+        ops = {"fused_norm_modulate": 2, "fused_norm_rope": 2, "fused_swiglu": 1}
+        forward = collections.Counter(t for t in targets["forward"] if t.startswith("moss_image."))
+        backward = collections.Counter(t for t in targets["backward"] if t.startswith("moss_image."))
+        assert forward == {f"moss_image.{op}.default": n for op, n in ops.items()}, targets["forward"]
+        assert backward == {**{f"moss_image.{op}_backward.default": n for op, n in ops.items()},
+                            **({f"moss_image.{op}.default": n for op, n in ops.items()} if policy else {})}
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-5)
+    assert got[2].keys() == ref[2].keys()
+    for name in ref[2]:
+        torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-4, atol=1e-5)
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", [None, "selective"])
+def test_cuda_compiled_block_with_the_kernels_is_as_close_to_fp32_as_the_eager_kernels(policy):
+    """On CUDA, bf16: the block compiled by inductor with the three kernels as ops (the Triton kernels run inside the
+    compiled graph) against an fp32 run of the plain forms, as close as the eager block with the same kernels."""
+    from library.runtime import fused_ops
+
+    dev = torch.device("cuda")
+    assert fused_ops.prepare(dev)
+    blk = _block().to(dev, torch.bfloat16)
+    ref_blk = _block().to(dev)
+    g = torch.Generator().manual_seed(1)
+    cos, sin = RopeTables(CFG.rope_axes_dims, CFG.rope_theta).cos_sin([5], 8, 6, 6, dev)
+    x = torch.randn(1, 44, CFG.hidden_size, generator=g).to(dev)
+    mod = (torch.randn(1, 6, CFG.hidden_size, generator=g) * 0.3).to(dev)
+    gy = torch.randn(1, 44, CFG.hidden_size, generator=g).to(dev)
+    with plain_forms():
+        ref = _step(ref_blk, x, mod, cos, sin, gy)
+    bf = (x.bfloat16(), mod.bfloat16(), cos, sin, gy.bfloat16())
+    eager = _step(blk, *bf)
+    blk.checkpointing = policy
+    torch._dynamo.reset()
+    try:
+        with compiled_kernels(norm_modulate=True):
+            got = _step(torch.compile(blk, fullgraph=True), *bf)
+    finally:
+        torch._dynamo.reset()
+    for i in (0, 1):
+        assert _relerr(got[i], ref[i]) < 1.5 * _relerr(eager[i], ref[i]) + 1e-3
+    for name in ref[2]:
+        assert _relerr(got[2][name], ref[2][name]) < 1.5 * _relerr(eager[2][name], ref[2][name]) + 1e-3
