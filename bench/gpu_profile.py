@@ -83,7 +83,45 @@ def kernel_profile(fn: Callable[[], Any], steps: int = 3, top: int = 25) -> dict
         "top_kernels": [{"name": n[:160], "ms": round(us / per, 3), "calls": calls[n] // steps}
                         for n, us in by_name.most_common(top)],
         "largest_gaps": gaps,
+        "host_threads": _host_threads(prof.events(), steps),
     }
+
+
+_NODE = "autograd::engine::evaluate_function: "
+
+
+def _host_threads(events: Any, steps: int, threads: int = 3, top: int = 15) -> list[dict[str, Any]]:
+    """Per host thread that ran torch operators (the main thread, autograd's CUDA thread, which runs the backward),
+    the busiest `threads` first: the time covered by its outermost recorded operators, and its `top` operators by
+    own CPU time and autograd nodes by total CPU time, in ms per call. The profiler's own cost inflates every
+    operator, so the shares matter more than the figures."""
+    by_thread: dict[int, list[Any]] = collections.defaultdict(list)
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.time_range:
+            by_thread[e.thread].append(e)
+    per = 1e3 * steps
+    rows = []
+    for thread, evs in by_thread.items():
+        outer = [(e.time_range.start, e.time_range.end) for e in evs if e.cpu_parent is None]
+        own: collections.Counter = collections.Counter()
+        nodes: collections.Counter = collections.Counter()
+        calls: collections.Counter = collections.Counter()
+        for e in evs:
+            own[e.name] += e.self_cpu_time_total
+            calls[e.name] += 1
+            if e.name.startswith(_NODE):
+                nodes[e.name[len(_NODE):]] += e.cpu_time_total
+        rows.append({
+            "thread": thread,
+            "covered_ms": round(_union_us(outer) / per, 2),
+            "operators_per_call": round(len(evs) / steps, 1),
+            "top_own_ms": [{"name": n[:120], "ms": round(us / per, 3), "calls": calls[n] // steps}
+                           for n, us in own.most_common(top)],
+            "top_nodes_ms": [{"name": n[:120], "ms": round(us / per, 3), "calls": calls[_NODE + n] // steps}
+                             for n, us in nodes.most_common(top)],
+        })
+    rows.sort(key=lambda r: r["covered_ms"], reverse=True)
+    return rows[:threads]
 
 
 def _largest_gaps(kernels: list[Any], top: int) -> list[dict[str, Any]]:

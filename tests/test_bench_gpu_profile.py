@@ -29,3 +29,27 @@ def test_categories():
     assert gpu_profile.category("triton_poi_fused_add_cat_mul_silu_silu_backward_view_2") == "inductor_fused"
     assert gpu_profile.category("triton_red_fused__fused_rms_norm__to_copy__unsafe_view_5") == "inductor_fused"
     assert gpu_profile.category("Memcpy HtoD (Pageable -> Device)") == "copy"
+
+
+def test_host_threads_split_the_operators_by_thread_and_name_the_autograd_nodes():
+    import torch
+
+    cpu = torch.autograd.DeviceType.CPU
+
+    def event(name, thread, start, end, own, parent=None):
+        return SimpleNamespace(name=name, thread=thread, device_type=cpu, cpu_parent=parent,
+                               time_range=SimpleNamespace(start=start, end=end), self_cpu_time_total=own,
+                               cpu_time_total=end - start)
+
+    node = event("autograd::engine::evaluate_function: LoRAGroupBackward", 2, 0, 3000, 1000)
+    events = [event("aten::mm", 1, 0, 1000, 1000), event("aten::mm", 1, 500, 1500, 1000),
+              node, event("aten::addmm_", 2, 100, 2100, 2000, parent=node),
+              SimpleNamespace(name="kernel", thread=2, device_type=torch.autograd.DeviceType.CUDA, cpu_parent=None,
+                              time_range=SimpleNamespace(start=0, end=9000), self_cpu_time_total=0,
+                              cpu_time_total=0)]
+    rows = gpu_profile._host_threads(events, steps=1)
+    assert [r["thread"] for r in rows] == [2, 1]  # the busier thread first; the kernel is no host operator
+    assert rows[0]["covered_ms"] == 3.0 and rows[1]["covered_ms"] == 1.5
+    assert rows[0]["top_own_ms"][0] == {"name": "aten::addmm_", "ms": 2.0, "calls": 1}
+    assert rows[0]["top_nodes_ms"] == [{"name": "LoRAGroupBackward", "ms": 3.0, "calls": 1}]
+    assert rows[1]["top_own_ms"] == [{"name": "aten::mm", "ms": 2.0, "calls": 2}]
