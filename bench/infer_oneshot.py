@@ -8,7 +8,8 @@ repository root:
 
 Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes two (a two-line prompt file),
 so that the second image's denoising is the steady state per image (`per_image_s` = its denoising plus the encode
-and the decode per image). Before the first run the repository's Python files are compiled to bytecode
+and the decode per image); `compile_plain_kernels` is `compile` with the compiled blocks' element-wise code left
+to inductor (`library.runtime.fused_compiled` off), for the ratio of the two in one run. Before the first run the repository's Python files are compiled to bytecode
 (`compileall`, as pip does when it installs a package), so the runs measure the imports a user's installed copy pays.
 
 Per run, from the script's own log (`moss_image_minimal_inference`: the "timings (s)" and "start-up (s)" lines and
@@ -34,7 +35,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "moss_image_minimal_inference.py"
 PROMPTS = ("a red fox in the snow, morning light", "a lighthouse on a cliff at dusk, long exposure")
-RUNS = ("eager", "compile")
+RUNS = ("eager", "compile", "compile_plain_kernels")
+# bench-only: `compile` with the compiled blocks' element-wise code left to inductor (no fused kernels as ops,
+# library.runtime.fused_compiled), the form before them, for a ratio measured in one run
+_PLAIN_KERNELS = ("import runpy, sys; from library.runtime.fused_compiled import set_compiled_kernels; "
+                  "set_compiled_kernels(norm_rope=False, swiglu=False); sys.argv = sys.argv[1:]; "
+                  "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 _NUM = r"([0-9]+(?:\.[0-9]+)?)"
 _TIMINGS_RE = re.compile(
@@ -80,11 +86,12 @@ def compile_bytecode() -> float:
 
 
 def run_command(args: argparse.Namespace, run: str, save: Path, prompts_file: Path) -> list[str]:
-    cmd = [sys.executable, SCRIPT, "--snapshot", str(args.snapshot), "--image_size", *map(str, args.image_size),
+    launcher = [sys.executable, "-c", _PLAIN_KERNELS] if run == "compile_plain_kernels" else [sys.executable]
+    cmd = [*launcher, SCRIPT, "--snapshot", str(args.snapshot), "--image_size", *map(str, args.image_size),
            "--infer_steps", str(args.steps), "--seed", "42", "--save_path", str(save)]
     if args.device:
         cmd += ["--device", args.device]
-    if run == "compile":
+    if run != "eager":
         cmd += ["--compile", "--from_file", str(prompts_file)]
     else:
         cmd += ["--prompt", PROMPTS[0]]
@@ -104,7 +111,7 @@ def one_run(args: argparse.Namespace, index: int, run: str, prompts_file: Path) 
                               "pngs": len(list(save.glob("*.png")))}
     per_prompt = result["denoise_per_prompt_s"]
     phases = result["phases_s"]
-    if run == "compile" and len(per_prompt) >= 2 and phases:
+    if run != "eager" and len(per_prompt) >= 2 and phases:
         n = len(per_prompt)
         result["per_image_s"] = round(phases["encode"] / n + per_prompt[-1] + phases["decode_and_save"] / n, 3)
     if proc.returncode != 0:

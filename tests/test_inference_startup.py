@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -167,3 +168,17 @@ def test_oneshot_bench_runs_the_script_in_a_fresh_process(tiny_snapshot, tmp_pat
     assert 0 < run["phases_s"]["startup"] < run["to_png_s"] <= run["exit_s"]
     assert (out / "infer_oneshot_0_eager.log").exists()
     assert sorted(p.name for p in out.iterdir()) == ["infer_oneshot.json", "infer_oneshot_0_eager.log"]
+
+
+def test_infer_oneshot_runs_the_script_with_the_compiled_kernels_off_for_its_plain_run(tmp_path):
+    """`compile_plain_kernels` runs the script through a launcher that turns the compiled blocks' kernel ops off and
+    hands the script its own argv."""
+    args = SimpleNamespace(snapshot=tmp_path, image_size=[64, 64], steps=2, device=None, extra="")
+    cmd = infer_oneshot.run_command(args, "compile_plain_kernels", tmp_path / "out", tmp_path / "p.txt")
+    assert cmd[1] == "-c" and cmd[3] == infer_oneshot.SCRIPT and "--compile" in cmd
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\nfrom library.runtime import fused_compiled\n"
+                     "print(fused_compiled._SETTINGS['norm_rope'], fused_compiled._SETTINGS['swiglu'], sys.argv[1:])\n")
+    out = subprocess.run([sys.executable, "-c", cmd[2], str(probe), "--flag"], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    assert out.strip() == "False False ['--flag']"
