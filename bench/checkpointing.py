@@ -165,10 +165,12 @@ for _name in ("no_gc_eager", "gc_full_eager", "gc_full_eager_int8"):
 LORA_COPIES = "_lora_copies"
 for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8"):
     CONFIGS[_name + LORA_COPIES] = CONFIGS[_name]
-# bench-only: a block's q, k and v LoRA-wrapped Linears as one node each instead of one LoRAGroup node
-# (library.lora.eager_node.set_lora_grouped), for the ratio of the two in one run
+# bench-only: a block's q, k and v LoRA-wrapped Linears as one node each instead of one LoRAGroup node, and in
+# compiled blocks as three LoRAs instead of one down-projection (library.lora.compiled_group), both switched by
+# library.lora.eager_node.set_lora_grouped, for the ratio of the two in one run
 LORA_UNGROUPED = "_lora_ungrouped"
-for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8"):
+for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8", "no_gc_compile",
+              "gc_full_compile", "gc_full_compile_int8", "gc_selective_compile_int8_skip16"):
     CONFIGS[_name + LORA_UNGROUPED] = CONFIGS[_name]
 # bench-only: the batch copied to the GPU from pageable host memory instead of pinned memory
 # (library.runtime.transfer.set_pinned_transfers), for the ratio of the two in one run

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from library.lora.compiled_group import PlainPart
 from library.lora.conventions import ALPHA, LORA_DOWN, LORA_PREFIX_TEXT_ENCODER, LORA_PREFIX_UNET, lora_name_for
 from library.lora.eager_node import DenseProduct, LoRAAddmm, LoRALinear, NodePart, one_node
 from library.runtime.eager_fusion import eager_fused
@@ -118,6 +119,19 @@ class LoRAModule(AdapterModule):
         org = self.org_module
         return NodePart(self.lora_down.weight, self.lora_up.weight, self.scale * self.multiplier, org, product,
                         tuple(product.tensors(org)))
+
+    def plain_part(self, x: torch.Tensor) -> PlainPart | None:
+        """This module's share of a compiled block's q/k/v group (`library.lora.compiled_group`), or None where its
+        call is not the plain LoRA of x: while torch.compile traces, on, no training-time dropout, and weights of
+        x's dtype unless autocast casts them."""
+        if not torch.compiler.is_compiling() or not self.enabled or self.multiplier == 0 or x.dim() < 2:
+            return None
+        if self.training and (self.module_dropout or self.dropout or self.rank_dropout):
+            return None
+        down, up = self.lora_down.weight, self.lora_up.weight
+        if not torch.is_autocast_enabled(x.device.type) and not (down.dtype == up.dtype == x.dtype):
+            return None
+        return PlainPart(down, up, self.scale * self.multiplier, self._org_forward)
 
     def _node_product(self, x: torch.Tensor, args: tuple, kwargs: dict) -> type | None:
         """The frozen product that `LoRALinear` (`library.lora.eager_node`) can run for this call, or None: the one

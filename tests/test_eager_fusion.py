@@ -400,7 +400,16 @@ def test_lora_with_dropout_in_training_takes_the_plain_form():
 @pytest.mark.parametrize("with_lora", [False, True])
 def test_compiled_regions_keep_the_plain_forms(with_lora):
     """Dynamo traces the plain forms: no addcmul, complex tensor or LoRA addmm in the captured graph, and the compiled
-    block computes exactly what the plain eager forms compute."""
+    block computes exactly what the plain eager forms compute (q, k and v's LoRA ungrouped: the compiled group of
+    `library.lora.compiled_group` is the same math in other products, tested in tests/test_lora_compiled_group.py)."""
+    previous = eager_node.set_lora_grouped(False)
+    try:
+        _compiled_plain_forms(with_lora)
+    finally:
+        eager_node.set_lora_grouped(previous)
+
+
+def _compiled_plain_forms(with_lora: bool) -> None:
     blk, inputs = _block(torch.float32), _inputs(torch.float32)
     if with_lora:
         torch.manual_seed(4)

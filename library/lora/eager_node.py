@@ -75,8 +75,9 @@ def in_place() -> bool:
 
 
 def set_lora_grouped(enabled: bool) -> bool:
-    """Let a block's Linears of one input run as one `LoRAGroup` node (the default) or each as its own node (the
-    benchmark's comparison). Returns the previous setting."""
+    """Let a block's Linears of one input run as one `LoRAGroup` node (the default), and in compiled blocks as one
+    down-projection (`library.lora.compiled_group`), or each as its own (the benchmark's comparison). Returns the
+    previous setting."""
     return _switch("grouped", enabled)
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from library.lora.compiled_group import plain_group, plain_group_parts
 from library.lora.eager_node import lora_group, lora_group_parts
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
@@ -353,12 +354,19 @@ class MossImageBlock(nn.Module):
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of h: one autograd node for the three where each is a LoRA-wrapped Linear that runs as one
-        (`library.lora.eager_node.LoRAGroup`, eager mode), else the three Linears."""
+        (`library.lora.eager_node.LoRAGroup`, eager mode), their LoRA down-projections as one product in a compiled
+        block (`library.lora.compiled_group`), else the three Linears."""
         linears = (self.proj.q, self.proj.k, self.proj.v)
-        parts = lora_group_parts(linears, h) if eager_fused() else None
-        if parts is not None:
-            q, k, v = lora_group(h, parts)
-            return q, k, v
+        if torch.compiler.is_compiling():
+            plain = plain_group_parts(linears, h)
+            if plain is not None:
+                q, k, v = plain_group(h, plain)
+                return q, k, v
+        elif eager_fused():
+            parts = lora_group_parts(linears, h)
+            if parts is not None:
+                q, k, v = lora_group(h, parts)
+                return q, k, v
         return self.proj.q(h), self.proj.k(h), self.proj.v(h)
 
     def _attn(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,66 @@
+"""A block's q, k and v LoRA as one down-projection inside compiled regions.
+
+The eager `library.lora.eager_node.LoRAGroup` runs the three LoRA-wrapped Linears of one input as one autograd node.
+torch.compile traces operators, not that node, so here the same grouping is written as operators for it to trace:
+the three down-projection weights side by side (``torch.cat``) and one product ``x @ [down_q; down_k; down_v]^T``,
+whose gradient autograd then also takes as one product for x (rank 3r instead of three of rank r) and one for the
+three weights. Each output is ``base(x) + alpha * lx[:, part] @ up^T`` as the plain LoRA computes it. A block asks
+with `plain_group_parts` (None: call the Linears); `eager_node.set_lora_grouped(False)` turns the grouping off here
+too (the benchmark's comparison).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from library.lora.eager_node import grouped
+
+__all__ = ["PlainPart", "plain_group", "plain_group_parts"]
+
+
+@dataclass(frozen=True)
+class PlainPart:
+    """One LoRA-wrapped Linear of a group (an adapter's `plain_part`): its LoRA weights, multiplier x scale, and the
+    base's own forward."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    alpha: float
+    base: Callable[[torch.Tensor], torch.Tensor]
+
+
+def plain_group_parts(linears: Sequence[nn.Module], x: torch.Tensor) -> list[PlainPart] | None:
+    """The parts of a group over `linears`, all called with x, or None where it does not apply: the grouping off, a
+    Linear without an adapter that offers its part for this call (`plain_part`: on, no dropout, dtypes that need no
+    cast autocast would not make), or LoRA weights of several dtypes."""
+    if not grouped():
+        return None
+    parts = []
+    for m in linears:
+        adapter = getattr(m.forward, "__self__", None)
+        part_of = getattr(adapter, "plain_part", None)
+        part = part_of(x) if part_of is not None else None
+        if part is None:
+            return None
+        parts.append(part)
+    if len({p.down.dtype for p in parts}) > 1 or len({p.up.dtype for p in parts}) > 1:
+        return None
+    return parts
+
+
+def plain_group(x: torch.Tensor, parts: Sequence[PlainPart]) -> tuple[torch.Tensor, ...]:
+    """Each part's base(x) + alpha * (x @ down^T) @ up^T, in the base output's dtype, the down-projections as one
+    product."""
+    lx = F.linear(x, torch.cat([p.down for p in parts]))
+    outs, start = [], 0
+    for p in parts:
+        rank = p.up.shape[1]
+        out = p.base(x)
+        outs.append(out + (F.linear(lx[..., start:start + rank], p.up) * p.alpha).to(out.dtype))
+        start += rank
+    return tuple(outs)
