@@ -89,18 +89,25 @@ class LoRAModule(AdapterModule):
         nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_up.weight)
 
-    def delta_output(self, x: torch.Tensor) -> torch.Tensor:
-        """Dropout on the rank activations, rank dropout on whole ranks per sample (rescaled), then up."""
+    def delta_output(self, x: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        """Dropout on the rank activations, rank dropout on whole ranks per sample (rescaled), then up; times `factor`.
+        The scale multiplies the rank activations, not the output: the same product, and the backward's scaling is
+        on the rank-wide gradient instead of a full-width one (a pass over the output's gradient per Linear in a
+        compiled step, which traces these operators)."""
         lx = self.lora_down(self._adapter_input(x, self.lora_down.weight))
         if self.training and self.dropout:
             lx = nn.functional.dropout(lx, p=self.dropout)
-        scale = self.scale
+        scale = self.scale * factor
         if self.training and self.rank_dropout and lx.dim() >= 2:
             keep = torch.rand(lx.shape[0], self.lora_dim, device=lx.device) > self.rank_dropout
             keep = keep.to(lx.dtype).view(lx.shape[0], *([1] * (lx.dim() - 2)), self.lora_dim)
             lx = lx * keep
             scale = scale / (1.0 - self.rank_dropout)
-        return self.lora_up(lx) * scale
+        return self.lora_up(lx * scale)
+
+    def _plain_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out + multiplier * delta(x) with the operators, the multiplier on the rank side too (`delta_output`)."""
+        return out + self.delta_output(x, self.multiplier).to(out.dtype)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         product = self._node_product(x, args, kwargs)
@@ -170,7 +177,7 @@ class LoRAModule(AdapterModule):
             casts = not (down.dtype == up.dtype == out.dtype)
         if (not eager_fused() or casts or x.dtype != out.dtype or out.dim() < 2
                 or (self.training and (self.dropout or self.rank_dropout))):
-            return super().add_delta(out, x)
+            return self._plain_delta(out, x)
         alpha = self.scale * self.multiplier
         if one_node():
             return LoRAAddmm.apply(out, x, down, up, alpha)

@@ -106,3 +106,45 @@ def test_the_linears_run_as_they_are_where_the_group_does_not_apply(case):
         torch._dynamo.reset()
     concatenated = [t for t in seen if "method cat " in t]
     assert bool(concatenated) == (case == "applies"), seen
+
+
+def _full_width_muls(blk, tokens: int) -> int:
+    """Multiplications over whole activations (at least tokens x hidden elements) in the compiled block's backward
+    graph."""
+    g = torch.Generator().manual_seed(1)
+    cos, sin = RopeTables(CFG.rope_axes_dims, CFG.rope_theta).cos_sin([4], 4, 5, 8, torch.device("cpu"))
+    x = torch.randn(1, tokens, CFG.hidden_size, generator=g).requires_grad_(True)
+    mod = torch.randn(1, 6, CFG.hidden_size, generator=g) * 0.3
+    count = 0
+
+    def backward(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        nonlocal count
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            if str(n.target) == "aten.mul.Tensor" and isinstance(val, torch.Tensor):
+                count += val.numel() >= tokens * CFG.hidden_size
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(blk, fullgraph=True, backend=aot_autograd(
+            fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward))
+        compiled(x, cos, sin, None, mod).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    return count
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_lora_adds_no_full_width_multiplication_to_the_compiled_backward(grouped):
+    """The LoRA scale multiplies the rank activations (`LoRAModule.delta_output`), so its backward scales rank-wide
+    gradients: the block's backward graph has as many full-width multiplications with the LoRA as without it."""
+    torch.manual_seed(0)
+    plain = MossImageBlock(CFG, True, Attention())
+    plain.requires_grad_(False)
+    blk, _ = _block_with_lora()
+    previous = eager_node.set_lora_grouped(grouped)
+    try:
+        assert _full_width_muls(blk, 44) == _full_width_muls(plain, 44) > 0
+    finally:
+        eager_node.set_lora_grouped(previous)

@@ -55,12 +55,12 @@ def plain_group_parts(linears: Sequence[nn.Module], x: torch.Tensor) -> list[Pla
 
 def plain_group(x: torch.Tensor, parts: Sequence[PlainPart]) -> tuple[torch.Tensor, ...]:
     """Each part's base(x) + alpha * (x @ down^T) @ up^T, in the base output's dtype, the down-projections as one
-    product."""
+    product (alpha on the rank activations, as `LoRAModule.delta_output` has it)."""
     lx = F.linear(x, torch.cat([p.down for p in parts]))
     outs, start = [], 0
     for p in parts:
         rank = p.up.shape[1]
         out = p.base(x)
-        outs.append(out + (F.linear(lx[..., start:start + rank], p.up) * p.alpha).to(out.dtype))
+        outs.append(out + F.linear(lx[..., start:start + rank] * p.alpha, p.up).to(out.dtype))
         start += rank
     return tuple(outs)
