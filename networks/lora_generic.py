@@ -61,6 +61,16 @@ __all__ = [
 ]
 
 
+_SCALE_ON_RANKS = {"enabled": True}
+
+
+def set_scale_on_ranks(enabled: bool) -> bool:
+    """Scale the rank activations in the plain LoRA (the default, `LoRAModule.delta_output`) or the output, as it
+    was before (the benchmark's comparison); returns the previous setting."""
+    previous, _SCALE_ON_RANKS["enabled"] = _SCALE_ON_RANKS["enabled"], bool(enabled)
+    return previous
+
+
 def _frozen(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
     return t is None or (not t.requires_grad and t.dtype == dtype)
 
@@ -103,7 +113,7 @@ class LoRAModule(AdapterModule):
             keep = keep.to(lx.dtype).view(lx.shape[0], *([1] * (lx.dim() - 2)), self.lora_dim)
             lx = lx * keep
             scale = scale / (1.0 - self.rank_dropout)
-        return self.lora_up(lx * scale)
+        return self.lora_up(lx * scale) if _SCALE_ON_RANKS["enabled"] else self.lora_up(lx) * scale
 
     def _plain_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out + multiplier * delta(x) with the operators, the multiplier on the rank side too (`delta_output`)."""
@@ -138,7 +148,7 @@ class LoRAModule(AdapterModule):
         down, up = self.lora_down.weight, self.lora_up.weight
         if not torch.is_autocast_enabled(x.device.type) and not (down.dtype == up.dtype == x.dtype):
             return None
-        return PlainPart(down, up, self.scale * self.multiplier, self._org_forward)
+        return PlainPart(down, up, self.scale * self.multiplier, self._org_forward, _SCALE_ON_RANKS["enabled"])
 
     def _node_product(self, x: torch.Tensor, args: tuple, kwargs: dict) -> type | None:
         """The frozen product that `LoRALinear` (`library.lora.eager_node`) can run for this call, or None: the one

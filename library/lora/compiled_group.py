@@ -32,6 +32,7 @@ class PlainPart:
     up: torch.Tensor
     alpha: float
     base: Callable[[torch.Tensor], torch.Tensor]
+    scale_on_ranks: bool = True  # alpha on the rank activations (False: on the output, the benchmark's comparison)
 
 
 def plain_group_parts(linears: Sequence[nn.Module], x: torch.Tensor) -> list[PlainPart] | None:
@@ -61,6 +62,8 @@ def plain_group(x: torch.Tensor, parts: Sequence[PlainPart]) -> tuple[torch.Tens
     for p in parts:
         rank = p.up.shape[1]
         out = p.base(x)
-        outs.append(out + F.linear(lx[..., start:start + rank] * p.alpha, p.up).to(out.dtype))
+        part = lx[..., start:start + rank]
+        delta = F.linear(part * p.alpha, p.up) if p.scale_on_ranks else F.linear(part, p.up) * p.alpha
+        outs.append(out + delta.to(out.dtype))
         start += rank
     return tuple(outs)
