@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from library.lora.eager_node import grouped
+from library.lora.eager_node import adapter_parts, grouped
 
 __all__ = ["PlainPart", "plain_group", "plain_group_parts"]
 
@@ -39,19 +39,7 @@ def plain_group_parts(linears: Sequence[nn.Module], x: torch.Tensor) -> list[Pla
     """The parts of a group over `linears`, all called with x, or None where it does not apply: the grouping off, a
     Linear without an adapter that offers its part for this call (`plain_part`: on, no dropout, dtypes that need no
     cast autocast would not make), or LoRA weights of several dtypes."""
-    if not grouped():
-        return None
-    parts = []
-    for m in linears:
-        adapter = getattr(m.forward, "__self__", None)
-        part_of = getattr(adapter, "plain_part", None)
-        part = part_of(x) if part_of is not None else None
-        if part is None:
-            return None
-        parts.append(part)
-    if len({p.down.dtype for p in parts}) > 1 or len({p.up.dtype for p in parts}) > 1:
-        return None
-    return parts
+    return adapter_parts(linears, x, "plain_part") if grouped() else None
 
 
 def plain_group(x: torch.Tensor, parts: Sequence[PlainPart]) -> tuple[torch.Tensor, ...]:

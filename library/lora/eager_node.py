@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DenseProduct", "LoRAAddmm", "LoRAGroup", "LoRALinear", "NodePart", "grouped", "in_place",
+__all__ = ["DenseProduct", "LoRAAddmm", "LoRAGroup", "LoRALinear", "NodePart", "adapter_parts", "grouped", "in_place",
            "lora_group", "lora_group_parts", "one_node", "set_lora_grouped", "set_lora_in_place",
            "set_lora_one_node"]
 
@@ -214,10 +214,16 @@ def lora_group_parts(linears: Sequence[nn.Module], x: torch.Tensor) -> list[Node
     eager mode, no dropout, nothing of the base to train), or LoRA weights of several dtypes."""
     if not (grouped() and one_node()):
         return None
+    return adapter_parts(linears, x, "node_part")
+
+
+def adapter_parts(linears: Sequence[nn.Module], x: torch.Tensor, method: str) -> list[Any] | None:
+    """Each Linear's part of a group as its adapter's `method` gives it for x (`node_part`, `plain_part`), or None
+    where one Linear has no such adapter or its adapter declines, or the LoRA weights are of several dtypes."""
     parts = []
     for m in linears:
         adapter = getattr(m.forward, "__self__", None)
-        part_of = getattr(adapter, "node_part", None)
+        part_of = getattr(adapter, method, None)
         part = part_of(x) if part_of is not None else None
         if part is None:
             return None
