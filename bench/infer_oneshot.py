@@ -9,8 +9,9 @@ repository root:
 Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes two (a two-line prompt file),
 so that the second image's denoising is the steady state per image (`per_image_s` = its denoising plus the encode
 and the decode per image); `compile_plain_kernels` is `compile` with the compiled blocks' element-wise code left
-to inductor (`library.runtime.fused_compiled` off), for the ratio of the two in one run. Before the first run the repository's Python files are compiled to bytecode
-(`compileall`, as pip does when it installs a package), so the runs measure the imports a user's installed copy pays.
+to inductor (`library.runtime.fused_compiled` off), for the ratio of the two in one run. Before the first run the
+repository's Python files are compiled to bytecode (`compileall`, as pip does when it installs a package), so the
+runs measure the imports a user's installed copy pays.
 
 Per run, from the script's own log (`moss_image_minimal_inference`: the "timings (s)" and "start-up (s)" lines and
 the per-prompt denoise lines): `to_png_s` (process start to the saved PNG, measured by the script from the

@@ -26,7 +26,8 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _check(op, grad_op, ref_fn, x, rest, grad_rest=(), out_shape=None):
-    """op(x, *rest) and grad_op(g, x, *grad_rest) against ref_fn and its autograd in float64 (the ops compute in fp32)."""
+    """op(x, *rest) and grad_op(g, x, *grad_rest) against ref_fn and its autograd in float64 (the ops compute in
+    fp32)."""
     g = torch.randn(out_shape or x.shape, dtype=torch.float64)
     xr = x.detach().clone().requires_grad_(True)
     ref = ref_fn(xr)

@@ -54,8 +54,8 @@ def _step(blk, modules, grouped: bool):
     previous = eager_node.set_lora_grouped(grouped)
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(blk, fullgraph=True,
-                                 backend=aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward")))
+        backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+        compiled = torch.compile(blk, fullgraph=True, backend=backend)
         y = compiled(x, cos, sin, None, mod)
         y.backward(gy)
     finally:
@@ -68,7 +68,8 @@ def _step(blk, modules, grouped: bool):
 
 
 def _products(counter: collections.Counter) -> int:
-    return sum(n for name, n in counter.items() if name in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default"))
+    products = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+    return sum(n for name, n in counter.items() if name in products)
 
 
 def test_the_compiled_group_takes_one_down_projection_and_matches_the_three_linears():

@@ -1,9 +1,11 @@
 """The fused element-wise kernels inside compiled regions, as registered ``torch.library`` ops.
 
 A compiled block leaves its element-wise code to inductor, which fuses it with its neighbours. The profiles of the
-compiled step (docs/benchmarks.md) showed two places where inductor's kernels are slower than this project's
-(`library.runtime.fused_kernels`): the q/k head norm with RoPE (inductor builds the rotation from a stack of the two
-halves) and SwiGLU's backward (a concatenation of the two halves' gradients). Here those kernels are ops
+compiled step (docs/benchmarks.md, fourteenth run) showed where inductor's kernels are slower than this project's
+(`library.runtime.fused_kernels`): the q/k head norm with RoPE, which inductor builds from a stack of the two rotated
+halves (110 us forward and 93 us backward per block against the kernels' 2 x 17 and 2 x 25 us), and SwiGLU's
+backward, with a concatenation of the two halves' gradients (183 us against 88 us, though inductor's kernel also
+does the add before it, which stays a pass of its own next to the op). Here those kernels are ops
 (namespace ``moss_image``), each with a fake implementation for tracing, a default one in torch operators (any
 device: the kernels' math in fp32) and a CUDA one (the kernels, where their self-check passed), so that a compiled
 block calls them as opaque nodes and inductor fuses the code around them:
@@ -15,8 +17,8 @@ block calls them as opaque nodes and inductor fuses the code around them:
   an opaque op would split into two passes over the activation.
 
 `op_norm_rope`, `op_swiglu` and `op_norm_modulate` are what `library.moss_image.dit` calls while torch.compile
-traces a block, where the `*_usable` checks of `library.runtime.fused_ops` (layout, no gradient for the weights)
-and `compiled_kernel` say so. On the CPU the ops stay off unless a test turns them on (`set_compiled_kernels(cpu=
+traces a block, where `compiled_kernel` and the `*_applies` checks here (shapes, dtypes, no gradient for the
+weights) say so. On the CPU the ops stay off unless a test turns them on (`set_compiled_kernels(cpu=
 True)`): there they run the default implementation, which is what the CPU tests compile.
 """
 
