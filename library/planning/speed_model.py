@@ -25,13 +25,15 @@ from library.planning.memory_model import SKIP_BLOCK_MODES, InferenceWorkload, S
 from library.planning.sizes import DitSizes
 
 # eager, with the eager forms of library.runtime.eager_fusion, the fused Triton kernels of library.runtime.fused_ops
-# and the one-node LoRA of library.lora.eager_node: bench.checkpointing, twelfth H200 run (2026-12-03, call 3): no
-# checkpointing 257.0 ms, gc 356.0 ms (fifth run, before the kernels and the node: 314.7 and 426.4 ms); the offload
-# modes from the training-step table, run A (plain forms: gc 564.6 ms, unsloth offload 666.5 ms)
-EAGER_CHECKPOINTING = {"none": 0.722, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
-# --compile: bench.checkpointing, third H200 run (2026-12-01, one call): no checkpointing 261.7 ms, gc 347.5 ms
-# (e2e run A, earlier: 252 vs 379 ms); the offload modes were not measured compiled (eager ratio)
-COMPILED_CHECKPOINTING = {"none": 0.753, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
+# and the one-node LoRA of library.lora.eager_node: bench.checkpointing, fourteenth H200 run (2026-12-04, call 1,
+# the batch from pinned memory): no checkpointing 246.3 ms, gc 356.0 ms (twelfth run: 257.0 and 356.0 ms; fifth run,
+# before the kernels and the node: 314.7 and 426.4 ms); the offload modes from the training-step table, run A (plain
+# forms: gc 564.6 ms, unsloth offload 666.5 ms)
+EAGER_CHECKPOINTING = {"none": 0.692, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
+# --compile: bench.checkpointing, fourteenth H200 run (2026-12-04, call 2, the kernels as ops in compiled blocks): no
+# checkpointing 250.8 ms, gc 338.7 ms (third run: 261.7 and 347.5 ms); the offload modes were not measured compiled
+# (eager ratio)
+COMPILED_CHECKPOINTING = {"none": 0.740, "full": 1.0, "unsloth": 1.181, "cpu_offload": 1.181}
 # --checkpointing_policy selective against full, (--compile, DiT precision) -> factor. bf16: bench.checkpointing in
 # one H200 run (docs/benchmarks.md, 2026-12-01): compiled 332.7 vs 352.3 ms; eager, fifth run (one call): 832.9 vs
 # 426.4 ms (eager selective checkpointing is slower than full, and the trainer warns). INT8 eager: --vram_budget 12
@@ -44,11 +46,11 @@ SELECTIVE_FACTOR = {(True, "bf16"): 0.944, (False, "bf16"): 1.953, (True, "int8"
 # ones), so the eager factor is the GPU-bound one. Eager, twelfth run (2026-12-03, call 3, the one-node LoRA): INT8
 # 333.2 and 346.2 ms in two processes (median 339.7) against bf16's 356.0 ms, both GPU-bound. (Call 1, before the
 # node: INT8 432.4 ms, host-bound, against 373.2; eleventh run: 436.1 against 428.6 ms.)
-# Compiled, fourth run: 334.5 vs 339.1 ms
-# (the TMA GEMMs launched raw), with AOTAutograd's graph-safe RNG functionalisation. The seventh run (2026-12-02,
-# full checkpointing with every operator of the compiled checkpoint tagged, one call) had INT8 at 332.3-355.2 ms in
-# two processes against bf16's 344.7 ms: the same factor. (The sixth run's 379.2 ms was its call's first process.)
-INT8_FACTOR = {False: 0.954, True: 0.986}
+# The fourteenth run (2026-12-04, call 1) had INT8 at 327.0 against 356.0 ms on the medians, 299.5 against 313.7 ms
+# of GPU busy time (0.955: the factor holds). Compiled, fourteenth run (call 3, the kernels as ops and the LoRA
+# scaled on its rank side): 318.4 vs 341.4 ms. (Fourth run: 334.5 vs 339.1 ms; seventh run: 332.3-355.2 against
+# 344.7 ms.)
+INT8_FACTOR = {False: 0.954, True: 0.933}
 # --checkpointing_skip_blocks as the planner may choose it, per checkpointing mode: at most the values where the
 # measured step still followed the line above (bench.checkpointing, fifth H200 run, one call: bf16 gc + compile,
 # skip 20, 306.9 ms against 303.8 predicted from the 344.4 ms without; INT8 selective + compile: 301.3 ms at skip
