@@ -138,10 +138,11 @@ class LoRAModule(AdapterModule):
                         tuple(product.tensors(org)))
 
     def plain_part(self, x: torch.Tensor) -> PlainPart | None:
-        """This module's share of a compiled block's q/k/v group (`library.lora.compiled_group`), or None where its
-        call is not the plain LoRA of x: while torch.compile traces, on, no training-time dropout, and weights of
-        x's dtype unless autocast casts them."""
-        if not torch.compiler.is_compiling() or not self.enabled or self.multiplier == 0 or x.dim() < 2:
+        """This module's share of a q/k/v group of the plain forms (`library.lora.compiled_group`: what a compiled
+        block traces, and the eager plain forms), or None where its call is not the plain LoRA of x: the eager forms
+        on (the one-node group runs there), the adapter off, a training-time dropout, or weights not of x's dtype
+        where autocast does not cast them."""
+        if eager_fused() or not self.enabled or self.multiplier == 0 or x.dim() < 2:
             return None
         if self.training and (self.module_dropout or self.dropout or self.rank_dropout):
             return None

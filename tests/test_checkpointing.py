@@ -336,8 +336,10 @@ def test_compiled_full_checkpointing_tags_every_operator_of_the_int8_blocks(tiny
     assert per_block == 6 and counter.ops[convrot_ops.LINEAR] == (per_block - 1) * TINY_LAYERS
     assert counter.attention_forwards() == TINY_LAYERS
     # the decomposed graph rounds the int8 inputs otherwise than eager code: the loss agrees, the gradients of these
-    # random tiny weights differ by up to 15 % where a rounding flips a code (the same with dynamo's own tags)
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=0)
+    # random tiny weights differ by up to 15 % where a rounding flips a code (the same with dynamo's own tags). The
+    # loss moves with the flips too: 8e-5 with q, k and v's LoRA as three products, 8e-4 with the compiled group's
+    # one (library.lora.compiled_group), whose sliced rank activations round otherwise in the decomposed graph
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-3, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------- refusals

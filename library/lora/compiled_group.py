@@ -1,4 +1,5 @@
-"""A block's q, k and v LoRA as one down-projection inside compiled regions.
+"""A block's q, k and v LoRA as one down-projection inside compiled regions (and in the eager plain forms, which
+compute what a compiled region computes, `library.runtime.eager_fusion.plain_forms`).
 
 The eager `library.lora.eager_node.LoRAGroup` runs the three LoRA-wrapped Linears of one input as one autograd node.
 torch.compile traces operators, not that node, so here the same grouping is written as operators for it to trace:

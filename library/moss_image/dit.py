@@ -355,17 +355,17 @@ class MossImageBlock(nn.Module):
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of h: one autograd node for the three where each is a LoRA-wrapped Linear that runs as one
         (`library.lora.eager_node.LoRAGroup`, eager mode), their LoRA down-projections as one product in a compiled
-        block (`library.lora.compiled_group`), else the three Linears."""
+        block and in the plain forms (`library.lora.compiled_group`), else the three Linears."""
         linears = (self.proj.q, self.proj.k, self.proj.v)
-        if torch.compiler.is_compiling():
-            plain = plain_group_parts(linears, h)
-            if plain is not None:
-                q, k, v = plain_group(h, plain)
-                return q, k, v
-        elif eager_fused():
+        if eager_fused():
             parts = lora_group_parts(linears, h)
             if parts is not None:
                 q, k, v = lora_group(h, parts)
+                return q, k, v
+        else:  # compiled, or the plain forms in eager mode (what a compiled block computes)
+            plain = plain_group_parts(linears, h)
+            if plain is not None:
+                q, k, v = plain_group(h, plain)
                 return q, k, v
         return self.proj.q(h), self.proj.k(h), self.proj.v(h)
 
