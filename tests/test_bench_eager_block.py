@@ -42,10 +42,11 @@ def test_fake_counts_at_full_width(tmp_path):
         assert summary["other_ops_fused"] < summary["other_ops_plain"], mode
         assert summary["other_gb_fused"] < 0.8 * summary["other_gb_plain"], mode
         plain, fused = run["plain"]["ops"]["count"], run["fused"]["ops"]["count"]
-        # the same attention calls; q, k and v's LoRA as one node (LoRAGroup) makes two down-projections, two
-        # input-gradient and two down-gradient products fewer per block (and two more in the recomputation)
+        # the same attention calls and matrix products: q, k and v's LoRA is one down-projection in both forms (the
+        # eager LoRAGroup node, and the plain forms' group of library.lora.compiled_group, what a compiled block
+        # computes)
         assert plain["attention"] == fused["attention"], mode
-        assert plain["matmul"] - fused["matmul"] == (6 if mode == "bf16_none" else 8), mode
+        assert plain["matmul"] == fused["matmul"], mode
         assert "train_ms" not in run["plain"]  # fake tensors: nothing to time
         if not HAVE_TRITON:  # no kernels form without Triton
             assert "kernels" not in run, mode
