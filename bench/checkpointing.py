@@ -57,7 +57,6 @@ from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState
 from library.training.run_options import RunOptions
 from library.training.step_loop import StepGarbageCollector
-from networks import lora_generic
 
 try:  # the main thread's CPU time and preemptions (Unix)
     import resource
@@ -187,7 +186,7 @@ for _name in ("no_gc_compile", "no_gc_compile_int8", "gc_full_compile", "gc_full
     CONFIGS[_name + COMPILED_PLAIN] = CONFIGS[_name]
     CONFIGS[_name + COMPILED_ALL] = CONFIGS[_name]
 # bench-only: the plain LoRA (what compiled blocks trace) scaling its output instead of its rank activations
-# (networks.lora_generic.set_scale_on_ranks), for the ratio of the two in one run
+# (library.lora.eager_node.set_scale_on_ranks), for the ratio of the two in one run
 SCALE_ON_OUTPUT = "_scale_on_output"
 for _name in ("no_gc_compile", "gc_full_compile", "gc_full_compile_int8"):
     CONFIGS[_name + SCALE_ON_OUTPUT] = CONFIGS[_name]
@@ -449,7 +448,7 @@ def bench_variant(name: str) -> Any:
     saved_in_place = eager_node.set_lora_in_place(not name.endswith(LORA_COPIES))
     saved_grouped = eager_node.set_lora_grouped(not name.endswith(LORA_UNGROUPED))
     saved_pinned = transfer.set_pinned_transfers(not name.endswith(PAGEABLE))
-    saved_scale = lora_generic.set_scale_on_ranks(not name.endswith(SCALE_ON_OUTPUT))
+    saved_scale = eager_node.set_scale_on_ranks(not name.endswith(SCALE_ON_OUTPUT))
     saved_compiled = fused_compiled.set_compiled_kernels(
         **({"norm_rope": False, "swiglu": False} if name.endswith(COMPILED_PLAIN) else {}),
         **({"norm_modulate": True} if name.endswith(COMPILED_ALL) else {}))
@@ -468,7 +467,7 @@ def bench_variant(name: str) -> Any:
         eager_node.set_lora_in_place(saved_in_place)
         eager_node.set_lora_grouped(saved_grouped)
         transfer.set_pinned_transfers(saved_pinned)
-        lora_generic.set_scale_on_ranks(saved_scale)
+        eager_node.set_scale_on_ranks(saved_scale)
         fused_compiled.set_compiled_kernels(**saved_compiled)
         convrot_kernels.set_quantiser(saved_quantiser)
         linear_plan.set_linear_plans(True)

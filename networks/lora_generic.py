@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from library.lora.compiled_group import PlainPart
+from library.lora.compiled_group import PlainPart, up_projection
 from library.lora.conventions import ALPHA, LORA_DOWN, LORA_PREFIX_TEXT_ENCODER, LORA_PREFIX_UNET, lora_name_for
 from library.lora.eager_node import DenseProduct, LoRAAddmm, LoRALinear, NodePart, one_node
 from library.runtime.eager_fusion import eager_fused
@@ -61,16 +61,6 @@ __all__ = [
 ]
 
 
-_SCALE_ON_RANKS = {"enabled": True}
-
-
-def set_scale_on_ranks(enabled: bool) -> bool:
-    """Scale the rank activations in the plain LoRA (the default, `LoRAModule.delta_output`) or the output, as it
-    was before (the benchmark's comparison); returns the previous setting."""
-    previous, _SCALE_ON_RANKS["enabled"] = _SCALE_ON_RANKS["enabled"], bool(enabled)
-    return previous
-
-
 def _frozen(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
     return t is None or (not t.requires_grad and t.dtype == dtype)
 
@@ -100,10 +90,8 @@ class LoRAModule(AdapterModule):
         nn.init.zeros_(self.lora_up.weight)
 
     def delta_output(self, x: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
-        """Dropout on the rank activations, rank dropout on whole ranks per sample (rescaled), then up; times `factor`.
-        The scale multiplies the rank activations, not the output: the same product, and the backward's scaling is
-        on the rank-wide gradient instead of a full-width one (a pass over the output's gradient per Linear in a
-        compiled step, which traces these operators)."""
+        """Dropout on the rank activations, rank dropout on whole ranks per sample (rescaled), then up; times `factor`
+        (the scale on the rank side: `library.lora.compiled_group.up_projection`)."""
         lx = self.lora_down(self._adapter_input(x, self.lora_down.weight))
         if self.training and self.dropout:
             lx = nn.functional.dropout(lx, p=self.dropout)
@@ -113,7 +101,7 @@ class LoRAModule(AdapterModule):
             keep = keep.to(lx.dtype).view(lx.shape[0], *([1] * (lx.dim() - 2)), self.lora_dim)
             lx = lx * keep
             scale = scale / (1.0 - self.rank_dropout)
-        return self.lora_up(lx * scale) if _SCALE_ON_RANKS["enabled"] else self.lora_up(lx) * scale
+        return up_projection(lx, self.lora_up, scale)
 
     def _plain_delta(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out + multiplier * delta(x) with the operators, the multiplier on the rank side too (`delta_output`)."""
@@ -149,7 +137,7 @@ class LoRAModule(AdapterModule):
         down, up = self.lora_down.weight, self.lora_up.weight
         if not torch.is_autocast_enabled(x.device.type) and not (down.dtype == up.dtype == x.dtype):
             return None
-        return PlainPart(down, up, self.scale * self.multiplier, self._org_forward, _SCALE_ON_RANKS["enabled"])
+        return PlainPart(down, up, self.scale * self.multiplier, self._org_forward)
 
     def _node_product(self, x: torch.Tensor, args: tuple, kwargs: dict) -> type | None:
         """The frozen product that `LoRALinear` (`library.lora.eager_node`) can run for this call, or None: the one

@@ -14,7 +14,6 @@ from torch._dynamo.backends.common import aot_autograd
 from library.lora import eager_node
 from library.moss_image.dit import MossImageBlock, MossImageConfig, RopeTables
 from library.runtime.attention import Attention
-from networks import lora_generic
 from networks.lora_generic import LoRAModule
 
 CFG = MossImageConfig(hidden_size=256, num_heads=2, head_dim=128, ffn_hidden=512)
@@ -149,10 +148,10 @@ def test_the_lora_adds_no_full_width_multiplication_to_the_compiled_backward(gro
     try:
         without = _full_width_muls(plain, 44)
         assert _full_width_muls(blk, 44) == without > 0
-        on_output = lora_generic.set_scale_on_ranks(False)  # the earlier form: one more per LoRA Linear at least
+        on_output = eager_node.set_scale_on_ranks(False)  # the earlier form: one more per LoRA Linear at least
         try:
             assert _full_width_muls(blk, 44) >= without + (4 if grouped else 6)
         finally:
-            lora_generic.set_scale_on_ranks(on_output)
+            eager_node.set_scale_on_ranks(on_output)
     finally:
         eager_node.set_lora_grouped(previous)

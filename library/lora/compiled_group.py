@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from library.lora.eager_node import adapter_parts, grouped
+from library.lora.eager_node import adapter_parts, grouped, scale_on_ranks
 
-__all__ = ["PlainPart", "plain_group", "plain_group_parts"]
+__all__ = ["PlainPart", "plain_group", "plain_group_parts", "up_projection"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,13 @@ class PlainPart:
     up: torch.Tensor
     alpha: float
     base: Callable[[torch.Tensor], torch.Tensor]
-    scale_on_ranks: bool = True  # alpha on the rank activations (False: on the output, the benchmark's comparison)
+
+
+def up_projection(lx: torch.Tensor, up: Callable[[torch.Tensor], torch.Tensor], alpha: float) -> torch.Tensor:
+    """alpha * up(lx) of the plain LoRA, alpha applied to the rank activations: the same product, and its backward
+    scales a rank-wide gradient instead of the full-width output gradient (a pass over it per Linear in a compiled
+    step). `eager_node.set_scale_on_ranks(False)` scales the output instead (the benchmark's comparison)."""
+    return up(lx * alpha) if scale_on_ranks() else up(lx) * alpha
 
 
 def plain_group_parts(linears: Sequence[nn.Module], x: torch.Tensor) -> list[PlainPart] | None:
@@ -51,8 +57,7 @@ def plain_group(x: torch.Tensor, parts: Sequence[PlainPart]) -> tuple[torch.Tens
     for p in parts:
         rank = p.up.shape[1]
         out = p.base(x)
-        part = lx[..., start:start + rank]
-        delta = F.linear(part * p.alpha, p.up) if p.scale_on_ranks else F.linear(part, p.up) * p.alpha
+        delta = up_projection(lx[..., start:start + rank], lambda t, u=p.up: F.linear(t, u), p.alpha)
         outs.append(out + delta.to(out.dtype))
         start += rank
     return tuple(outs)

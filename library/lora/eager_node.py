@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 __all__ = ["DenseProduct", "LoRAAddmm", "LoRAGroup", "LoRALinear", "NodePart", "adapter_parts", "grouped", "in_place",
-           "lora_group", "lora_group_parts", "one_node", "set_lora_grouped", "set_lora_in_place",
-           "set_lora_one_node"]
+           "lora_group", "lora_group_parts", "one_node", "scale_on_ranks", "set_lora_grouped", "set_lora_in_place",
+           "set_lora_one_node", "set_scale_on_ranks"]
 
-_ONE_NODE = {"enabled": True, "in_place": True, "grouped": True}
+_ONE_NODE = {"enabled": True, "in_place": True, "grouped": True, "scale_on_ranks": True}
 
 
 def _switch(name: str, enabled: bool) -> bool:
@@ -83,6 +83,17 @@ def set_lora_grouped(enabled: bool) -> bool:
 
 def grouped() -> bool:
     return _ONE_NODE["grouped"]
+
+
+def set_scale_on_ranks(enabled: bool) -> bool:
+    """Let the plain LoRA (what compiled blocks trace: `library.lora.compiled_group.up_projection`) scale its rank
+    activations (the default) or its output, as it did before (the benchmark's comparison). Returns the previous
+    setting."""
+    return _switch("scale_on_ranks", enabled)
+
+
+def scale_on_ranks() -> bool:
+    return _ONE_NODE["scale_on_ranks"]
 
 
 def _no_dispatch_mode() -> bool:

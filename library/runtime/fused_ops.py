@@ -73,7 +73,7 @@ def kernel_module() -> ModuleType | None:
 def checked(device: torch.device) -> bool:
     """Whether the kernels passed their check on `device` already (`prepare` runs it; this never does): what code
     being traced by torch.compile may read."""
-    return bool(_CHECKED.get(device if device.index is not None or device.type != "cuda" else _device_key(device)))
+    return bool(_CHECKED.get(_device_key(device)))
 
 
 def _device_key(device: torch.device) -> torch.device:
