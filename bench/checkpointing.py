@@ -190,6 +190,11 @@ for _name in ("no_gc_compile", "no_gc_compile_int8", "gc_full_compile", "gc_full
 SCALE_ON_OUTPUT = "_scale_on_output"
 for _name in ("no_gc_compile", "gc_full_compile", "gc_full_compile_int8"):
     CONFIGS[_name + SCALE_ON_OUTPUT] = CONFIGS[_name]
+# bench-only: the eager LoRA nodes taking their weights' gradients as bf16 products, scaled and cast, instead of one
+# addmm writing fp32 (library.lora.eager_node.set_lora_fp32_grads), for the ratio of the two in one run
+BF16_GRADS = "_bf16_grads"
+for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8"):
+    CONFIGS[_name + BF16_GRADS] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -449,6 +454,7 @@ def bench_variant(name: str) -> Any:
     saved_grouped = eager_node.set_lora_grouped(not name.endswith(LORA_UNGROUPED))
     saved_pinned = transfer.set_pinned_transfers(not name.endswith(PAGEABLE))
     saved_scale = eager_node.set_scale_on_ranks(not name.endswith(SCALE_ON_OUTPUT))
+    saved_fp32_grads = eager_node.set_lora_fp32_grads(not name.endswith(BF16_GRADS))
     saved_compiled = fused_compiled.set_compiled_kernels(
         **({"norm_rope": False, "swiglu": False} if name.endswith(COMPILED_PLAIN) else {}),
         **({"norm_modulate": True} if name.endswith(COMPILED_ALL) else {}))
@@ -468,6 +474,7 @@ def bench_variant(name: str) -> Any:
         eager_node.set_lora_grouped(saved_grouped)
         transfer.set_pinned_transfers(saved_pinned)
         eager_node.set_scale_on_ranks(saved_scale)
+        eager_node.set_lora_fp32_grads(saved_fp32_grads)
         fused_compiled.set_compiled_kernels(**saved_compiled)
         convrot_kernels.set_quantiser(saved_quantiser)
         linear_plan.set_linear_plans(True)

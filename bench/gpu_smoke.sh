@@ -3,7 +3,8 @@
 # bf16 training with ConvRot INT8 (DiT + text encoder), checkpointing and per-block compile, samples, resume state,
 # then inference with the LoRA merged before quantisation, three repeated runs in one process (bench.repeat_runs: the
 # same LoRA each time), and the CUDA tests of the Triton kernels (ConvRot INT8, the fused element-wise kernels, the
-# direct launches, the kernels as ops inside compiled blocks), of the eager block forms and LoRA nodes, and of two
+# direct launches, the kernels as ops inside compiled blocks), of the eager block forms and LoRA nodes (their fp32
+# weight gradients too), and of two
 # training runs in one process.
 # Run from the repository root (`bash bench/gpu_smoke.sh`); no install needed: the tools run as modules (`-m`).
 set -euo pipefail
@@ -42,5 +43,5 @@ cp "$W"/out/sample/*.png "$W"/inf/*.png "$OUT"/ 2>/dev/null || true
 python3 -m bench.repeat_runs --runs 3 --out "$OUT/repeat_runs.json" 2>&1 | grep "^run " || true
 python3 -m pytest -q -p no:cacheprovider tests/test_convrot_int8_triton.py tests/test_fused_kernels.py \
   tests/test_triton_launch.py tests/test_moss_image_models.py tests/test_eager_fusion.py tests/test_transfer.py \
-  tests/test_fused_compiled.py \
+  tests/test_fused_compiled.py tests/test_lora_weight_grads.py \
   tests/test_checkpointing.py::test_trainer_selective_policy_trains_the_same_lora_as_full 2>&1 | tail -n 3

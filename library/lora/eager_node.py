@@ -26,9 +26,18 @@ output for the recomputation, which an add in place would change.
   and the down-projections' gradients; the bases' input gradients are added in place into that one tensor, instead
   of three tensors that autograd adds up. A block asks for it with `lora_group_parts` (None: call the Linears).
 
+The gradients of the LoRA weights: each is one product of two rank-wide or full-width activations, scaled by alpha,
+in the weight's dtype (fp32 for trained LoRA weights, whatever the compute dtype). On CUDA, with bf16 or fp16
+activations and fp32 weights, one addmm writes it (`_weight_grad`: alpha applied to the fp32 accumulator, fp32
+output, the ``out_dtype`` of torch's addmm), where the operators take three kernels (the product rounded to bf16, a
+multiply, a cast to fp32): about 500 kernels fewer per step of the full-size DiT, and the gradient is no longer
+rounded to bf16 on the way (its sum over the rows always was accumulated in fp32). Elsewhere (the CPU has no such
+addmm) the product is scaled and cast as before.
+
 `set_lora_one_node(False)` makes LoRAModule use the operators again (the same kernels; the benchmark's comparison);
 `set_lora_in_place(False)` makes the nodes add into new tensors (the same sums, bit for bit); `set_lora_grouped(
-False)` makes each Linear of a group its own `LoRALinear`.
+False)` makes each Linear of a group its own `LoRALinear`; `set_lora_fp32_grads(False)` takes the weight gradients
+as bf16 products, scaled and cast (the benchmark's comparison).
 """
 
 from __future__ import annotations
@@ -40,11 +49,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DenseProduct", "LoRAAddmm", "LoRAGroup", "LoRALinear", "NodePart", "adapter_parts", "grouped", "in_place",
-           "lora_group", "lora_group_parts", "one_node", "scale_on_ranks", "set_lora_grouped", "set_lora_in_place",
-           "set_lora_one_node", "set_scale_on_ranks"]
+__all__ = ["DenseProduct", "LoRAAddmm", "LoRAGroup", "LoRALinear", "NodePart", "adapter_parts", "fp32_grads",
+           "grouped", "in_place", "lora_group", "lora_group_parts", "one_node", "scale_on_ranks", "set_lora_fp32_grads",
+           "set_lora_grouped", "set_lora_in_place", "set_lora_one_node", "set_scale_on_ranks"]
 
-_ONE_NODE = {"enabled": True, "in_place": True, "grouped": True, "scale_on_ranks": True}
+_ONE_NODE = {"enabled": True, "in_place": True, "grouped": True, "scale_on_ranks": True, "fp32_grads": True}
 
 
 def _switch(name: str, enabled: bool) -> bool:
@@ -96,6 +105,55 @@ def scale_on_ranks() -> bool:
     return _ONE_NODE["scale_on_ranks"]
 
 
+def set_lora_fp32_grads(enabled: bool) -> bool:
+    """Let the nodes write the LoRA weights' gradients in fp32 from one addmm where CUDA offers it (the default), or
+    take them as products in the compute dtype, scaled and cast (the benchmark's comparison). Returns the previous
+    setting."""
+    return _switch("fp32_grads", enabled)
+
+
+def fp32_grads() -> bool:
+    return _ONE_NODE["fp32_grads"]
+
+
+_HALF = (torch.bfloat16, torch.float16)
+_FP32_ADDMM: dict[torch.device, bool] = {}
+
+
+def _fp32_addmm_works(device: torch.device) -> bool:
+    """Whether this torch's addmm writes fp32 from half operands on `device` (``out_dtype``: CUDA only, recent torch),
+    tried once per device on a 2 x 2 product against the fp32 one."""
+    if device not in _FP32_ADDMM:
+        a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=torch.bfloat16)
+        try:
+            got = torch.addmm(a.new_zeros((), dtype=torch.float32), a, a, beta=0, alpha=0.5, out_dtype=torch.float32)
+            works = got.dtype == torch.float32 and torch.equal(got, 0.5 * (a.float() @ a.float()))
+        except (RuntimeError, TypeError, NotImplementedError):
+            works = False
+        _FP32_ADDMM[device] = works
+    return _FP32_ADDMM[device]
+
+
+def _scaled_product(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * a @ b as one addmm (alpha in the product's epilogue), not a product and a multiply. With beta 0 the
+    addend is not read (torch's documented contract: not even its NaNs), so an uninitialised scalar does: no kernel to
+    fill it."""
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+
+
+def _weight_grad(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    """alpha * a @ b as a LoRA weight's gradient in its dtype: one addmm writing fp32 where the weight is fp32, the
+    operands half and the device's addmm can (`set_lora_fp32_grads`); else the product in the operands' dtype, scaled
+    and cast."""
+    if (dtype == torch.float32 and a.dtype in _HALF and a.is_cuda and fp32_grads()
+            and _fp32_addmm_works(a.device)):
+        return torch.addmm(a.new_empty((), dtype=torch.float32), a, b, beta=0, alpha=alpha, out_dtype=torch.float32)
+    g = torch.mm(a, b)
+    if alpha != 1.0:
+        g.mul_(alpha)
+    return g.to(dtype)
+
+
 def _no_dispatch_mode() -> bool:
     """True when no Python dispatch mode (selective checkpointing's, a fake-tensor mode) sees the operators."""
     return torch._C._len_torch_dispatch_stack() == 0
@@ -127,13 +185,13 @@ def _rank_backward(ctx: Any, saved: tuple[torch.Tensor, ...], g2: torch.Tensor, 
     x2, lx, d, u = saved
     grad_x = grad_down = grad_up = None
     if need_x or need_down:
-        glx = torch.mm(g2, u).mul_(ctx.alpha)
+        glx = _scaled_product(g2, u, ctx.alpha)
         if need_x:
             grad_x = torch.mm(glx, d)
         if need_down:
-            grad_down = torch.mm(glx.t(), x2).to(ctx.dtypes[0])
+            grad_down = _weight_grad(glx.t(), x2, 1.0, ctx.dtypes[0])
     if need_up:
-        grad_up = torch.mm(g2.t(), lx).mul_(ctx.alpha).to(ctx.dtypes[1])
+        grad_up = _weight_grad(g2.t(), lx, ctx.alpha, ctx.dtypes[1])
     return grad_x, grad_down, grad_up
 
 
@@ -303,20 +361,20 @@ class LoRAGroup(torch.autograd.Function):
             flat_index += 2 + n_base
         grad_x = grad_down = None
         if need_x or any(need_down):
-            glx = torch.cat([torch.mm(g2, u).mul_(alpha) for g2, u, (alpha, *_) in zip(g2s, us, meta)], dim=1)
+            glx = torch.cat([_scaled_product(g2, u, alpha) for g2, u, (alpha, *_) in zip(g2s, us, meta)], dim=1)
             if need_x:
                 grad_x = torch.mm(glx, d)  # every part's LoRA input gradient, in one product
                 for g2, (_, org, product, _), base in zip(g2s, meta, bases):
                     grad_x = product.grad_input(org, g2, grad_x, *base, in_place=in_place())
                 grad_x = grad_x.view(ctx.x_shape)
-            if any(need_down):
-                grad_down = torch.mm(glx.t(), x2)
+            if any(need_down):  # the parts' down dtypes are one (`adapter_parts`)
+                grad_down = _weight_grad(glx.t(), x2, 1.0, ctx.dtypes[0][0])
         out: list[torch.Tensor | None] = [grad_x, None]
         start = 0
         for k, (g2, u, part_meta) in enumerate(zip(g2s, us, meta)):
             alpha, n_base, rank = part_meta[0], part_meta[3], u.shape[1]
-            gd = grad_down[start:start + rank].to(ctx.dtypes[k][0]) if need_down[k] else None
-            gu = torch.mm(g2.t(), lx[:, start:start + rank]).mul_(alpha).to(ctx.dtypes[k][1]) if need_up[k] else None
+            gd = grad_down[start:start + rank] if need_down[k] else None
+            gu = _weight_grad(g2.t(), lx[:, start:start + rank], alpha, ctx.dtypes[k][1]) if need_up[k] else None
             out += [gd, gu, *(None for _ in range(n_base))]
             start += rank
         return tuple(out)
