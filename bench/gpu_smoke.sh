@@ -4,8 +4,7 @@
 # then inference with the LoRA merged before quantisation, three repeated runs in one process (bench.repeat_runs: the
 # same LoRA each time), and the CUDA tests of the Triton kernels (ConvRot INT8, the fused element-wise kernels, the
 # direct launches, the kernels as ops inside compiled blocks), of the eager block forms and LoRA nodes (their fp32
-# weight gradients too), and of two
-# training runs in one process.
+# weight gradients too), and of two training runs in one process.
 # Run from the repository root (`bash bench/gpu_smoke.sh`); no install needed: the tools run as modules (`-m`).
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu_smoke}
