@@ -195,6 +195,11 @@ for _name in ("no_gc_compile", "gc_full_compile", "gc_full_compile_int8"):
 BF16_GRADS = "_bf16_grads"
 for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8"):
     CONFIGS[_name + BF16_GRADS] = CONFIGS[_name]
+# bench-only: the eager gated residual as torch's addcmul instead of the fused kernel
+# (library.runtime.fused_ops.fused_gated_residual), for the ratio of the two in one run
+TORCH_RESIDUAL = "_torch_residual"
+for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8"):
+    CONFIGS[_name + TORCH_RESIDUAL] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -433,7 +438,10 @@ def bench_variant(name: str) -> Any:
     """What a bench-only configuration name changes while it runs (restored afterwards, for --tiny's configurations in
     one process): the plain forms, dynamo's own checkpoint tags, the older RNG functionalisation, the previous
     activation quantiser, the int8 Linears without their launch plans, eager full checkpointing's non-reentrant form,
-    the fused kernels off, the LoRA as operators, adding into new tensors or without the q/k/v group."""
+    the fused kernels off, the LoRA as operators, adding into new tensors or without the q/k/v group, the weight
+    gradients as bf16 products, the gated residual as addcmul."""
+    from unittest import mock
+
     import torch._functorch.config as functorch_config
 
     from library.quant import convrot_kernels, linear_plan
@@ -461,9 +469,11 @@ def bench_variant(name: str) -> Any:
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")
+    torch_residual = (mock.patch("library.moss_image.dit.gated_residual_usable", lambda *_: False)
+                      if name.endswith(TORCH_RESIDUAL) else contextlib.nullcontext())
     try:
         with (functorch_config.patch(graphsafe_rng_functionalization=False) if older_rng else contextlib.nullcontext(),
-              plain_forms() if name.endswith(PLAIN_FORMS_SUFFIX) else contextlib.nullcontext()):
+              plain_forms() if name.endswith(PLAIN_FORMS_SUFFIX) else contextlib.nullcontext(), torch_residual):
             yield
     finally:
         checkpointing.COMPILED_FULL["per_operator_tags"] = saved

@@ -138,12 +138,13 @@ def _set_form(form: str) -> None:
 
 
 KERNEL_LAUNCHES = ("norm_rope_forward", "norm_rope_backward", "swiglu_forward", "swiglu_backward",
-                   "norm_modulate_forward", "norm_modulate_backward")
+                   "norm_modulate_forward", "norm_modulate_backward", "gated_residual_forward",
+                   "gated_residual_backward")
 
 
 def _kernel_result(name: str, args: tuple) -> torch.Tensor:
     """An uncomputed tensor of the shape and dtype the launch `name` returns (the stand-ins' result)."""
-    like = args[0] if name.endswith("_forward") else args[1]
+    like = args[0] if name.endswith("_forward") or name == "gated_residual_backward" else args[1]
     shape = (*like.shape[:-1], like.shape[-1] // 2) if name == "swiglu_forward" else like.shape
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 

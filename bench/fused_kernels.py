@@ -6,7 +6,8 @@ shapes of a 1024x1024 step (4,352 tokens, width 3,072 in 24 heads of 128, FFN 8,
     TRITON_INTERPRET=1 python -m bench.fused_kernels --device cpu --tokens 32 --width 256 --ffn 512 --iters 1 \\
         --reps 1 --out smoke.json                                      # a smoke run of the same code on a CPU
 
-Each chain runs as the block calls it (`library.moss_image.dit`: `norm_modulate`, `norm_rope`, `swiglu`), with the
+Each chain runs as the block calls it (`library.moss_image.dit`: `norm_modulate`, `norm_rope`, `swiglu`,
+`gated_residual`), with the
 fused kernels on and off (`library.runtime.fused_ops.set_fused_kernels`): the forward (with autograd recording, as in
 training) and the forward + backward. A timed call makes `--reps` calls back to back; on CUDA a sleep kernel holds the
 GPU while the host queues it (`held_gpu_ms`), so the GPU time is measured with the host out of it (as in a step where
@@ -34,9 +35,11 @@ from library.moss_image import dit
 from library.runtime import fused_ops
 
 SWEEP = {"rope_rows": (8, 16, 32), "rope_warps": (2, 4, 8), "swiglu_block": (512, 1024, 2048, 4096),
-         "swiglu_warps": (2, 4, 8), "row_warps": (4, 8, 16)}
+         "swiglu_warps": (2, 4, 8), "row_warps": (4, 8, 16), "residual_rows": (4, 8, 16, 32),
+         "residual_block": (128, 256, 512, 1024), "residual_warps": (2, 4, 8)}
 TUNED_BY = {"norm_modulate": ("row_warps",), "norm_rope": ("rope_rows", "rope_warps"),
-            "swiglu": ("swiglu_block", "swiglu_warps")}
+            "swiglu": ("swiglu_block", "swiglu_warps"),
+            "gated_residual": ("residual_rows", "residual_block", "residual_warps")}
 
 
 class Chain:
@@ -70,6 +73,12 @@ class Chain:
             self.x = rand(1, tokens, 2 * ffn)
             self.call = dit.swiglu
             self.bytes = {"forward": self.x.nbytes * 3 // 2, "backward": self.x.nbytes * 5 // 2}
+        elif name == "gated_residual":  # x here is the branch's output y, the residual stream another tensor
+            self.x = rand(1, tokens, width)
+            residual = rand(1, tokens, width)
+            gate = rand(1, 6, width, scale=0.3).unbind(1)[2]
+            self.call = lambda y: dit.gated_residual(residual, gate, y)
+            self.bytes = {"forward": 3 * self.x.nbytes, "backward": 2 * self.x.nbytes}  # read x, y; the gradient
         else:
             raise ValueError(name)
         self.grad = torch.randn(self.call(self.x).shape, generator=g).to(device, bf16)

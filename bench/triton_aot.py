@@ -186,6 +186,7 @@ def elementwise_jobs() -> list[Job]:
            "xs_h": "i32", **tables}
     warps, swiglu_warps = {"num_warps": E.TUNING["rope_warps"]}, {"num_warps": E.TUNING["swiglu_warps"]}
     mod = {"seq": "i32", "width": "i32"}
+    residual = {"BR": E.TUNING["residual_rows"], "BLOCK": E.TUNING["residual_block"]}
     return [
         (E._norm_rope_fwd_kernel, fwd, rope, warps, (*rope_div, "xs_b", "xs_s", "xs_h"), 0),
         (E._norm_rope_bwd_kernel, bwd, rope, warps, (*rope_div, "gs_b", "gs_s", "gs_h", "xs_b", "xs_s", "xs_h"), 0),
@@ -201,6 +202,12 @@ def elementwise_jobs() -> list[Job]:
                                        "dx_ptr": "*bf16", **mod, "g_row": "i32", "x_row": "i32", "mod_b": "i32",
                                        "eps": "fp32"},
          {"BLOCK": 4096}, {"num_warps": E.TUNING["row_warps"]}, ("seq", "width", "g_row", "x_row", "mod_b"), 0),
+        (E._gated_residual_fwd_kernel, {"x_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*bf16",
+                                        **mod, "n_tiles": "i32", "x_row": "i32", "y_row": "i32", "gate_b": "i32"},
+         residual, {"num_warps": E.TUNING["residual_warps"]}, ("seq", "width", "n_tiles", "x_row", "y_row"), 0),
+        (E._gated_residual_bwd_kernel, {"g_ptr": "*bf16", "gate_ptr": "*bf16", "dy_ptr": "*bf16", **mod,
+                                        "n_tiles": "i32", "g_row": "i32", "gate_b": "i32"},
+         residual, {"num_warps": E.TUNING["residual_warps"]}, ("seq", "width", "n_tiles", "g_row"), 0),
     ]
 
 

@@ -26,7 +26,7 @@ def test_smoke_run_under_the_interpreter(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(out.read_text())
     rows = {r["chain"]: r for r in payload["results"]}
-    assert set(rows) == {"norm_modulate", "norm_rope", "swiglu"}
+    assert set(rows) == {"norm_modulate", "norm_rope", "swiglu", "gated_residual"}
     for r in rows.values():
         # the same math in both forms (the interpreter rounds to bf16 towards zero: a little more than one ulp)
         assert r["out_rel_diff"] < 2e-2 and r["grad_rel_diff"] < 2e-2, r

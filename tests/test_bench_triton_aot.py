@@ -51,7 +51,7 @@ def test_the_fused_elementwise_kernels_compile_for_sm90_without_spills(tmp_path)
     out = tmp_path / "aot.json"
     assert triton_aot.main(["--kernels", "elementwise", "--arch", "90", "--out", str(out)]) == 0
     rows = {r["kernel"]: r for r in json.loads(out.read_text())["kernels"]}
-    assert set(rows) == {f"_{name}_{way}_kernel" for name in ("norm_rope", "swiglu", "norm_modulate")
+    assert set(rows) == {f"_{name}_{way}_kernel" for name in ("norm_rope", "swiglu", "norm_modulate", "gated_residual")
                          for way in ("fwd", "bwd")}
     for row in rows.values():
         assert "error" not in row and 0 < row["reg"] <= 128 and not row["spills"], row

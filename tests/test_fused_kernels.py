@@ -11,6 +11,8 @@ kernels are defined), and on CUDA where there is a GPU; the checks are the same 
   the block unbinds them) and a width that is not a power of two;
 - SwiGLU: the same against float64 and the eager form, rows of a wider tensor (a view) and widths that are not a
   multiple of the kernel's block;
+- gated residual: the same against float64 and torch's addcmul, gates that are rows of a [B, 6, W] tensor, a y that
+  is a view of a wider tensor, and token counts and widths that are not multiples of the kernel's tile;
 - a DiT block (frozen, as under a LoRA) with the kernels against its eager forms, and with full and selective
   checkpointing against no checkpointing, bit for bit under the interpreter (the recomputation launches the same
   kernels); the block launches the kernels for its two norms, q, k and the FFN (counted).
@@ -150,6 +152,28 @@ def _swiglu_case(dtype: torch.dtype, width: int, view: bool, device: str) -> dic
             "grad_err": _rel(uk.grad, ur.grad), "eager_grad_err": _rel(ue.grad, ur.grad)}
 
 
+def _gated_residual_case(dtype: torch.dtype, seq: int, width: int, device: str) -> dict:
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(2, seq, width, generator=g) * 2).to(device, dtype)
+    y = torch.randn(2, seq, width + 8, generator=g).to(device, dtype)[..., 4:4 + width]  # rows further apart
+    gate = (torch.randn(2, 6, width, generator=g) * 0.5).to(device, dtype).unbind(1)[2]  # as the block unbinds it
+    gy = torch.randn(2, seq, width, generator=g).to(device, dtype)
+    assert fused_ops.gated_residual_usable(x, gate, y) and not y.is_contiguous()
+    xr, yr = x.double().requires_grad_(True), y.double().requires_grad_(True)
+    ref = xr + gate.double()[:, None] * yr
+    ref.backward(gy.double())
+    xk, yk = x.clone().requires_grad_(True), y.detach().requires_grad_(True)
+    out = fused_ops.fused_gated_residual(xk, gate, yk)
+    out.backward(gy)
+    xe, ye = x.clone().requires_grad_(True), y.detach().clone().requires_grad_(True)
+    oe = torch.addcmul(xe, gate[:, None], ye)
+    oe.backward(gy)
+    return {"dtype": str(dtype), "seq": seq, "width": width, "out_dtype": str(out.dtype),
+            "contiguous": out.is_contiguous(), "x_grad_is_output_grad": bool(torch.equal(xk.grad, gy)),
+            "out_err": _rel(out, ref), "eager_out_err": _rel(oe, ref), "grad_err": _rel(yk.grad, yr.grad),
+            "eager_grad_err": _rel(ye.grad, yr.grad)}
+
+
 def _block(device: str) -> MossImageBlock:
     torch.manual_seed(0)
     blk = MossImageBlock(CFG, True, Attention()).to(device, torch.bfloat16)
@@ -179,7 +203,7 @@ def _block_step(blk: MossImageBlock, kernels: bool, checkpointing: str | None, d
 
 
 LAUNCHES = ("norm_rope_forward", "norm_rope_backward", "swiglu_forward", "swiglu_backward", "norm_modulate_forward",
-            "norm_modulate_backward")
+            "norm_modulate_backward", "gated_residual_forward", "gated_residual_backward")
 
 
 @contextlib.contextmanager
@@ -222,10 +246,13 @@ def _tuning_invariant(device: str) -> float:
     def outputs() -> list[torch.Tensor]:
         return [fused_kernels.norm_rope_forward(x, w, cos, sin, 1e-6), fused_kernels.swiglu_forward(u),
                 fused_kernels.swiglu_backward(u[:, :550], u), fused_kernels.norm_modulate_forward(h, hw, mod[:, 0],
-                                                                                                  mod[:, 1], 1e-6)]
+                                                                                                  mod[:, 1], 1e-6),
+                fused_kernels.gated_residual_forward(h, mod[:, 0], h), fused_kernels.gated_residual_backward(h,
+                                                                                                         mod[:, 1])]
 
     before = outputs()
-    previous = fused_kernels.set_tuning(rope_rows=8, rope_warps=2, swiglu_block=256, swiglu_warps=8, row_warps=4)
+    previous = fused_kernels.set_tuning(rope_rows=8, rope_warps=2, swiglu_block=256, swiglu_warps=8, row_warps=4,
+                                        residual_rows=4, residual_block=128, residual_warps=8)
     try:
         after = outputs()
     finally:
@@ -254,6 +281,8 @@ def _launch_paths(device: str) -> dict[str, bool]:
         "swiglu_backward": lambda: fused_kernels.swiglu_backward(u[..., :72], u),
         "norm_modulate_forward": lambda: fused_kernels.norm_modulate_forward(h, hw, mod[:, 0], mod[:, 1], 1e-6),
         "norm_modulate_backward": lambda: fused_kernels.norm_modulate_backward(h, h, hw, mod[:, 1], 1e-6),
+        "gated_residual_forward": lambda: fused_kernels.gated_residual_forward(h, mod[:, 0], h),
+        "gated_residual_backward": lambda: fused_kernels.gated_residual_backward(h, mod[:, 1]),
     }
     fused_kernels._LAUNCHERS.clear()
     return {name: bool(torch.equal(call(), call())) for name, call in calls.items()}
@@ -267,6 +296,9 @@ def run_checks(device: str) -> dict:
               for width in (48, 1100) for view in (False, True)]
     norm_modulate = [_norm_modulate_case(dtype, width, device) for dtype in (torch.bfloat16, torch.float16,
                                                                              torch.float32) for width in (96, 256)]
+    gated_residual = [_gated_residual_case(dtype, seq, width, device) for dtype in (torch.bfloat16, torch.float16,
+                                                                                   torch.float32)
+                      for seq, width in ((11, 96), (37, 300))]
     blk = _block(device)
     with _counted_launches() as launches:
         y_k, gx_k = _block_step(blk, True, None, device)
@@ -278,7 +310,7 @@ def run_checks(device: str) -> dict:
     return {"interpreted": os.environ.get("TRITON_INTERPRET") == "1", "checked": checked,
             "launch_paths_equal": _launch_paths(device),
             "tuning_invariant": _tuning_invariant(device), "cases": cases, "swiglu": swiglu,
-            "norm_modulate": norm_modulate,
+            "norm_modulate": norm_modulate, "gated_residual": gated_residual,
             "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e), "launches": launches,
                       "checkpointed_diff": ckpt}}
 
@@ -313,10 +345,19 @@ def _assert_checks(res: dict) -> None:
         else:
             slack = 1.6 if res["interpreted"] and c["dtype"] == "torch.bfloat16" else 1.02
             assert c["out_err"] <= c["eager_out_err"] * slack and c["grad_err"] <= c["eager_grad_err"] * slack, c
+    assert len(res["gated_residual"]) == 6
+    for c in res["gated_residual"]:
+        assert c["contiguous"] and c["out_dtype"] == c["dtype"] and c["x_grad_is_output_grad"], c
+        if c["dtype"] == "torch.float32":
+            assert c["out_err"] < 1e-6 and c["grad_err"] < 1e-6, c
+        else:  # one rounding to nearest even, as addcmul's (the kernel rounds so under the interpreter too)
+            slack = 1.02
+            assert c["out_err"] <= c["eager_out_err"] * slack and c["grad_err"] <= c["eager_grad_err"] * slack, c
     b = res["block"]
     assert b["launches"] == {"norm_rope_forward": 2, "norm_rope_backward": 2, "swiglu_forward": 1,
-                             "swiglu_backward": 1, "norm_modulate_forward": 2,
-                             "norm_modulate_backward": 2}, b  # q and k, the FFN, the two norms, each way
+                             "swiglu_backward": 1, "norm_modulate_forward": 2, "norm_modulate_backward": 2,
+                             "gated_residual_forward": 2, "gated_residual_backward": 2,
+                             }, b  # q and k, the FFN, the two norms, the two branches, each way
     assert b["out_rel_diff"] < 5e-3 and b["grad_rel_diff"] < 1e-2, b  # bf16 rounding apart from the eager forms
     # bit for bit on the interpreter; on a GPU the attention backward may sum in another order from run to run
     limit = 0 if res["interpreted"] else 1e-3
@@ -436,9 +477,16 @@ class _TorchKernels:
         (F.silu(gate) * value).backward(g.double())
         return self._out("swiglu_backward", ur.grad.to(u.dtype))
 
+    def gated_residual_forward(self, x, gate, y):
+        return self._out("gated_residual_forward", (x.float() + gate.float()[:, None] * y.float()).to(x.dtype))
+
+    def gated_residual_backward(self, g, gate):
+        return self._out("gated_residual_backward", (gate.float()[:, None] * g.float()).to(g.dtype))
+
 
 @pytest.mark.parametrize("wrong", [None, "norm_rope_forward", "norm_rope_backward", "swiglu_forward",
-                                   "swiglu_backward", "norm_modulate_forward", "norm_modulate_backward", "raises"])
+                                   "swiglu_backward", "norm_modulate_forward", "norm_modulate_backward",
+                                   "gated_residual_forward", "gated_residual_backward", "raises"])
 def test_the_kernels_check_themselves_before_their_first_use(monkeypatch, caplog, wrong):
     """A kernel that fails to run or gives other numbers on a device turns the kernels off there, with one warning;
     kernels that pass are used, and the check runs once per device."""
@@ -488,6 +536,21 @@ def test_where_the_norm_modulate_kernel_applies(usable_on_cpu):
     assert not usable(x.unsqueeze(0), w, shift, scale)
     assert not usable(x, w, shift, scale.clone().requires_grad_(True))  # no gradient for the modulation
     assert not usable(x, w.clone().requires_grad_(True), shift, scale)
+
+
+def test_where_the_gated_residual_kernel_applies(usable_on_cpu):
+    x = torch.zeros(2, 5, 96, dtype=torch.bfloat16)
+    gate = torch.zeros(2, 6, 96, dtype=torch.bfloat16)[:, 2]
+    usable = fused_ops.gated_residual_usable
+    assert usable(x, gate, x) and usable(x, gate, torch.zeros(2, 5, 100, dtype=torch.bfloat16)[..., :96])
+    assert not usable(x, gate.float(), x)  # one dtype for all three
+    assert not usable(x, gate, x.float())
+    assert not usable(x, gate[:1], x)  # one gate row per sample
+    assert not usable(x, gate, x[:, :4])  # x and y of one shape
+    assert not usable(x[..., ::2], gate[:, ::2], x[..., ::2])  # no unit stride
+    assert not usable(x.transpose(0, 1), gate[:1].expand(5, -1), x.transpose(0, 1))  # rows not evenly spaced
+    assert not usable(x, gate.clone().requires_grad_(True), x)  # no gradient for the gate
+    assert not usable(x.unsqueeze(0), gate, x.unsqueeze(0))
 
 
 def test_unknown_launch_parameters_are_refused():

@@ -25,6 +25,14 @@ silu(gate) * value. The eager form is a silu and a product forward (and keeps si
 gradients. Here forward reads u once and writes the product; backward reads the gradient and u and writes the
 gradient of u whole, both halves in place, so no concatenation follows.
 
+**Gated residual** (`gated_residual_forward` / `gated_residual_backward`) of a block's two branches: x + gate * y with
+gate [B, W] per sample. torch's `addcmul` broadcasts the gate over the tokens and so takes its unvectorised
+element-wise kernel (about 1.9 TB/s on an H200 where copies reach 4), and its backward is a product of the same kind
+for y's gradient. Here one program takes `TUNING["residual_rows"]` tokens x `TUNING["residual_block"]` columns, reads
+x and y (forward) or the output's gradient (backward) with the gate's slice once, and writes the result, rounded to
+nearest even as addcmul's (under Triton's interpreter too, which truncates a plain bf16 cast). x's gradient is the
+output's, passed on; the gate gets none (the modulation comes from the frozen timestep embedding under a LoRA).
+
 This module imports Triton; which calls take the kernels, and the autograd functions around them, are
 `library.runtime.fused_ops`'s.
 """
@@ -35,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from library.quant.convrot_quant_kernels import _cast_rne
 from library.quant.triton_launch import DirectLauncher
 
 # launch parameters (`bench/fused_kernels.py --sweep` times the alternatives; `set_tuning` changes them)
@@ -44,6 +53,9 @@ TUNING: dict[str, int] = {
     "swiglu_block": 1024,  # values of one row half per SwiGLU program
     "swiglu_warps": 4,
     "row_warps": 8,  # a norm + modulation program holds a whole row (3,072 values at full width)
+    "residual_rows": 16,  # tokens per gated-residual program
+    "residual_block": 256,  # columns per gated-residual program
+    "residual_warps": 4,
 }
 _LAUNCHERS: dict[tuple, DirectLauncher] = {}  # (kernel name, constexprs, warps) -> its launcher
 
@@ -289,6 +301,76 @@ def swiglu_backward(grad: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if rows and width:
         _swiglu_launcher(True)(_swiglu_grid(rows, width), (grad, u, du, width, row_stride(grad), row_stride(u)))
     return du
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# gated residual
+# --------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _residual_tile(row0, seq, width, BR: tl.constexpr, BLOCK: tl.constexpr):
+    """The tokens (inside their sample: a program's tile never spans two), columns, live columns and mask of one
+    program's tile."""
+    s = row0 + tl.arange(0, BR)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live_cols = cols < width
+    return s, cols, live_cols, (s < seq)[:, None] & live_cols[None, :]
+
+
+@triton.jit
+def _gated_residual_fwd_kernel(x_ptr, gate_ptr, y_ptr, out_ptr, seq, width, n_tiles, x_row, y_row, gate_b,
+                               BR: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0) // n_tiles
+    s, cols, live_cols, live = _residual_tile((tl.program_id(0) % n_tiles) * BR, seq, width, BR, BLOCK)
+    rows = (b * seq + s).to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * x_row + cols[None, :], mask=live, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + rows[:, None] * y_row + cols[None, :], mask=live, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + b * gate_b + cols, mask=live_cols, other=0.0).to(tl.float32)
+    out = x + gate[None, :] * y
+    tl.store(out_ptr + rows[:, None] * width + cols[None, :], _cast_rne(out, out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _gated_residual_bwd_kernel(g_ptr, gate_ptr, dy_ptr, seq, width, n_tiles, g_row, gate_b,
+                               BR: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0) // n_tiles
+    s, cols, live_cols, live = _residual_tile((tl.program_id(0) % n_tiles) * BR, seq, width, BR, BLOCK)
+    rows = (b * seq + s).to(tl.int64)
+    g = tl.load(g_ptr + rows[:, None] * g_row + cols[None, :], mask=live, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + b * gate_b + cols, mask=live_cols, other=0.0).to(tl.float32)
+    tl.store(dy_ptr + rows[:, None] * width + cols[None, :], _cast_rne(g * gate[None, :], dy_ptr.dtype.element_ty),
+             mask=live)
+
+
+def _residual_launch(backward: bool, shape: tuple[int, int, int], tensors: tuple, strides: tuple) -> None:
+    """Launch one gated-residual kernel over `shape` [B, S, W]: its tensors, then the shape's arguments, then the
+    strides."""
+    bsz, seq, width = shape
+    rows, block = TUNING["residual_rows"], TUNING["residual_block"]
+    kernel = _gated_residual_bwd_kernel if backward else _gated_residual_fwd_kernel
+    n_tiles = triton.cdiv(seq, rows)
+    launcher = _launcher(kernel, {"BR": rows, "BLOCK": block}, TUNING["residual_warps"])
+    launcher((bsz * n_tiles, triton.cdiv(width, block), 1), (*tensors, seq, width, n_tiles, *strides))
+
+
+def gated_residual_forward(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + gate * y of x, y [B, S, W] (rows evenly spaced, unit column stride) and gate [B, W] (unit column stride),
+    all of one dtype: a new contiguous tensor."""
+    bsz, seq, width = x.shape
+    out = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device)
+    if bsz * seq and width:
+        _residual_launch(False, x.shape, (x, gate, y, out), (row_stride(x), row_stride(y), gate.stride(0)))
+    return out
+
+
+def gated_residual_backward(grad: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gradient of `gated_residual_forward` with respect to y (gate * grad), from the output's gradient."""
+    if grad.stride(-1) != 1 or row_stride(grad) is None:
+        grad = grad.contiguous()
+    bsz, seq, width = grad.shape
+    dy = torch.empty((bsz, seq, width), dtype=grad.dtype, device=grad.device)
+    if bsz * seq and width:
+        _residual_launch(True, grad.shape, (grad, gate, dy), (row_stride(grad), gate.stride(0)))
+    return dy
 
 
 def row_stride(t: torch.Tensor) -> int | None:

@@ -4,10 +4,11 @@
   forward and one backward (x's gradient only);
 - `fused_norm_modulate(x, weight, shift, scale, eps)`: `modulate(rms_norm(x, weight, eps), shift, scale)` of a block
   input, one kernel forward and one backward (x's gradient only);
-- `fused_swiglu(u)`: `silu(gate) * value` of the FFN's up/gate output u = [value | gate], one kernel each way.
+- `fused_swiglu(u)`: `silu(gate) * value` of the FFN's up/gate output u = [value | gate], one kernel each way;
+- `fused_gated_residual(x, gate, y)`: `x + gate * y` of a block's branch, one kernel each way (y's gradient only).
 
 The `*_usable` functions say where they apply: eager CUDA tensors of the layouts the kernels take, and norm weights,
-RoPE tables and modulation that need no gradient. Anywhere else (the CPU, torch.compile, where inductor fuses the
+RoPE tables, modulation and gates that need no gradient. Anywhere else (the CPU, torch.compile, where inductor fuses the
 plain forms itself, a trained norm weight) the block keeps its eager forms (`library.runtime.eager_fusion`). The
 kernel module, and Triton with it, is imported on the first CUDA call, so a CPU run never loads it.
 
@@ -176,6 +177,10 @@ def _check_errors(kernels: ModuleType, device: torch.device) -> dict[str, float]
                                                     1e-6), ref)
     errors["norm_modulate_backward"] = _worst(_twice(kernels.norm_modulate_backward, gh.bfloat16(), hb, hwb,
                                                      modb[:, 1], 1e-6), hr.grad)
+    errors["gated_residual_forward"] = _worst(_twice(kernels.gated_residual_forward, hb, modb[:, 0], gh.bfloat16()),
+                                              h + mod[:, 0, None] * gh)
+    errors["gated_residual_backward"] = _worst(_twice(kernels.gated_residual_backward, gh.bfloat16(), modb[:, 1]),
+                                               mod[:, 1, None] * gh)
     return errors
 
 
@@ -303,3 +308,41 @@ def swiglu_usable(u: torch.Tensor) -> bool:
     if not _on(u) or u.dim() < 1 or u.shape[-1] % 2 or u.stride(-1) != 1 or not prepare(u.device):
         return False
     return _STATE["kernels"].row_stride(u) is not None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# gated residual
+# --------------------------------------------------------------------------------------------------------------------
+class _GatedResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate)
+        return _STATE["kernels"].gated_residual_forward(x, gate, y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:
+        (gate,) = ctx.saved_tensors
+        grad_y = _STATE["kernels"].gated_residual_backward(grad, gate) if ctx.needs_input_grad[2] else None
+        return (grad if ctx.needs_input_grad[0] else None), None, grad_y
+
+
+def fused_gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + gate * y of x, y [B, S, W] with gate [B, W] in one kernel (one more in backward, for y's gradient; x's is
+    the output's); only where `gated_residual_usable` says so."""
+    return _GatedResidual.apply(x, gate, y)
+
+
+def gated_residual_usable(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether `fused_gated_residual` takes these tensors: kernels on, x and y [B, S, W] of one shape and dtype where
+    they run, with unit column stride and evenly spaced rows, and a gate [B, W] of that dtype with unit column stride
+    that needs no gradient."""
+    if not _on(x) or x.dim() != 3 or y.shape != x.shape or y.dtype != x.dtype or gate.dtype != x.dtype:
+        return False
+    if gate.shape != (x.shape[0], x.shape[2]) or gate.stride(-1) != 1 or x.stride(-1) != 1 or y.stride(-1) != 1:
+        return False
+    if torch.is_grad_enabled() and gate.requires_grad:
+        return False
+    if not x.device == y.device == gate.device or not prepare(x.device):
+        return False
+    kernels = _STATE["kernels"]
+    return kernels.row_stride(x) is not None and kernels.row_stride(y) is not None
