@@ -107,3 +107,20 @@ def test_run_options_check_the_optimizer_options_before_loading():
                  ["--fused_backward_pass", "--optimizer_type", "Adafactor", "--gradient_accumulation_steps", "2"]):
         with pytest.raises(UserError):
             RunOptions.from_args(trainer_args(*argv), False)
+
+
+@pytest.mark.parametrize(("mode", "instead"), [("reduce-overhead", "default"),
+                                               ("max-autotune", "max-autotune-no-cudagraphs")])
+def test_compile_modes_with_cuda_graphs_are_refused_by_both_scripts(mode, instead):
+    """The modes that capture CUDA graphs fail in the per-block compiled DiT (on an H200: a region's outputs
+    overwritten by a later replay): refused before anything loads, with the mode to use instead; without --compile
+    the mode is unused and nothing is said."""
+    from library.errors import UserError
+
+    inf_parser = inference.setup_parser()
+    for args in (trainer_args("--compile", "--compile_mode", mode),
+                 inf_parser.parse_args(["--prompt", "p", "--compile", "--compile_mode", mode])):
+        with pytest.raises(UserError, match=f"--compile_mode {mode} captures CUDA graphs.*use --compile_mode {instead}"):
+            check_compile_args(args)
+    check_compile_args(trainer_args("--compile_mode", mode))
+    check_compile_args(trainer_args("--compile", "--compile_mode", instead))

@@ -28,11 +28,26 @@ from library.errors import UserError
 logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+# the modes that capture CUDA graphs (torch's CUDA-graph trees) and what each user gets without them
+CUDA_GRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def check_compile_args(args: argparse.Namespace) -> None:
-    """`--compile_fullgraph` needs each block to be one graph: refused with --split_attn."""
-    if not (args.compile and args.compile_fullgraph):
+    """The compile modes that capture CUDA graphs are refused (see `CUDA_GRAPH_MODES`); `--compile_fullgraph` needs
+    each block to be one graph: refused with --split_attn.
+
+    Why no CUDA graphs: the DiT is compiled region by region (each block, the embedders, the text refiner, the final
+    layer), and torch's CUDA-graph trees give a region's outputs memory that a later replay overwrites while the next
+    region, the backward or a later denoising step still reads them. The trainer's step failed so on an H200
+    (docs/benchmarks.md, fifteenth run), and the step is GPU-bound there anyway (the GPU runs at its power cap)."""
+    if not args.compile:
+        return
+    mode = getattr(args, "compile_mode", "default")
+    if mode in CUDA_GRAPH_MODES:
+        raise UserError(f"--compile_mode {mode} captures CUDA graphs, which the DiT's per-block compile cannot use"
+                        f" (a compiled region's outputs are overwritten by a later replay while they are still"
+                        f" needed): use --compile_mode {CUDA_GRAPH_MODES[mode]}.")
+    if not args.compile_fullgraph:
         return
     if args.split_attn:
         raise UserError("--compile_fullgraph cannot be used with --split_attn (split attention uses dynamic control"
