@@ -335,14 +335,17 @@ def fused_gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -
 def gated_residual_usable(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether `fused_gated_residual` takes these tensors: kernels on, x and y [B, S, W] of one shape and dtype where
     they run, with unit column stride and evenly spaced rows, and a gate [B, W] of that dtype with unit column stride
-    that needs no gradient."""
+    that needs no gradient. Called twice per block and pass, so the common case (contiguous x and y, as a block makes
+    them) is decided without the general row-stride walk."""
     if not _on(x) or x.dim() != 3 or y.shape != x.shape or y.dtype != x.dtype or gate.dtype != x.dtype:
         return False
     if gate.shape != (x.shape[0], x.shape[2]) or gate.stride(-1) != 1 or x.stride(-1) != 1 or y.stride(-1) != 1:
         return False
-    if torch.is_grad_enabled() and gate.requires_grad:
+    if (gate.requires_grad and torch.is_grad_enabled()) or not x.get_device() == y.get_device() == gate.get_device():
         return False
-    if not x.device == y.device == gate.device or not prepare(x.device):
+    if not prepare(x.device):
         return False
+    if x.is_contiguous() and y.is_contiguous():
+        return True
     kernels = _STATE["kernels"]
     return kernels.row_stride(x) is not None and kernels.row_stride(y) is not None
