@@ -126,12 +126,19 @@ def _fp32_addmm_works(device: torch.device) -> bool:
     if device not in _FP32_ADDMM:
         a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=torch.bfloat16)
         try:
-            got = torch.addmm(a.new_zeros((), dtype=torch.float32), a, a, beta=0, alpha=0.5, out_dtype=torch.float32)
+            got = _fp32_addmm(a, a, 0.5)
             works = got.dtype == torch.float32 and torch.equal(got, 0.5 * (a.float() @ a.float()))
         except (RuntimeError, TypeError, NotImplementedError):
             works = False
         _FP32_ADDMM[device] = works
     return _FP32_ADDMM[device]
+
+
+def _fp32_addmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * a @ b written in fp32 from half operands by one addmm (``out_dtype``). torch's CUDA implementation wants
+    an addend of the operands' dtype and the output's shape (it sizes the output by it); beta 0 leaves it unread, so
+    an uninitialised one does: no kernel to fill it."""
+    return torch.addmm(a.new_empty((a.shape[0], b.shape[1])), a, b, beta=0, alpha=alpha, out_dtype=torch.float32)
 
 
 def _scaled_product(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -147,7 +154,7 @@ def _weight_grad(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dt
     and cast."""
     if (dtype == torch.float32 and a.dtype in _HALF and a.is_cuda and fp32_grads()
             and _fp32_addmm_works(a.device)):
-        return torch.addmm(a.new_empty((), dtype=torch.float32), a, b, beta=0, alpha=alpha, out_dtype=torch.float32)
+        return _fp32_addmm(a, b, alpha)
     g = torch.mm(a, b)
     if alpha != 1.0:
         g.mul_(alpha)
