@@ -123,6 +123,8 @@ _FP32_ADDMM: dict[torch.device, bool] = {}
 def _fp32_addmm_works(device: torch.device) -> bool:
     """Whether this torch's addmm writes fp32 from half operands on `device` (``out_dtype``: CUDA only, recent torch),
     tried once per device on a 2 x 2 product against the fp32 one."""
+    if device.type == "cuda" and device.index is None:  # one key per GPU, however the caller names it
+        device = torch.device("cuda", torch.cuda.current_device())
     if device not in _FP32_ADDMM:
         a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=torch.bfloat16)
         try:
