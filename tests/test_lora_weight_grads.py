@@ -3,28 +3,15 @@ CUDA, the product scaled and cast elsewhere; the rank-wide scaled products as on
 
 from __future__ import annotations
 
-import collections
 import contextlib
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from library.lora import eager_node
 from networks.lora_generic import LoRAModule
-
-
-class _Ops(TorchDispatchMode):
-    """Counts the aten operators that run under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.names[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+from tests.test_eager_fusion import _OpNames as _Ops  # counts the aten operators that run under it
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
