@@ -5,7 +5,9 @@
 
 `torch.profiler` records the CUDA kernels of `steps` calls (after one unrecorded call). The kernels' intervals give
 the busy time (their union: overlapping streams count once) and the idle time inside the recorded span; each kernel
-name falls into the first category whose keys it contains (`CATEGORIES`, case-insensitive).
+name falls into the first category whose keys it contains (`CATEGORIES`, case-insensitive). `idle_by_gap` splits the
+idle time by the length of each gap (`GAP_BOUNDS_US`): the short ones are the GPU's own time between queued kernels,
+which fewer kernels (or CUDA graphs) would remove; the long ones are waits on the host.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("reduction", ("reduce", "norm", "red_")),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
 ]
+
+
+# upper bounds (us) of the gap classes of `idle_by_gap`: between queued kernels, short stalls, waits on the host
+GAP_BOUNDS_US: tuple[float, ...] = (5.0, 50.0, 500.0)
 
 
 def category(name: str) -> str:
@@ -71,7 +77,8 @@ def kernel_profile(fn: Callable[[], Any], steps: int = 3, top: int = 25) -> dict
         calls[e.name] += 1
     span = max(b for _, b in intervals) - min(a for a, _ in intervals)
     busy = _union_us(intervals)
-    gaps = _largest_gaps(sorted(kernels, key=lambda e: e.time_range.start), top=12)
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    gaps = _largest_gaps(ordered, top=12)
     per = 1e3 * steps
     return {
         "steps": steps,
@@ -79,6 +86,7 @@ def kernel_profile(fn: Callable[[], Any], steps: int = 3, top: int = 25) -> dict
         "span_ms": round(span / per, 2),
         "busy_ms": round(busy / per, 2),
         "idle_ms": round((span - busy) / per, 2),
+        "idle_by_gap": _idle_by_gap(ordered, steps),
         "categories_ms": {c: round(us / per, 2) for c, us in by_cat.most_common()},
         "top_kernels": [{"name": n[:160], "ms": round(us / per, 3), "calls": calls[n] // steps}
                         for n, us in by_name.most_common(top)],
@@ -124,9 +132,9 @@ def _host_threads(events: Any, steps: int, threads: int = 3, top: int = 15) -> l
     return rows[:threads]
 
 
-def _largest_gaps(kernels: list[Any], top: int) -> list[dict[str, Any]]:
-    """The `top` longest stretches with no kernel running (over all recorded calls), with the kernels on each side:
-    where the GPU waits for the host."""
+def _gaps_us(kernels: list[Any]) -> list[tuple[float, str, str]]:
+    """Every stretch with no kernel running between the first kernel's start and the last one's end (kernels in order
+    of start): its length and the kernels on each side."""
     gaps = []
     end, last = kernels[0].time_range.end, kernels[0].name
     for e in kernels[1:]:
@@ -134,5 +142,25 @@ def _largest_gaps(kernels: list[Any], top: int) -> list[dict[str, Any]]:
             gaps.append((e.time_range.start - end, last, e.name))
         if e.time_range.end > end:
             end, last = e.time_range.end, e.name
-    gaps.sort(reverse=True)
+    return gaps
+
+
+def _idle_by_gap(kernels: list[Any], steps: int) -> list[dict[str, Any]]:
+    """The idle time per call and the number of gaps per call in each class of gap length (`GAP_BOUNDS_US`; the last
+    class is everything longer)."""
+    bounds = (*GAP_BOUNDS_US, float("inf"))
+    total, count = [0.0] * len(bounds), [0] * len(bounds)
+    for us, _, _ in _gaps_us(kernels):
+        k = next(i for i, b in enumerate(bounds) if us <= b)
+        total[k] += us
+        count[k] += 1
+    names = [f"<= {b:g} us" for b in GAP_BOUNDS_US] + [f"> {GAP_BOUNDS_US[-1]:g} us"]
+    return [{"gaps": name, "idle_ms": round(t / (1e3 * steps), 3), "count": round(c / steps, 1)}
+            for name, t, c in zip(names, total, count)]
+
+
+def _largest_gaps(kernels: list[Any], top: int) -> list[dict[str, Any]]:
+    """The `top` longest stretches with no kernel running (over all recorded calls), with the kernels on each side:
+    where the GPU waits for the host."""
+    gaps = sorted(_gaps_us(kernels), reverse=True)
     return [{"us": round(us, 1), "after": a[:100], "before": b[:100]} for us, a, b in gaps[:top]]

@@ -21,6 +21,16 @@ def test_largest_gaps_name_the_kernels_around_them():
     assert gaps == [{"us": 100.0, "after": "d", "before": "e"}, {"us": 10.0, "after": "b", "before": "c"}]
 
 
+def test_idle_time_by_gap_length():
+    """Idle time split into gaps between queued kernels (<= 5 us), short stalls, and waits on the host; per call."""
+    kernels = [_kernel("a", 0, 10), _kernel("b", 12, 20), _kernel("c", 5, 25), _kernel("d", 28, 30),
+               _kernel("e", 60, 70), _kernel("f", 370, 380), _kernel("g", 1380, 1390)]
+    rows = gpu_profile._idle_by_gap(sorted(kernels, key=lambda e: e.time_range.start), steps=2)
+    assert [r["gaps"] for r in rows] == ["<= 5 us", "<= 50 us", "<= 500 us", "> 500 us"]
+    # gaps: 25 -> 28 (3 us), 30 -> 60 (30), 70 -> 370 (300), 380 -> 1380 (1000); c covers 10 -> 12
+    assert [(r["idle_ms"], r["count"]) for r in rows] == [(0.0015, 0.5), (0.015, 0.5), (0.15, 0.5), (0.5, 0.5)]
+
+
 def test_categories():
     assert gpu_profile.category("_int8_gemm_tma_kernel") == "int8_gemm"
     assert gpu_profile.category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
