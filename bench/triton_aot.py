@@ -187,6 +187,7 @@ def elementwise_jobs() -> list[Job]:
     warps, swiglu_warps = {"num_warps": E.TUNING["rope_warps"]}, {"num_warps": E.TUNING["swiglu_warps"]}
     mod = {"seq": "i32", "width": "i32"}
     residual = {"BR": E.TUNING["residual_rows"], "BLOCK": E.TUNING["residual_block"]}
+    quant = E.norm_modulate_quant_plan(3072, 256)
     return [
         (E._norm_rope_fwd_kernel, fwd, rope, warps, (*rope_div, "xs_b", "xs_s", "xs_h"), 0),
         (E._norm_rope_bwd_kernel, bwd, rope, warps, (*rope_div, "gs_b", "gs_s", "gs_h", "xs_b", "xs_s", "xs_h"), 0),
@@ -208,6 +209,14 @@ def elementwise_jobs() -> list[Job]:
         (E._gated_residual_bwd_kernel, {"g_ptr": "*bf16", "gate_ptr": "*bf16", "dy_ptr": "*bf16", **mod,
                                         "n_tiles": "i32", "g_row": "i32", "gate_b": "i32"},
          residual, {"num_warps": E.TUNING["residual_warps"]}, ("seq", "width", "n_tiles", "g_row"), 0),
+        # the norm + modulation with the ConvRot INT8 codes of its rows (an INT8 block's q/k/v and FFN inputs)
+        (E._norm_modulate_quant_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "shift_ptr": "*bf16",
+                                         "scale_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32",
+                                         "M": "i32", "seq": "i32", "K": "i32", "x_row": "i32", "mod_b": "i32",
+                                         "eps": "fp32"},
+         {"T_CODE": 2, "TINY": 1.1754943508222875e-38, "LOG4G": 4, "BM": quant[0], "NCH_A": quant[1],
+          "NCH_B": quant[2], "EVEN": quant[4], "FAST_DIV": True, "GATHER": False},
+         {"num_warps": quant[3]}, ("seq", "K", "x_row", "mod_b"), 0),
     ]
 
 

@@ -33,6 +33,15 @@ x and y (forward) or the output's gradient (backward) with the gate's slice once
 nearest even as addcmul's (under Triton's interpreter too, which truncates a plain bf16 cast). x's gradient is the
 output's, passed on; the gate gets none (the modulation comes from the frozen timestep embedding under a LoRA).
 
+**RMSNorm + modulation + ConvRot INT8 quantisation** (`norm_modulate_quant_forward`) of a block input whose consumers
+are ConvRot INT8 Linears (q, k and v; the FFN's up/gate projection): the norm + modulation above, and in the same
+program the row's rotation and int8 codes as the activation quantiser makes them from the rounded result (its
+"quarters" form: the row held as two parts of whole groups, each group as its four quarters; the same helpers, so
+the codes and scales are those of quantising the output, bit for bit). The output is written as usual; the codes and
+scales go to the int8 Linears through their activation cache, so they launch no quantiser of their own. The output's
+row is summed for its norm in the quantiser's layout, so it can differ from `norm_modulate_forward`'s by rounding.
+The backward is `norm_modulate_backward`'s.
+
 This module imports Triton; which calls take the kernels, and the autograd functions around them, are
 `library.runtime.fused_ops`'s.
 """
@@ -43,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from library.quant import convrot_quant_kernels as _qk
 from library.quant.convrot_quant_kernels import _cast_rne
 from library.quant.triton_launch import DirectLauncher
 
@@ -301,6 +311,147 @@ def swiglu_backward(grad: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if rows and width:
         _swiglu_launcher(True)(_swiglu_grid(rows, width), (grad, u, du, width, row_stride(grad), row_stride(u)))
     return du
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RMSNorm + modulation + ConvRot INT8 quantisation
+# --------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _quarter_cols(col0, i, NCH: tl.constexpr, G: tl.constexpr):
+    """The columns of quarter i of NCH groups of G from column col0: [NCH, G / 4] (as `_qk._quarters_load` lays them)."""
+    qw: tl.constexpr = G // 4
+    return col0 + tl.arange(0, NCH)[:, None] * G + i * qw + tl.arange(0, qw)[None, :]
+
+
+@triton.jit
+def _modulated_quarter(z, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, col0, i, K, T_CODE: tl.constexpr,
+                       NCH: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr):
+    """Quarter i of the rows' norm + modulation, rounded to T (fp32 values): x * rstd * w * (1 + scale) + shift."""
+    cols = _quarter_cols(col0, i, NCH, G)
+    if EVEN:
+        w = tl.load(w_ptr + cols).to(tl.float32)
+        shift = tl.load(shift_ptr + mod_off[:, None, None] + cols[None, :, :]).to(tl.float32)
+        scale = tl.load(scale_ptr + mod_off[:, None, None] + cols[None, :, :]).to(tl.float32)
+    else:
+        live = cols < K
+        mask = row_ok[:, None, None] & live[None, :, :]
+        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + mod_off[:, None, None] + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + mod_off[:, None, None] + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    y = z * rstd[:, None, None] * w[None, :, :] * (1.0 + scale) + shift
+    return _qk._round_fast(y, T_CODE, GATHER)
+
+
+@triton.jit
+def _store_quarters(y_ptr, rows64, row_ok, col0, K, y0, y1, y2, y3, NCH: tl.constexpr, G: tl.constexpr,
+                    EVEN: tl.constexpr):
+    """The four quarters (already rounded to the output's dtype) into the contiguous output rows."""
+    base = y_ptr + rows64[:, None, None] * K
+    for_dtype = y_ptr.dtype.element_ty
+    if EVEN:
+        tl.store(base + _quarter_cols(col0, 0, NCH, G)[None, :, :], y0.to(for_dtype))
+        tl.store(base + _quarter_cols(col0, 1, NCH, G)[None, :, :], y1.to(for_dtype))
+        tl.store(base + _quarter_cols(col0, 2, NCH, G)[None, :, :], y2.to(for_dtype))
+        tl.store(base + _quarter_cols(col0, 3, NCH, G)[None, :, :], y3.to(for_dtype))
+    else:
+        c0, c1 = _quarter_cols(col0, 0, NCH, G), _quarter_cols(col0, 1, NCH, G)
+        c2, c3 = _quarter_cols(col0, 2, NCH, G), _quarter_cols(col0, 3, NCH, G)
+        ok = row_ok[:, None, None]
+        tl.store(base + c0[None, :, :], y0.to(for_dtype), mask=ok & (c0 < K)[None, :, :])
+        tl.store(base + c1[None, :, :], y1.to(for_dtype), mask=ok & (c1 < K)[None, :, :])
+        tl.store(base + c2[None, :, :], y2.to(for_dtype), mask=ok & (c2 < K)[None, :, :])
+        tl.store(base + c3[None, :, :], y3.to(for_dtype), mask=ok & (c3 < K)[None, :, :])
+
+
+@triton.jit
+def _sum_squares(z0, z1, z2, z3):
+    return tl.sum(tl.sum(z0 * z0 + z1 * z1 + z2 * z2 + z3 * z3, axis=2), axis=1)
+
+
+@triton.jit
+def _norm_modulate_quant_kernel(
+    x_ptr, w_ptr, shift_ptr, scale_ptr, y_ptr, q_ptr, s_ptr, M, seq, K, x_row, mod_b, eps,
+    T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH_A: tl.constexpr,
+    NCH_B: tl.constexpr, EVEN: tl.constexpr, FAST_DIV: tl.constexpr, GATHER: tl.constexpr,
+):
+    g: tl.constexpr = 1 << (2 * LOG4G)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    mod_off = (rows64 // seq) * mod_b
+    a0, a1, a2, a3 = _qk._quarters_load(x_ptr, rows64, row_ok, 0, x_row, K, BM, NCH_A, g, EVEN)
+    ss = _sum_squares(a0, a1, a2, a3)
+    if NCH_B > 0:
+        b0, b1, b2, b3 = _qk._quarters_load(x_ptr, rows64, row_ok, NCH_A * g, x_row, K, BM, NCH_B, g, EVEN)
+        ss += _sum_squares(b0, b1, b2, b3)
+    rstd = tl.rsqrt(ss / K + eps)
+    a0 = _modulated_quarter(a0, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, 0, 0, K, T_CODE, NCH_A, g, EVEN,
+                            GATHER)
+    a1 = _modulated_quarter(a1, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, 0, 1, K, T_CODE, NCH_A, g, EVEN,
+                            GATHER)
+    a2 = _modulated_quarter(a2, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, 0, 2, K, T_CODE, NCH_A, g, EVEN,
+                            GATHER)
+    a3 = _modulated_quarter(a3, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, 0, 3, K, T_CODE, NCH_A, g, EVEN,
+                            GATHER)
+    _store_quarters(y_ptr, rows64, row_ok, 0, K, a0, a1, a2, a3, NCH_A, g, EVEN)
+    a0, a1, a2, a3, amax = _qk._quarters_rotate(a0, a1, a2, a3, T_CODE, LOG4G, BM, NCH_A, g, GATHER)
+    if NCH_B > 0:
+        c0 = NCH_A * g
+        b0 = _modulated_quarter(b0, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, c0, 0, K, T_CODE, NCH_B, g,
+                                EVEN, GATHER)
+        b1 = _modulated_quarter(b1, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, c0, 1, K, T_CODE, NCH_B, g,
+                                EVEN, GATHER)
+        b2 = _modulated_quarter(b2, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, c0, 2, K, T_CODE, NCH_B, g,
+                                EVEN, GATHER)
+        b3 = _modulated_quarter(b3, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, c0, 3, K, T_CODE, NCH_B, g,
+                                EVEN, GATHER)
+        _store_quarters(y_ptr, rows64, row_ok, c0, K, b0, b1, b2, b3, NCH_B, g, EVEN)
+        b0, b1, b2, b3, amax_b = _qk._quarters_rotate(b0, b1, b2, b3, T_CODE, LOG4G, BM, NCH_B, g, GATHER)
+        amax = tl.maximum(amax, amax_b)
+    # the activation quantiser's scale and codes (`_qk._rot_quant_quarters_kernel`), from the rounded output
+    s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
+    s_t = _qk._round_fast(s, T_CODE, GATHER)
+    s_t = tl.where(s_t == 0.0, TINY, s_t)
+    r = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), s_t)
+    if EVEN:
+        tl.store(s_ptr + rows, s)
+    else:
+        tl.store(s_ptr + rows, s, mask=row_ok)
+    _qk._quarters_store(q_ptr, rows64, row_ok, 0, K, K, a0, a1, a2, a3, r, s_t, T_CODE, NCH_A, g, EVEN, FAST_DIV,
+                        GATHER)
+    if NCH_B > 0:
+        _qk._quarters_store(q_ptr, rows64, row_ok, NCH_A * g, K, K, b0, b1, b2, b3, r, s_t, T_CODE, NCH_B, g, EVEN,
+                            FAST_DIV, GATHER)
+
+
+def norm_modulate_quant_plan(width: int, group_size: int) -> tuple[int, int, int, int, bool] | None:
+    """The "quarters" quantiser's launch shape for rows of `width` with `group_size` (None where it does not apply):
+    the shapes `norm_modulate_quant_forward` takes."""
+    return _qk._quarters_launch(width, group_size)
+
+
+def norm_modulate_quant_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                                eps: float, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`norm_modulate_forward` of x [B, S, W] (as there), and the ConvRot INT8 codes [B * S, W] and fp32 scales
+    [B * S] of its rows, as the activation quantiser gives them (in one buffer, as it lays them out). Only for shapes
+    with a `norm_modulate_quant_plan`."""
+    bsz, seq, width = x.shape
+    plan = norm_modulate_quant_plan(width, group_size)
+    if plan is None:
+        raise ValueError(f"no fused quantisation for rows of {width} in groups of {group_size}")
+    bm, nch_a, nch_b, warps, fills = plan
+    m = bsz * seq
+    y = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device)
+    q, s = _qk._codes_and_scales(m, width, x.device)
+    if m:
+        even = fills and m % bm == 0
+        const = {"T_CODE": _qk._T_CODE[x.dtype], "TINY": _qk._TINY[x.dtype], "LOG4G": _qk.log4(group_size), "BM": bm,
+                 "NCH_A": nch_a, "NCH_B": nch_b, "EVEN": even, "FAST_DIV": x.dtype == torch.bfloat16,
+                 "GATHER": _qk._INTERPRET}
+        _launcher(_norm_modulate_quant_kernel, const, warps)(
+            (triton.cdiv(m, bm), 1, 1), (x, weight, shift, scale, y, q, s, m, seq, width, row_stride(x),
+                                         scale.stride(0), float(eps)))
+    return y, q, s
 
 
 # --------------------------------------------------------------------------------------------------------------------
