@@ -13,6 +13,10 @@ kernels are defined), and on CUDA where there is a GPU; the checks are the same 
   multiple of the kernel's block;
 - gated residual: the same against float64 and torch's addcmul, gates that are rows of a [B, 6, W] tensor, a y that
   is a view of a wider tensor, and token counts and widths that are not multiples of the kernel's tile;
+- RMSNorm + modulation + ConvRot INT8 codes: the output against float64 and the eager forms, the codes and scales
+  bit for bit those of the activation quantiser on that output, left in the int8 Linears' activation cache, and the
+  gradient that of the norm + modulation kernel; an INT8 block takes its q/k/v and FFN inputs' codes from it (the
+  cache's hits counted) and gives what the separate quantiser gives, to rounding;
 - a DiT block (frozen, as under a LoRA) with the kernels against its eager forms, and with full and selective
   checkpointing against no checkpointing, bit for bit under the interpreter (the recomputation launches the same
   kernels); the block launches the kernels for its two norms, q, k and the FFN (counted).
@@ -150,6 +154,61 @@ def _swiglu_case(dtype: torch.dtype, width: int, view: bool, device: str) -> dic
     return {"dtype": str(dtype), "width": width, "view": view, "out_dtype": str(y.dtype), "shape": list(y.shape),
             "grad_contiguous": uk.grad.is_contiguous(), "out_err": _rel(y, ref), "eager_out_err": _rel(ye, ref),
             "grad_err": _rel(uk.grad, ur.grad), "eager_grad_err": _rel(ue.grad, ur.grad)}
+
+
+def _norm_modulate_quant_case(dtype: torch.dtype, width: int, group_size: int, device: str) -> dict:
+    from library.quant import convrot_kernels
+    from library.quant.convrot_quant_kernels import _quantize_rows_triton
+
+    g = torch.Generator().manual_seed(7)
+    bsz, seq, eps = 2, 11, 1e-6
+    x = (torch.randn(bsz, seq, width, generator=g) * 2).to(device, dtype)
+    w = (1 + 0.2 * torch.randn(width, generator=g)).to(device, dtype)
+    shift, scale = (torch.randn(bsz, 6, width, generator=g) * 0.3).to(device, dtype).unbind(1)[:2]
+    gy = torch.randn(bsz, seq, width, generator=g).to(device, dtype)
+    assert fused_ops.norm_modulate_quant_usable(x, w, shift, scale, group_size)
+    xr = x.double().requires_grad_(True)
+    ref = (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps) * w.double() * (1 + scale.double()[:, None])
+           + shift.double()[:, None])
+    ref.backward(gy.double())
+    xk = x.clone().requires_grad_(True)
+    y = fused_ops.fused_norm_modulate_quant(xk, w, shift, scale, eps, group_size)
+    y.backward(gy)
+    cached = convrot_kernels._ACT_CACHE.get(y, group_size, True)
+    q_ref, s_ref = _quantize_rows_triton(y.detach().reshape(-1, width), group_size, kernel="quarters")
+    xn = x.clone().requires_grad_(True)
+    fused_ops.fused_norm_modulate(xn, w, shift, scale, eps).backward(gy)
+    xe = x.clone().requires_grad_(True)
+    ye = torch.addcmul(shift[:, None], F.rms_norm(xe, (width,), w, eps), 1 + scale[:, None])
+    return {"dtype": str(dtype), "width": width, "group": group_size, "out_dtype": str(y.dtype),
+            "out_err": _rel(y, ref), "eager_out_err": _rel(ye, ref), "cached": cached is not None,
+            "codes_equal": cached is not None and bool(torch.equal(cached[0], q_ref)),
+            "scales_equal": cached is not None and bool(torch.equal(cached[1], s_ref)),
+            "grad_equal": bool(torch.equal(xk.grad, xn.grad))}
+
+
+def _int8_block_step(norm_quant: bool, device: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A bf16 block whose six Linears are ConvRot INT8 (groups of 64): output, input gradient, and the activation
+    cache's hits in one step (each int8 Linear whose input's codes were there)."""
+    from library.quant import convrot_kernels
+    from library.quant.convrot import ConvRotInt8Linear
+
+    blk = _block(device)
+    for name in ("q", "k", "v", "o", "ffn_up_gate", "ffn_down"):
+        setattr(blk.proj, name, ConvRotInt8Linear.from_linear(getattr(blk.proj, name), 64))
+    g = torch.Generator().manual_seed(3)
+    cos, sin = RopeTables(CFG.rope_axes_dims, CFG.rope_theta).cos_sin([5, 7], 8, 6, 6, torch.device(device))
+    x = torch.randn(2, 44, CFG.hidden_size, generator=g).to(device, torch.bfloat16).requires_grad_(True)
+    mod = (torch.randn(2, 6, CFG.hidden_size, generator=g) * 0.3).to(device, torch.bfloat16)
+    gy = torch.randn(2, 44, CFG.hidden_size, generator=g).to(device, torch.bfloat16)
+    previous = fused_ops.set_norm_quant(norm_quant)
+    hits = convrot_kernels._ACT_CACHE.hits
+    try:
+        y = blk(x, cos, sin, None, mod)
+        y.backward(gy)
+    finally:
+        fused_ops.set_norm_quant(previous)
+    return y.detach(), x.grad, convrot_kernels._ACT_CACHE.hits - hits
 
 
 def _gated_residual_case(dtype: torch.dtype, seq: int, width: int, device: str) -> dict:
@@ -299,6 +358,10 @@ def run_checks(device: str) -> dict:
     gated_residual = [_gated_residual_case(dtype, seq, width, device) for dtype in (torch.bfloat16, torch.float16,
                                                                                    torch.float32)
                       for seq, width in ((11, 96), (37, 300))]
+    norm_quant = [_norm_modulate_quant_case(dtype, width, group, device)
+                  for dtype in (torch.bfloat16, torch.float16, torch.float32) for width, group in ((768, 64), (256, 16))]
+    y_q, gx_q, hits_q = _int8_block_step(True, device)
+    y_s, gx_s, hits_s = _int8_block_step(False, device)
     blk = _block(device)
     with _counted_launches() as launches:
         y_k, gx_k = _block_step(blk, True, None, device)
@@ -310,7 +373,9 @@ def run_checks(device: str) -> dict:
     return {"interpreted": os.environ.get("TRITON_INTERPRET") == "1", "checked": checked,
             "launch_paths_equal": _launch_paths(device),
             "tuning_invariant": _tuning_invariant(device), "cases": cases, "swiglu": swiglu,
-            "norm_modulate": norm_modulate, "gated_residual": gated_residual,
+            "norm_modulate": norm_modulate, "gated_residual": gated_residual, "norm_quant": norm_quant,
+            "int8_block": {"hits_fused": hits_q, "hits_separate": hits_s, "out_rel_diff": _rel(y_q, y_s),
+                           "grad_rel_diff": _rel(gx_q, gx_s)},
             "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e), "launches": launches,
                       "checkpointed_diff": ckpt}}
 
@@ -353,6 +418,18 @@ def _assert_checks(res: dict) -> None:
         else:  # one rounding to nearest even, as addcmul's (the kernel rounds so under the interpreter too)
             slack = 1.02
             assert c["out_err"] <= c["eager_out_err"] * slack and c["grad_err"] <= c["eager_grad_err"] * slack, c
+    assert len(res["norm_quant"]) == 6
+    for c in res["norm_quant"]:
+        assert c["out_dtype"] == c["dtype"] and c["cached"] and c["codes_equal"] and c["scales_equal"], c
+        assert c["grad_equal"], c  # the norm + modulation's backward kernel
+        if c["dtype"] == "torch.float32":
+            assert c["out_err"] < 1e-6, c
+        else:  # rounded to nearest even, also under the interpreter (the eager forms round twice)
+            assert c["out_err"] <= c["eager_out_err"] * 1.02, c
+    ib = res["int8_block"]
+    # q's and the FFN's inputs come from the norm's kernel (the separate quantiser: only k and v hit, after q)
+    assert ib["hits_fused"] - ib["hits_separate"] == 2 and ib["hits_separate"] == 2, ib
+    assert ib["out_rel_diff"] < 1e-2 and ib["grad_rel_diff"] < 2e-2, ib
     b = res["block"]
     assert b["launches"] == {"norm_rope_forward": 2, "norm_rope_backward": 2, "swiglu_forward": 1,
                              "swiglu_backward": 1, "norm_modulate_forward": 2, "norm_modulate_backward": 2,
@@ -476,6 +553,9 @@ class _TorchKernels:
         value, gate = ur.chunk(2, dim=-1)
         (F.silu(gate) * value).backward(g.double())
         return self._out("swiglu_backward", ur.grad.to(u.dtype))
+
+    def norm_modulate_quant_plan(self, width, group_size):
+        return None  # no quantiser here: the check leaves the norm + modulation + codes kernel out
 
     def gated_residual_forward(self, x, gate, y):
         return self._out("gated_residual_forward", (x.float() + gate.float()[:, None] * y.float()).to(x.dtype))

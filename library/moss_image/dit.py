@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +40,11 @@ from library.runtime.fused_compiled import (
 from library.runtime.fused_ops import (
     fused_gated_residual,
     fused_norm_modulate,
+    fused_norm_modulate_quant,
     fused_norm_rope,
     fused_swiglu,
     gated_residual_usable,
+    norm_modulate_quant_usable,
     norm_modulate_usable,
     norm_rope_usable,
     swiglu_usable,
@@ -301,13 +303,26 @@ def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return h * (1 + scale[:, None]) + shift[:, None]
 
 
-def norm_modulate(norm: RMSNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _int8_group(consumers: Sequence[nn.Module]) -> int | None:
+    """The ConvRot rotation group that every one of `consumers` (the Linears that read a block input) takes its
+    quantised input in from the activation cache, or None where one of them takes none (`eager_activation_group`)."""
+    groups = {getattr(m, "eager_activation_group", lambda: None)() for m in consumers}
+    return groups.pop() if len(groups) == 1 else None
+
+
+def norm_modulate(norm: RMSNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                  consumers: Sequence[nn.Module] = ()) -> torch.Tensor:
     """modulate(norm(x), shift, scale) for a block input; in eager CUDA runs one Triton kernel each way
     (`library.runtime.fused_ops`), where the eager forms take two or three (a compiled block leaves it to inductor
-    unless `set_compiled_kernels(norm_modulate=True)`). A norm whose call does more than its
-    forward (a hook, a wrapped forward) is called as it is."""
+    unless `set_compiled_kernels(norm_modulate=True)`). Where every one of `consumers` (the Linears that read the
+    result) is a ConvRot INT8 Linear, the kernel also writes the int8 codes of the result's rows for them
+    (`fused_norm_modulate_quant`). A norm whose call does more than its forward (a hook, a wrapped forward) is called
+    as it is."""
     if _plain_norm(norm):
         if eager_fused() and norm_modulate_usable(x, norm.weight, shift, scale):
+            group = _int8_group(consumers) if consumers else None
+            if group is not None and norm_modulate_quant_usable(x, norm.weight, shift, scale, group):
+                return fused_norm_modulate_quant(x, norm.weight, shift, scale, norm.eps, group)
             return fused_norm_modulate(x, norm.weight, shift, scale, norm.eps)
         if compiled_kernel("norm_modulate", x) and norm_modulate_applies(x, norm.weight, shift, scale):
             return op_norm_modulate(x, norm.weight, shift, scale, norm.eps)
@@ -413,8 +428,10 @@ class MossImageBlock(nn.Module):
             return x + self._ffn(self.norm2(x))
         assert mod is not None
         shift1, scale1, gate1, shift2, scale2, gate2 = (mod + self.scale_shift_table.to(mod.dtype)[None]).unbind(1)
-        x = gated_residual(x, gate1, self._attn(norm_modulate(self.norm1, x, shift1, scale1), cos, sin, key_mask))
-        return gated_residual(x, gate2, self._ffn(norm_modulate(self.norm2, x, shift2, scale2)))
+        proj = self.proj
+        h = norm_modulate(self.norm1, x, shift1, scale1, (proj.q, proj.k, proj.v))
+        x = gated_residual(x, gate1, self._attn(h, cos, sin, key_mask))
+        return gated_residual(x, gate2, self._ffn(norm_modulate(self.norm2, x, shift2, scale2, (proj.ffn_up_gate,))))
 
 
 class MossImageTextEmbedder(nn.Module):

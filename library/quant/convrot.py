@@ -400,6 +400,15 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
     def reset_parameters(self) -> None:
         """Nothing to initialise: the int8 codes are frozen data (nn.Linear's init would fail on them)."""
 
+    def eager_activation_group(self) -> int | None:
+        """The rotation group of the quantised input that this Linear's eager forward takes from the activation cache
+        (`library.quant.convrot_kernels.cached_quantized_activation`): what a fused producer of its input may leave
+        there (`library.runtime.fused_ops.fused_norm_modulate_quant`). None where the forward quantises no input
+        that way: a full-precision layer, no rotation, torch.compile."""
+        if self.full_precision or not self.group_size or torch.compiler.is_compiling():
+            return None
+        return self.group_size
+
     def frozen_product(self) -> type[Int8Product] | None:
         """The eager int8 product for an adapter whose autograd node wraps this Linear (`library.lora.eager_node`), or
         None where the module's own forward must run: a full-precision layer, a trainable bias, torch.compile."""

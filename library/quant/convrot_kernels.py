@@ -571,6 +571,13 @@ def cached_quantized_activation(x: torch.Tensor, group_size: int) -> tuple[torch
     return value
 
 
+def cache_quantized_activation(x: torch.Tensor, group_size: int, value: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Leave `value`, the quantised rows of x (codes [M, K] and scales [M] in one buffer, as `_codes_and_scales` lays
+    them out) that a fused producer made (`library.runtime.fused_ops.fused_norm_modulate_quant`), for the int8
+    Linears that read x next (eager code only; the Triton path's entry)."""
+    _ACT_CACHE.put(x, group_size, True, value)
+
+
 def linear_forward(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:

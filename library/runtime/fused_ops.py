@@ -5,7 +5,10 @@
 - `fused_norm_modulate(x, weight, shift, scale, eps)`: `modulate(rms_norm(x, weight, eps), shift, scale)` of a block
   input, one kernel forward and one backward (x's gradient only);
 - `fused_swiglu(u)`: `silu(gate) * value` of the FFN's up/gate output u = [value | gate], one kernel each way;
-- `fused_gated_residual(x, gate, y)`: `x + gate * y` of a block's branch, one kernel each way (y's gradient only).
+- `fused_gated_residual(x, gate, y)`: `x + gate * y` of a block's branch, one kernel each way (y's gradient only);
+- `fused_norm_modulate_quant(x, weight, shift, scale, eps, group_size)`: `fused_norm_modulate` whose kernel also
+  writes the ConvRot INT8 codes of its output rows into the int8 Linears' activation cache
+  (`library.quant.convrot_kernels`), for a block input that only ConvRot INT8 Linears read: they launch no quantiser.
 
 The `*_usable` functions say where they apply: eager CUDA tensors of the layouts the kernels take, and norm weights,
 RoPE tables, modulation and gates that need no gradient. Anywhere else (the CPU, torch.compile, where inductor fuses the
@@ -36,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_STATE: dict[str, Any] = {"enabled": True, "kernels": None, "failed": False}
+_STATE: dict[str, Any] = {"enabled": True, "kernels": None, "failed": False, "norm_quant": True}
 _CHECKED: dict[torch.device, bool] = {}  # device -> whether the kernels passed their check there
 _CHECK_TOLERANCE = 2e-2  # relative error of the bf16 check against fp32 (a broken kernel is off by O(1))
 
@@ -59,6 +62,13 @@ def _kernels() -> ModuleType | None:
             _STATE["failed"] = True
             logger.info("the fused element-wise kernels are not available (%s); PyTorch's kernels run", e)
     return module
+
+
+def set_norm_quant(enabled: bool) -> bool:
+    """Let the norm + modulation of an INT8 block's inputs write their ConvRot INT8 codes too (the default), or leave
+    the quantisation to the int8 Linears (the benchmark's comparison). Returns the previous setting."""
+    previous, _STATE["norm_quant"] = _STATE["norm_quant"], bool(enabled)
+    return previous
 
 
 def kernels_enabled() -> bool:
@@ -177,11 +187,23 @@ def _check_errors(kernels: ModuleType, device: torch.device) -> dict[str, float]
                                                     1e-6), ref)
     errors["norm_modulate_backward"] = _worst(_twice(kernels.norm_modulate_backward, gh.bfloat16(), hb, hwb,
                                                      modb[:, 1], 1e-6), hr.grad)
+    if kernels.norm_modulate_quant_plan(3072, 256) is not None:  # the DiT's width and ConvRot group
+        y, q, scales = kernels.norm_modulate_quant_forward(hb, hwb, modb[:, 0], modb[:, 1], 1e-6, 256)
+        q_ref, s_ref = _quantised_rows(y.reshape(-1, 3072), 256)
+        errors["norm_modulate_quant_forward"] = _rel(y, ref.detach())
+        errors["norm_modulate_quant_codes"] = 0.0 if torch.equal(q, q_ref) and torch.equal(scales, s_ref) else 1.0
     errors["gated_residual_forward"] = _worst(_twice(kernels.gated_residual_forward, hb, modb[:, 0], gh.bfloat16()),
                                               h + mod[:, 0, None] * gh)
     errors["gated_residual_backward"] = _worst(_twice(kernels.gated_residual_backward, gh.bfloat16(), modb[:, 1]),
                                                mod[:, 1, None] * gh)
     return errors
+
+
+def _quantised_rows(x2: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantiser's codes and scales of rows x2 (its "quarters" kernel)."""
+    from library.quant.convrot_quant_kernels import _quantize_rows_triton
+
+    return _quantize_rows_triton(x2, group_size, kernel="quarters")
 
 
 def _on(x: torch.Tensor) -> bool:
@@ -349,3 +371,45 @@ def gated_residual_usable(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) 
         return True
     kernels = _STATE["kernels"]
     return kernels.row_stride(x) is not None and kernels.row_stride(y) is not None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RMSNorm + modulation with the ConvRot INT8 codes of its output
+# --------------------------------------------------------------------------------------------------------------------
+class _NormModulateQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                eps: float, group_size: int) -> torch.Tensor:
+        from library.quant import convrot_kernels
+
+        ctx.save_for_backward(x, weight, scale)
+        ctx.eps = eps
+        y, q, s = _STATE["kernels"].norm_modulate_quant_forward(x, weight, shift, scale, eps, group_size)
+        convrot_kernels.cache_quantized_activation(y, group_size, (q, s))
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
+        x, weight, scale = ctx.saved_tensors
+        return _STATE["kernels"].norm_modulate_backward(grad, x, weight, scale, ctx.eps), None, None, None, None, None
+
+
+def fused_norm_modulate_quant(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                              eps: float, group_size: int) -> torch.Tensor:
+    """`fused_norm_modulate`, whose kernel also quantises the output's rows for ConvRot INT8 Linears of
+    `group_size` and leaves the codes in their activation cache; only where `norm_modulate_quant_usable` says so."""
+    return _NormModulateQuant.apply(x, weight, shift, scale, eps, group_size)
+
+
+def norm_modulate_quant_usable(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                               group_size: int | None) -> bool:
+    """Whether `fused_norm_modulate_quant` takes these tensors for int8 Linears of `group_size`: the switch on
+    (`set_norm_quant`), a rotation group, `norm_modulate_usable`, a row shape the quantiser's one-pass form takes,
+    and an output the activation cache may keep (not an inference tensor, which has no version counter)."""
+    if not (_STATE["norm_quant"] and group_size and norm_modulate_usable(x, weight, shift, scale)):
+        return False
+    if torch.is_inference_mode_enabled():
+        return False
+    return _STATE["kernels"].norm_modulate_quant_plan(x.shape[-1], group_size) is not None
