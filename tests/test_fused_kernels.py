@@ -555,7 +555,7 @@ class _TorchKernels:
         return self._out("swiglu_backward", ur.grad.to(u.dtype))
 
     def norm_modulate_quant_plan(self, width, group_size):
-        return None  # no quantiser here: the check leaves the norm + modulation + codes kernel out
+        return None  # no quantiser here: the check leaves the norm + modulation + codes kernel out (its own check)
 
     def gated_residual_forward(self, x, gate, y):
         return self._out("gated_residual_forward", (x.float() + gate.float()[:, None] * y.float()).to(x.dtype))
@@ -585,6 +585,42 @@ def test_the_kernels_check_themselves_before_their_first_use(monkeypatch, caplog
         assert (wrong if wrong != "raises" else "failed to run") in warnings[0]
     x, w, cos, sin = _args()
     assert fused_ops.norm_rope_usable(x, w, cos, sin) is (wrong is None)
+
+
+class _TorchKernelsWithCodes(_TorchKernels):
+    """`_TorchKernels` with a norm + modulation + codes launch whose codes are zeros (`wrong`) or ones."""
+
+    def __init__(self, wrong: bool):
+        super().__init__()
+        self.codes = 0 if wrong else 1
+
+    def norm_modulate_quant_plan(self, width, group_size):
+        return (1, 8, 4, 2, True)
+
+    def norm_modulate_quant_forward(self, x, w, shift, scale, eps, group_size):
+        y = self.norm_modulate_forward(x, w, shift, scale, eps)
+        rows = y.shape[0] * y.shape[1]
+        return y, torch.full((rows, y.shape[2]), self.codes, dtype=torch.int8), torch.ones(rows)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_the_norm_quant_kernel_is_checked_on_its_own(monkeypatch, caplog, wrong):
+    """The norm + modulation that writes int8 codes too is checked apart from the other kernels: codes other than
+    the activation quantiser's turn it off, with one warning, and leave the other kernels on."""
+    monkeypatch.setitem(fused_ops._STATE, "kernels", _TorchKernelsWithCodes(wrong))
+    monkeypatch.setitem(fused_ops._STATE, "norm_quant", True)
+    monkeypatch.setattr(fused_ops, "_quantised_rows",
+                        lambda x2, group: (torch.ones(x2.shape, dtype=torch.int8), torch.ones(x2.shape[0])))
+    monkeypatch.setattr(fused_ops, "_INTERPRET", True)
+    monkeypatch.setattr(fused_ops, "_CHECKED", {})
+    with caplog.at_level("WARNING", logger="library.runtime.fused_ops"):
+        assert fused_ops.prepare("cpu")  # the other kernels passed
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert fused_ops._STATE["norm_quant"] is not wrong
+    if wrong:
+        assert len(warnings) == 1 and "quantise their inputs themselves" in warnings[0], warnings
+    else:
+        assert warnings == []
 
 
 def test_no_check_under_compile_or_when_off(monkeypatch):
