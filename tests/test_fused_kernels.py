@@ -348,7 +348,7 @@ def _launch_paths(device: str) -> dict[str, bool]:
 
 
 def run_checks(device: str) -> dict:
-    checked = fused_ops.prepare(device)
+    checked = fused_ops.prepare(device) and fused_ops.prepare_norm_quant(device)
     cases = [_case(dtype, dim, one, device) for dtype in (torch.bfloat16, torch.float16, torch.float32)
              for dim in (128, 32) for one in (False, True)]
     swiglu = [_swiglu_case(dtype, width, view, device) for dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -605,18 +605,20 @@ class _TorchKernelsWithCodes(_TorchKernels):
 
 @pytest.mark.parametrize("wrong", [False, True])
 def test_the_norm_quant_kernel_is_checked_on_its_own(monkeypatch, caplog, wrong):
-    """The norm + modulation that writes int8 codes too is checked apart from the other kernels: codes other than
-    the activation quantiser's turn it off, with one warning, and leave the other kernels on."""
+    """The norm + modulation that writes int8 codes too is checked apart from the other kernels, once per device:
+    codes other than the activation quantiser's turn it off, with one warning, and leave the other kernels on."""
     monkeypatch.setitem(fused_ops._STATE, "kernels", _TorchKernelsWithCodes(wrong))
     monkeypatch.setitem(fused_ops._STATE, "norm_quant", True)
     monkeypatch.setattr(fused_ops, "_quantised_rows",
                         lambda x2, group: (torch.ones(x2.shape, dtype=torch.int8), torch.ones(x2.shape[0])))
     monkeypatch.setattr(fused_ops, "_INTERPRET", True)
     monkeypatch.setattr(fused_ops, "_CHECKED", {})
+    monkeypatch.setattr(fused_ops, "_NORM_QUANT_CHECKED", {})
     with caplog.at_level("WARNING", logger="library.runtime.fused_ops"):
-        assert fused_ops.prepare("cpu")  # the other kernels passed
+        assert fused_ops.prepare_norm_quant("cpu") is not wrong
+        assert fused_ops.prepare_norm_quant("cpu") is not wrong  # decided once
+        assert fused_ops.prepare("cpu")  # the other kernels stay on
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert fused_ops._STATE["norm_quant"] is not wrong
     if wrong:
         assert len(warnings) == 1 and "quantise their inputs themselves" in warnings[0], warnings
     else:

@@ -47,6 +47,7 @@ from library.runtime.fused_ops import (
     norm_modulate_quant_usable,
     norm_modulate_usable,
     norm_rope_usable,
+    prepare_norm_quant,
     swiglu_usable,
 )
 from library.runtime.fused_ops import prepare as prepare_fused_kernels
@@ -666,6 +667,8 @@ class MossImage(nn.Module):
         device = self.device
         if eager_fused():  # the kernels' one check per device (compiled blocks call them too: fused_compiled), here
             prepare_fused_kernels(device)  # outside any checkpointed or compiled code
+            if len(self.layers) and _int8_group((self.layers[0].proj.q,)) is not None:
+                prepare_norm_quant(device)  # ConvRot INT8 blocks: the norm + codes kernel's own check
         b, t_pad = prompt_embeds.shape[:2]
         lengths = text_lengths(attn_mask, b, t_pad)
         # without padding no mask reaches attention, so the fast kernels run and compiled blocks keep one graph

@@ -146,9 +146,24 @@ def _self_check(device: torch.device) -> bool:
                        " PyTorch's kernels run instead", device, bad)
         return False
     logger.debug("fused element-wise kernels checked on %s: %s", device, errors)
-    if _STATE["norm_quant"] and not _norm_quant_checked(kernels, device):
-        _STATE["norm_quant"] = False  # the other kernels stay: this one only spares the int8 Linears a launch
     return True
+
+
+_NORM_QUANT_CHECKED: dict[torch.device, bool] = {}  # device -> whether the norm + codes kernel passed its check
+
+
+def prepare_norm_quant(device: torch.device | str) -> bool:
+    """Whether the norm + modulation + codes kernel runs on `device`: the other kernels run there (`prepare`), the
+    switch is on (`set_norm_quant`), and its own check passed (run on the first call for each device; a failure turns
+    this kernel off alone). `MossImage.prepare_text` calls it for a DiT with ConvRot INT8 blocks, outside any
+    checkpointed or compiled code; `norm_modulate_quant_usable` only reads the outcome."""
+    if not (_STATE["norm_quant"] and prepare(device)):
+        return False
+    key = _device_key(torch.device(device))
+    ok = _NORM_QUANT_CHECKED.get(key)
+    if ok is None:
+        ok = _NORM_QUANT_CHECKED[key] = _norm_quant_checked(_STATE["kernels"], key)
+    return ok
 
 
 def _norm_quant_checked(kernels: ModuleType, device: torch.device) -> bool:
@@ -435,9 +450,12 @@ def norm_modulate_quant_usable(x: torch.Tensor, weight: torch.Tensor, shift: tor
                                group_size: int | None) -> bool:
     """Whether `fused_norm_modulate_quant` takes these tensors for int8 Linears of `group_size`: the switch on
     (`set_norm_quant`), a rotation group, `norm_modulate_usable`, a row shape the quantiser's one-pass form takes,
-    and an output the activation cache may keep (not an inference tensor, which has no version counter)."""
+    an output the activation cache may keep (not an inference tensor, which has no version counter), and the kernel's
+    own check passed on x's device (`prepare_norm_quant`)."""
     if not (_STATE["norm_quant"] and group_size and norm_modulate_usable(x, weight, shift, scale)):
         return False
     if torch.is_inference_mode_enabled():
+        return False
+    if not _NORM_QUANT_CHECKED.get(_device_key(x.device)):
         return False
     return _STATE["kernels"].norm_modulate_quant_plan(x.shape[-1], group_size) is not None
