@@ -667,8 +667,11 @@ class MossImage(nn.Module):
         device = self.device
         if eager_fused():  # the kernels' one check per device (compiled blocks call them too: fused_compiled), here
             prepare_fused_kernels(device)  # outside any checkpointed or compiled code
-            if len(self.layers) and _int8_group((self.layers[0].proj.q,)) is not None:
-                prepare_norm_quant(device)  # ConvRot INT8 blocks: the norm + codes kernel's own check
+            # ConvRot INT8 blocks: the norm + codes kernel's own check (not under inference_mode, where the int8
+            # Linears' activation cache keeps nothing, so the kernel is not used)
+            if (not torch.is_inference_mode_enabled() and len(self.layers)
+                    and _int8_group((self.layers[0].proj.q,)) is not None):
+                prepare_norm_quant(device)
         b, t_pad = prompt_embeds.shape[:2]
         lengths = text_lengths(attn_mask, b, t_pad)
         # without padding no mask reaches attention, so the fast kernels run and compiled blocks keep one graph
