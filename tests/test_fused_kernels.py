@@ -187,6 +187,16 @@ def _norm_modulate_quant_case(dtype: torch.dtype, width: int, group_size: int, d
             "grad_equal": bool(torch.equal(xk.grad, xn.grad))}
 
 
+def _block_inputs(device: str) -> tuple[torch.Tensor, ...]:
+    """A block step's RoPE tables, input (requiring grad), modulation and output gradient: two samples of 44 tokens."""
+    g = torch.Generator().manual_seed(3)
+    cos, sin = RopeTables(CFG.rope_axes_dims, CFG.rope_theta).cos_sin([5, 7], 8, 6, 6, torch.device(device))
+    x = torch.randn(2, 44, CFG.hidden_size, generator=g).to(device, torch.bfloat16).requires_grad_(True)
+    mod = (torch.randn(2, 6, CFG.hidden_size, generator=g) * 0.3).to(device, torch.bfloat16)
+    gy = torch.randn(2, 44, CFG.hidden_size, generator=g).to(device, torch.bfloat16)
+    return cos, sin, x, mod, gy
+
+
 def _int8_block_step(norm_quant: bool, device: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A bf16 block whose six Linears are ConvRot INT8 (groups of 64): output, input gradient, and the activation
     cache's hits in one step (each int8 Linear whose input's codes were there)."""
@@ -196,11 +206,7 @@ def _int8_block_step(norm_quant: bool, device: str) -> tuple[torch.Tensor, torch
     blk = _block(device)
     for name in ("q", "k", "v", "o", "ffn_up_gate", "ffn_down"):
         setattr(blk.proj, name, ConvRotInt8Linear.from_linear(getattr(blk.proj, name), 64))
-    g = torch.Generator().manual_seed(3)
-    cos, sin = RopeTables(CFG.rope_axes_dims, CFG.rope_theta).cos_sin([5, 7], 8, 6, 6, torch.device(device))
-    x = torch.randn(2, 44, CFG.hidden_size, generator=g).to(device, torch.bfloat16).requires_grad_(True)
-    mod = (torch.randn(2, 6, CFG.hidden_size, generator=g) * 0.3).to(device, torch.bfloat16)
-    gy = torch.randn(2, 44, CFG.hidden_size, generator=g).to(device, torch.bfloat16)
+    cos, sin, x, mod, gy = _block_inputs(device)
     previous = fused_ops.set_norm_quant(norm_quant)
     hits = convrot_kernels._ACT_CACHE.hits
     try:
@@ -245,11 +251,7 @@ def _block(device: str) -> MossImageBlock:
 
 def _block_step(blk: MossImageBlock, kernels: bool, checkpointing: str | None, device: str
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    cos, sin = RopeTables(CFG.rope_axes_dims, CFG.rope_theta).cos_sin([5, 7], 8, 6, 6, torch.device(device))
-    x = torch.randn(2, 44, CFG.hidden_size, generator=g).to(device, torch.bfloat16).requires_grad_(True)
-    mod = (torch.randn(2, 6, CFG.hidden_size, generator=g) * 0.3).to(device, torch.bfloat16)
-    gy = torch.randn(2, 44, CFG.hidden_size, generator=g).to(device, torch.bfloat16)
+    cos, sin, x, mod, gy = _block_inputs(device)
     previous = fused_ops.set_fused_kernels(kernels)
     blk.checkpointing = checkpointing
     try:

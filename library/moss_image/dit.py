@@ -320,11 +320,12 @@ def norm_modulate(norm: RMSNorm, x: torch.Tensor, shift: torch.Tensor, scale: to
     (`fused_norm_modulate_quant`). A norm whose call does more than its forward (a hook, a wrapped forward) is called
     as it is."""
     if _plain_norm(norm):
-        if eager_fused() and norm_modulate_usable(x, norm.weight, shift, scale):
+        if eager_fused():
             group = _int8_group(consumers) if consumers else None
             if group is not None and norm_modulate_quant_usable(x, norm.weight, shift, scale, group):
                 return fused_norm_modulate_quant(x, norm.weight, shift, scale, norm.eps, group)
-            return fused_norm_modulate(x, norm.weight, shift, scale, norm.eps)
+            if norm_modulate_usable(x, norm.weight, shift, scale):
+                return fused_norm_modulate(x, norm.weight, shift, scale, norm.eps)
         if compiled_kernel("norm_modulate", x) and norm_modulate_applies(x, norm.weight, shift, scale):
             return op_norm_modulate(x, norm.weight, shift, scale, norm.eps)
     return modulate(norm(x), shift, scale)

@@ -304,6 +304,20 @@ if _TRITON_IMPORTED:
             tl.store(base + 3 * qw, c3, mask=mask)
 
     @triton.jit
+    def _quarters_scales(s_ptr, rows, row_ok, amax, T_CODE: tl.constexpr, TINY: tl.constexpr, BM: tl.constexpr,
+                         EVEN: tl.constexpr, GATHER: tl.constexpr):
+        """Each row's scale from the absmax of its rotated values (stored, fp32: absmax / 127), and what its codes
+        divide by: (the reciprocal r, the scale in T s_t) for `_quarters_store`."""
+        s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
+        s_t = _round_fast(s, T_CODE, GATHER)
+        s_t = tl.where(s_t == 0.0, TINY, s_t)
+        if EVEN:
+            tl.store(s_ptr + rows, s)
+        else:
+            tl.store(s_ptr + rows, s, mask=row_ok)
+        return tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), s_t), s_t
+
+    @triton.jit
     def _rot_quant_quarters_kernel(
         x_ptr, q_ptr, s_ptr, h_ptr, M, K, stride_xm, stride_qm,
         T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH_A: tl.constexpr,
@@ -324,14 +338,7 @@ if _TRITON_IMPORTED:
             b0, b1, b2, b3 = _quarters_load(x_ptr, rows64, row_ok, NCH_A * g, stride_xm, K, BM, NCH_B, g, EVEN)
             b0, b1, b2, b3, amax_b = _quarters_rotate(b0, b1, b2, b3, T_CODE, LOG4G, BM, NCH_B, g, GATHER)
             amax = tl.maximum(amax, amax_b)
-        s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
-        s_t = _round_fast(s, T_CODE, GATHER)
-        s_t = tl.where(s_t == 0.0, TINY, s_t)
-        r = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), s_t)
-        if EVEN:
-            tl.store(s_ptr + rows, s)
-        else:
-            tl.store(s_ptr + rows, s, mask=row_ok)
+        r, s_t = _quarters_scales(s_ptr, rows, row_ok, amax, T_CODE, TINY, BM, EVEN, GATHER)
         _quarters_store(q_ptr, rows64, row_ok, 0, stride_qm, K, a0, a1, a2, a3, r, s_t, T_CODE, NCH_A, g, EVEN,
                         FAST_DIV, GATHER)
         if NCH_B > 0:

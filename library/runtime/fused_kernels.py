@@ -409,14 +409,7 @@ def _norm_modulate_quant_kernel(
         b0, b1, b2, b3, amax_b = _qk._quarters_rotate(b0, b1, b2, b3, T_CODE, LOG4G, BM, NCH_B, g, GATHER)
         amax = tl.maximum(amax, amax_b)
     # the activation quantiser's scale and codes (`_qk._rot_quant_quarters_kernel`), from the rounded output
-    s = tl.maximum(tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32)), 1e-30)
-    s_t = _qk._round_fast(s, T_CODE, GATHER)
-    s_t = tl.where(s_t == 0.0, TINY, s_t)
-    r = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), s_t)
-    if EVEN:
-        tl.store(s_ptr + rows, s)
-    else:
-        tl.store(s_ptr + rows, s, mask=row_ok)
+    r, s_t = _qk._quarters_scales(s_ptr, rows, row_ok, amax, T_CODE, TINY, BM, EVEN, GATHER)
     _qk._quarters_store(q_ptr, rows64, row_ok, 0, K, K, a0, a1, a2, a3, r, s_t, T_CODE, NCH_A, g, EVEN, FAST_DIV,
                         GATHER)
     if NCH_B > 0:
