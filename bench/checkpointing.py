@@ -196,8 +196,9 @@ for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager
 TORCH_RESIDUAL = "_torch_residual"
 for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager_int8"):
     CONFIGS[_name + TORCH_RESIDUAL] = CONFIGS[_name]
-# bench-only: the ConvRot INT8 blocks' norm + modulation without the int8 codes of its output (each int8 Linear's
-# input quantised by the activation quantiser, library.runtime.fused_ops.set_norm_quant), for the ratio in one run
+# bench-only: the ConvRot INT8 blocks' norm + modulation and SwiGLU without the int8 codes of their outputs (each
+# int8 Linear's input quantised by the activation quantiser, library.runtime.fused_ops.set_fused_quant), for the
+# ratio in one run
 SEPARATE_QUANTISER = "_separate_quantiser"
 for _name in ("no_gc_eager_int8", "gc_full_eager_int8"):
     CONFIGS[_name + SEPARATE_QUANTISER] = CONFIGS[_name]
@@ -458,7 +459,7 @@ def bench_variant(name: str) -> Any:
     if name.endswith(NONREENTRANT):
         checkpointing.EAGER_FULL["reentrant"] = False
     saved_kernels = fused_ops.set_fused_kernels(not name.endswith(NO_KERNELS))
-    saved_norm_quant = fused_ops.set_norm_quant(not name.endswith(SEPARATE_QUANTISER))
+    saved_fused_quant = fused_ops.set_fused_quant(not name.endswith(SEPARATE_QUANTISER))
     saved_lora = eager_node.set_lora_one_node(not name.endswith(LORA_OPS))
     saved_in_place = eager_node.set_lora_in_place(not name.endswith(LORA_COPIES))
     saved_grouped = eager_node.set_lora_grouped(not name.endswith(LORA_UNGROUPED))
@@ -481,7 +482,7 @@ def bench_variant(name: str) -> Any:
         checkpointing.COMPILED_FULL["per_operator_tags"] = saved
         checkpointing.EAGER_FULL["reentrant"] = saved_reentrant
         fused_ops.set_fused_kernels(saved_kernels)
-        fused_ops.set_norm_quant(saved_norm_quant)
+        fused_ops.set_fused_quant(saved_fused_quant)
         eager_node.set_lora_one_node(saved_lora)
         eager_node.set_lora_in_place(saved_in_place)
         eager_node.set_lora_grouped(saved_grouped)

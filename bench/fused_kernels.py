@@ -15,6 +15,8 @@ the GPU leads: one chain's kernels take less time than autograd's call around th
 calls is divided by `--reps`. ``gbps`` is the kernels' traffic (the bytes their arguments and results take) over
 their time.
 `--sweep` times the kernels form for each value of each launch parameter (`fused_kernels.TUNING`), one at a time.
+``codes``: the norm + modulation and SwiGLU kernels that also write ConvRot INT8 codes, against the plain kernel
+followed by the activation quantiser.
 """
 
 from __future__ import annotations
@@ -161,6 +163,47 @@ def measure(chain: Chain, device: str, iters: int, reps: int) -> dict[str, Any]:
     return row
 
 
+def codes(tokens: int, width: int, ffn: int, device: str, iters: int, reps: int) -> list[dict[str, Any]]:
+    """The two kernels that also write ConvRot INT8 codes (groups of 256), forward as the int8 block runs them,
+    against their plain kernel followed by the activation quantiser ("quarters") on its output: time, traffic, and
+    whether the codes and scales are the quantiser's on the fused kernel's own output, bit for bit (the norm's output
+    may differ from the plain kernel's by rounding: it sums the row in another order)."""
+    from library.quant.convrot_quant_kernels import _quantize_rows_triton
+    from library.runtime import fused_kernels as kernels
+
+    g = torch.Generator().manual_seed(1)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(device, torch.bfloat16)
+
+    x, u = rand(1, tokens, width), rand(1, tokens, 2 * ffn)
+    w, (shift, scale) = 1 + rand(width, scale=0.1), rand(1, 2, width, scale=0.3).unbind(1)
+    pairs = {
+        "norm_modulate": (lambda: kernels.norm_modulate_forward(x, w, shift, scale, 1e-6),
+                          lambda: kernels.norm_modulate_quant_forward(x, w, shift, scale, 1e-6, 256),
+                          x.nbytes, width),
+        "swiglu": (lambda: kernels.swiglu_forward(u), lambda: kernels.swiglu_quant_forward(u, 256), u.nbytes, ffn),
+    }
+    rows = []
+    for name, (plain, fused, read, k) in pairs.items():
+        def separate(plain=plain, k=k):
+            y = plain()
+            return (y, *_quantize_rows_triton(y.reshape(-1, k), 256))
+
+        y_s = separate()[0]
+        y_f, q_f, s_f = fused()
+        q_r, s_r = _quantize_rows_triton(y_f.reshape(-1, k), 256)  # the quantiser on the fused kernel's own output
+        written = y_f.nbytes + q_f.nbytes + s_f.nbytes
+        row = {"chain": name, "separate_ms": _time(separate, device, iters, reps),
+               "fused_ms": _time(fused, device, iters, reps),
+               "codes_equal": bool(torch.equal(q_r, q_f)), "scales_equal": bool(torch.equal(s_r, s_f)),
+               "out_rel_diff": relerr(y_f, y_s)}
+        row["speedup"] = row["separate_ms"] / row["fused_ms"]
+        row["fused_gbps"] = (read + written) / (row["fused_ms"] * 1e6)
+        rows.append(row)
+    return rows
+
+
 def sweep(chain: Chain, device: str, iters: int, reps: int) -> list[dict[str, Any]]:
     """The kernels form's forward + backward for each value of the chain's launch parameters, one at a time."""
     from library.runtime import fused_kernels
@@ -201,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "-m", "bench.fused_kernels", *(argv if argv is not None else sys.argv[1:])]),
         "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu", "torch": torch.__version__,
         "results": results}
+    if fused_ops.prepare_fused_quant(ns.device):
+        payload["codes"] = codes(ns.tokens, ns.width, ns.ffn, ns.device, ns.iters, ns.reps)
     if ns.sweep:
         payload["sweep"] = [row for c in chains for row in sweep(c, ns.device, ns.iters, ns.reps)]
     tmp = ns.out.with_name(f".{ns.out.name}.tmp")
@@ -211,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['forward_speedup']:.2f}x), forward + backward {r['eager_train_ms']:.3f} -> "
               f"{r['kernels_train_ms']:.3f} ms ({r['train_speedup']:.2f}x), kernels {r['kernels_forward_gbps']:.0f} / "
               f"{r['kernels_backward_gbps']:.0f} GB/s")
+    for r in payload.get("codes", []):
+        print(f"{r['chain']:<14} + int8 codes: kernel + quantiser {r['separate_ms']:.3f} -> one kernel "
+              f"{r['fused_ms']:.3f} ms ({r['speedup']:.2f}x, {r['fused_gbps']:.0f} GB/s), codes equal "
+              f"{r['codes_equal'] and r['scales_equal']}")
     return 0
 
 

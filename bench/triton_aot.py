@@ -12,7 +12,8 @@ which may differ from another version's.
 Kernels: the one-kernel forward of few rows (`fused`), the two-pass tensor-core quantiser (`tiles_mma`), the
 one-pass quantisers at K = 3072 (`rows`, and `quarters`, the default, also at 8192 with --sweep), the pointer GEMM
 at the pinned table's pointer configurations (`ptr`), and the DiT block's fused element-wise kernels, forward and
-backward, at full width (`elementwise`: RMSNorm + modulation, q/k norm + RoPE, SwiGLU).
+backward, at full width (`elementwise`: RMSNorm + modulation, q/k norm + RoPE, SwiGLU, the gated residual, and
+the norm + modulation and SwiGLU that write ConvRot INT8 codes too).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def elementwise_jobs() -> list[Job]:
     warps, swiglu_warps = {"num_warps": E.TUNING["rope_warps"]}, {"num_warps": E.TUNING["swiglu_warps"]}
     mod = {"seq": "i32", "width": "i32"}
     residual = {"BR": E.TUNING["residual_rows"], "BLOCK": E.TUNING["residual_block"]}
-    quant = E.norm_modulate_quant_plan(3072, 256)
+    quant, ffn_quant = E.fused_quant_plan(3072, 256), E.fused_quant_plan(8192, 256)
     return [
         (E._norm_rope_fwd_kernel, fwd, rope, warps, (*rope_div, "xs_b", "xs_s", "xs_h"), 0),
         (E._norm_rope_bwd_kernel, bwd, rope, warps, (*rope_div, "gs_b", "gs_s", "gs_h", "xs_b", "xs_s", "xs_h"), 0),
@@ -217,6 +218,12 @@ def elementwise_jobs() -> list[Job]:
          {"T_CODE": 2, "TINY": 1.1754943508222875e-38, "LOG4G": 4, "BM": quant[0], "NCH_A": quant[1],
           "NCH_B": quant[2], "EVEN": quant[4], "FAST_DIV": True, "GATHER": False},
          {"num_warps": quant[3]}, ("seq", "K", "x_row", "mod_b"), 0),
+        # SwiGLU with the ConvRot INT8 codes of its rows (an INT8 block's ffn_down input)
+        (E._swiglu_quant_kernel, {"u_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32",
+                                  "F": "i32", "u_row": "i32"},
+         {"T_CODE": 2, "TINY": 1.1754943508222875e-38, "LOG4G": 4, "BM": ffn_quant[0], "NCH_A": ffn_quant[1],
+          "NCH_B": ffn_quant[2], "EVEN": ffn_quant[4], "FAST_DIV": True, "GATHER": False},
+         {"num_warps": ffn_quant[3]}, ("F", "u_row"), 0),
     ]
 
 

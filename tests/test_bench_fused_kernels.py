@@ -35,6 +35,10 @@ def test_smoke_run_under_the_interpreter(tmp_path):
     assert len(swept) == sum(len(fused_kernels.SWEEP[p]) for ps in fused_kernels.TUNED_BY.values() for p in ps)
     assert all("error" not in r and r["train_ms"] > 0 for r in payload["sweep"]), payload["sweep"]
     assert "python -m bench.fused_kernels --device cpu" in payload["command"]
+    codes = {r["chain"]: r for r in payload["codes"]}
+    assert set(codes) == {"norm_modulate", "swiglu"}
+    for r in codes.values():  # the kernels that write codes give the quantiser's bits
+        assert r["codes_equal"] and r["scales_equal"] and r["fused_ms"] > 0 and r["separate_ms"] > 0, r
 
 
 def test_refused_where_the_kernels_do_not_run(tmp_path, capsys):

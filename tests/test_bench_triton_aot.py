@@ -47,11 +47,11 @@ def test_the_quarters_quantiser_runs_fewer_instructions_a_value_than_rows(tmp_pa
 
 def test_the_fused_elementwise_kernels_compile_for_sm90_without_spills(tmp_path):
     """The DiT block's fused element-wise kernels (library.runtime.fused_kernels), forward and backward, and the norm +
-    modulation with ConvRot INT8 codes, build for Hopper at full width and fit the register file."""
+    modulation and SwiGLU with ConvRot INT8 codes, build for Hopper at full width and fit the register file."""
     out = tmp_path / "aot.json"
     assert triton_aot.main(["--kernels", "elementwise", "--arch", "90", "--out", str(out)]) == 0
     rows = {r["kernel"]: r for r in json.loads(out.read_text())["kernels"]}
     assert set(rows) == {f"_{name}_{way}_kernel" for name in ("norm_rope", "swiglu", "norm_modulate", "gated_residual")
-                         for way in ("fwd", "bwd")} | {"_norm_modulate_quant_kernel"}
+                         for way in ("fwd", "bwd")} | {"_norm_modulate_quant_kernel", "_swiglu_quant_kernel"}
     for row in rows.values():
         assert "error" not in row and 0 < row["reg"] <= 128 and not row["spills"], row

@@ -187,6 +187,33 @@ def _norm_modulate_quant_case(dtype: torch.dtype, width: int, group_size: int, d
             "grad_equal": bool(torch.equal(xk.grad, xn.grad))}
 
 
+def _swiglu_quant_case(dtype: torch.dtype, width: int, group_size: int, device: str) -> dict:
+    from library.quant import convrot_kernels
+    from library.quant.convrot_quant_kernels import _quantize_rows_triton
+
+    g = torch.Generator().manual_seed(9)
+    u = (torch.randn(2, 11, 2 * width, generator=g) * 2).to(device, dtype)
+    gy = torch.randn(2, 11, width, generator=g).to(device, dtype)
+    assert fused_ops.swiglu_quant_usable(u, group_size)
+    ur = u.double()
+    value, gate = ur.chunk(2, dim=-1)
+    ref = F.silu(gate) * value
+    uk = u.clone().requires_grad_(True)
+    y = fused_ops.fused_swiglu_quant(uk, group_size)
+    y.backward(gy)
+    cached = convrot_kernels._ACT_CACHE.get(y, group_size, True)
+    q_ref, s_ref = _quantize_rows_triton(y.detach().reshape(-1, width), group_size, kernel="quarters")
+    us = u.clone().requires_grad_(True)
+    ys = fused_ops.fused_swiglu(us)
+    ys.backward(gy)
+    ve, ge = u.chunk(2, dim=-1)
+    return {"dtype": str(dtype), "width": width, "group": group_size, "out_dtype": str(y.dtype),
+            "out_err": _rel(y, ref), "eager_out_err": _rel(F.silu(ge) * ve, ref), "cached": cached is not None,
+            "codes_equal": cached is not None and bool(torch.equal(cached[0], q_ref)),
+            "scales_equal": cached is not None and bool(torch.equal(cached[1], s_ref)),
+            "grad_equal": bool(torch.equal(uk.grad, us.grad))}
+
+
 def _block_inputs(device: str) -> tuple[torch.Tensor, ...]:
     """A block step's RoPE tables, input (requiring grad), modulation and output gradient: two samples of 44 tokens."""
     g = torch.Generator().manual_seed(3)
@@ -207,13 +234,13 @@ def _int8_block_step(norm_quant: bool, device: str) -> tuple[torch.Tensor, torch
     for name in ("q", "k", "v", "o", "ffn_up_gate", "ffn_down"):
         setattr(blk.proj, name, ConvRotInt8Linear.from_linear(getattr(blk.proj, name), 64))
     cos, sin, x, mod, gy = _block_inputs(device)
-    previous = fused_ops.set_norm_quant(norm_quant)
+    previous = fused_ops.set_fused_quant(norm_quant)
     hits = convrot_kernels._ACT_CACHE.hits
     try:
         y = blk(x, cos, sin, None, mod)
         y.backward(gy)
     finally:
-        fused_ops.set_norm_quant(previous)
+        fused_ops.set_fused_quant(previous)
     return y.detach(), x.grad, convrot_kernels._ACT_CACHE.hits - hits
 
 
@@ -350,7 +377,7 @@ def _launch_paths(device: str) -> dict[str, bool]:
 
 
 def run_checks(device: str) -> dict:
-    checked = fused_ops.prepare(device) and fused_ops.prepare_norm_quant(device)
+    checked = fused_ops.prepare(device) and fused_ops.prepare_fused_quant(device)
     cases = [_case(dtype, dim, one, device) for dtype in (torch.bfloat16, torch.float16, torch.float32)
              for dim in (128, 32) for one in (False, True)]
     swiglu = [_swiglu_case(dtype, width, view, device) for dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -362,6 +389,8 @@ def run_checks(device: str) -> dict:
                       for seq, width in ((11, 96), (37, 300))]
     norm_quant = [_norm_modulate_quant_case(dtype, width, group, device)
                   for dtype in (torch.bfloat16, torch.float16, torch.float32) for width, group in ((768, 64), (256, 16))]
+    swiglu_quant = [_swiglu_quant_case(dtype, width, group, device)
+                    for dtype in (torch.bfloat16, torch.float16, torch.float32) for width, group in ((768, 64), (80, 16))]
     y_q, gx_q, hits_q = _int8_block_step(True, device)
     y_s, gx_s, hits_s = _int8_block_step(False, device)
     blk = _block(device)
@@ -376,6 +405,7 @@ def run_checks(device: str) -> dict:
             "launch_paths_equal": _launch_paths(device),
             "tuning_invariant": _tuning_invariant(device), "cases": cases, "swiglu": swiglu,
             "norm_modulate": norm_modulate, "gated_residual": gated_residual, "norm_quant": norm_quant,
+            "swiglu_quant": swiglu_quant,
             "int8_block": {"hits_fused": hits_q, "hits_separate": hits_s, "out_rel_diff": _rel(y_q, y_s),
                            "grad_rel_diff": _rel(gx_q, gx_s)},
             "block": {"out_rel_diff": _rel(y_k, y_e), "grad_rel_diff": _rel(gx_k, gx_e), "launches": launches,
@@ -428,9 +458,18 @@ def _assert_checks(res: dict) -> None:
             assert c["out_err"] < 1e-6, c
         else:  # rounded to nearest even, also under the interpreter (the eager forms round twice)
             assert c["out_err"] <= c["eager_out_err"] * 1.02, c
+    assert len(res["swiglu_quant"]) == 6
+    for c in res["swiglu_quant"]:
+        assert c["out_dtype"] == c["dtype"] and c["cached"] and c["codes_equal"] and c["scales_equal"], c
+        assert c["grad_equal"], c  # SwiGLU's backward kernel
+        if c["dtype"] == "torch.float32":
+            assert c["out_err"] < 1e-6, c
+        else:  # rounded to nearest even, also under the interpreter (the eager forms round twice)
+            assert c["out_err"] <= c["eager_out_err"] * 1.02, c
     ib = res["int8_block"]
-    # q's and the FFN's inputs come from the norm's kernel (the separate quantiser: only k and v hit, after q)
-    assert ib["hits_fused"] - ib["hits_separate"] == 2 and ib["hits_separate"] == 2, ib
+    # q's and the FFN up/gate's inputs come from the norm's kernel, ffn_down's from SwiGLU's (the separate
+    # quantiser: only k and v hit, after q)
+    assert ib["hits_fused"] - ib["hits_separate"] == 3 and ib["hits_separate"] == 2, ib
     assert ib["out_rel_diff"] < 1e-2 and ib["grad_rel_diff"] < 2e-2, ib
     b = res["block"]
     assert b["launches"] == {"norm_rope_forward": 2, "norm_rope_backward": 2, "swiglu_forward": 1,
@@ -556,7 +595,7 @@ class _TorchKernels:
         (F.silu(gate) * value).backward(g.double())
         return self._out("swiglu_backward", ur.grad.to(u.dtype))
 
-    def norm_modulate_quant_plan(self, width, group_size):
+    def fused_quant_plan(self, width, group_size):
         return None  # no quantiser here: the check leaves the norm + modulation + codes kernel out (its own check)
 
     def gated_residual_forward(self, x, gate, y):
@@ -590,39 +629,48 @@ def test_the_kernels_check_themselves_before_their_first_use(monkeypatch, caplog
 
 
 class _TorchKernelsWithCodes(_TorchKernels):
-    """`_TorchKernels` with a norm + modulation + codes launch whose codes are zeros (`wrong`) or ones."""
+    """`_TorchKernels` with the norm + modulation + codes and SwiGLU + codes launches, whose codes are ones, or zeros
+    for the one named `wrong`."""
 
-    def __init__(self, wrong: bool):
+    def __init__(self, wrong: str | None):
         super().__init__()
-        self.codes = 0 if wrong else 1
+        self.wrong_codes = wrong
 
-    def norm_modulate_quant_plan(self, width, group_size):
+    def fused_quant_plan(self, width, group_size):
         return (1, 8, 4, 2, True)
 
+    def _with_codes(self, name: str, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = y.numel() // y.shape[-1]
+        codes = 0 if name == self.wrong_codes else 1
+        return y, torch.full((rows, y.shape[-1]), codes, dtype=torch.int8), torch.ones(rows)
+
     def norm_modulate_quant_forward(self, x, w, shift, scale, eps, group_size):
-        y = self.norm_modulate_forward(x, w, shift, scale, eps)
-        rows = y.shape[0] * y.shape[1]
-        return y, torch.full((rows, y.shape[2]), self.codes, dtype=torch.int8), torch.ones(rows)
+        return self._with_codes("norm", self.norm_modulate_forward(x, w, shift, scale, eps))
+
+    def swiglu_quant_forward(self, u, group_size):
+        return self._with_codes("swiglu", self.swiglu_forward(u))
 
 
-@pytest.mark.parametrize("wrong", [False, True])
-def test_the_norm_quant_kernel_is_checked_on_its_own(monkeypatch, caplog, wrong):
-    """The norm + modulation that writes int8 codes too is checked apart from the other kernels, once per device:
-    codes other than the activation quantiser's turn it off, with one warning, and leave the other kernels on."""
+@pytest.mark.parametrize("wrong", [None, "norm", "swiglu"])
+def test_the_kernels_that_write_codes_are_checked_on_their_own(monkeypatch, caplog, wrong):
+    """The norm + modulation and the SwiGLU that write int8 codes too are checked apart from the other kernels, once
+    per device: codes other than the activation quantiser's from either turn both off, with one warning, and leave
+    the other kernels on."""
     monkeypatch.setitem(fused_ops._STATE, "kernels", _TorchKernelsWithCodes(wrong))
-    monkeypatch.setitem(fused_ops._STATE, "norm_quant", True)
+    monkeypatch.setitem(fused_ops._STATE, "fused_quant", True)
     monkeypatch.setattr(fused_ops, "_quantised_rows",
                         lambda x2, group: (torch.ones(x2.shape, dtype=torch.int8), torch.ones(x2.shape[0])))
     monkeypatch.setattr(fused_ops, "_INTERPRET", True)
     monkeypatch.setattr(fused_ops, "_CHECKED", {})
-    monkeypatch.setattr(fused_ops, "_NORM_QUANT_CHECKED", {})
+    monkeypatch.setattr(fused_ops, "_FUSED_QUANT_CHECKED", {})
     with caplog.at_level("WARNING", logger="library.runtime.fused_ops"):
-        assert fused_ops.prepare_norm_quant("cpu") is not wrong
-        assert fused_ops.prepare_norm_quant("cpu") is not wrong  # decided once
+        assert fused_ops.prepare_fused_quant("cpu") is (wrong is None)
+        assert fused_ops.prepare_fused_quant("cpu") is (wrong is None)  # decided once
         assert fused_ops.prepare("cpu")  # the other kernels stay on
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     if wrong:
         assert len(warnings) == 1 and "quantise their inputs themselves" in warnings[0], warnings
+        assert ("SwiGLU" in warnings[0]) is (wrong == "swiglu"), warnings
     else:
         assert warnings == []
 

@@ -43,11 +43,13 @@ from library.runtime.fused_ops import (
     fused_norm_modulate_quant,
     fused_norm_rope,
     fused_swiglu,
+    fused_swiglu_quant,
     gated_residual_usable,
     norm_modulate_quant_usable,
     norm_modulate_usable,
     norm_rope_usable,
-    prepare_norm_quant,
+    prepare_fused_quant,
+    swiglu_quant_usable,
     swiglu_usable,
 )
 from library.runtime.fused_ops import prepare as prepare_fused_kernels
@@ -285,12 +287,17 @@ class RopeTables:
         return out[0], out[1]
 
 
-def swiglu(u: torch.Tensor) -> torch.Tensor:
+def swiglu(u: torch.Tensor, consumer: nn.Module | None = None) -> torch.Tensor:
     """silu(gate) * value of the FFN's up/gate output u = [value | gate]; in eager CUDA runs one Triton kernel each
     way (`library.runtime.fused_ops`), and a compiled CUDA block the same kernels as ops
-    (`library.runtime.fused_compiled`)."""
-    if eager_fused() and swiglu_usable(u):
-        return fused_swiglu(u)
+    (`library.runtime.fused_compiled`). Where `consumer` (the Linear that reads the result) is a ConvRot INT8 Linear,
+    the eager kernel also writes the int8 codes of the result's rows for it (`fused_swiglu_quant`)."""
+    if eager_fused():
+        group = _int8_group((consumer,)) if consumer is not None else None
+        if group is not None and swiglu_quant_usable(u, group):
+            return fused_swiglu_quant(u, group)
+        if swiglu_usable(u):
+            return fused_swiglu(u)
     if compiled_kernel("swiglu", u) and swiglu_applies(u):
         return op_swiglu(u)
     value, gate = u.chunk(2, dim=-1)
@@ -401,7 +408,7 @@ class MossImageBlock(nn.Module):
         return self.proj.o(out)
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj.ffn_down(swiglu(self.proj.ffn_up_gate(h)))
+        return self.proj.ffn_down(swiglu(self.proj.ffn_up_gate(h), self.proj.ffn_down))
 
     def forward(
         self,
@@ -668,11 +675,11 @@ class MossImage(nn.Module):
         device = self.device
         if eager_fused():  # the kernels' one check per device (compiled blocks call them too: fused_compiled), here
             prepare_fused_kernels(device)  # outside any checkpointed or compiled code
-            # ConvRot INT8 blocks: the norm + codes kernel's own check (not under inference_mode, where the int8
-            # Linears' activation cache keeps nothing, so the kernel is not used)
+            # ConvRot INT8 blocks: the own check of the kernels that write codes (not under inference_mode, where
+            # the int8 Linears' activation cache keeps nothing, so those kernels are not used)
             if (not torch.is_inference_mode_enabled() and len(self.layers)
                     and _int8_group((self.layers[0].proj.q,)) is not None):
-                prepare_norm_quant(device)
+                prepare_fused_quant(device)
         b, t_pad = prompt_embeds.shape[:2]
         lengths = text_lengths(attn_mask, b, t_pad)
         # without padding no mask reaches attention, so the fast kernels run and compiled blocks keep one graph

@@ -42,6 +42,11 @@ scales go to the int8 Linears through their activation cache, so they launch no 
 row is summed for its norm in the quantiser's layout, so it can differ from `norm_modulate_forward`'s by rounding.
 The backward is `norm_modulate_backward`'s.
 
+**SwiGLU + ConvRot INT8 quantisation** (`swiglu_quant_forward`) of the FFN's up/gate output when `ffn_down` is a
+ConvRot INT8 Linear: `swiglu_forward`'s product, and in the same program the codes and scales of its rows, as above.
+The separate kernels read u (2F wide), write the product, then the quantiser reads the product again: at 1024x1024
+(4,352 x 8,192) that second read is 71 MB per block and pass. The backward is `swiglu_backward`'s.
+
 This module imports Triton; which calls take the kernels, and the autograd functions around them, are
 `library.runtime.fused_ops`'s.
 """
@@ -417,34 +422,113 @@ def _norm_modulate_quant_kernel(
                             FAST_DIV, GATHER)
 
 
-def norm_modulate_quant_plan(width: int, group_size: int) -> tuple[int, int, int, int, bool] | None:
+def fused_quant_plan(width: int, group_size: int) -> tuple[int, int, int, int, bool] | None:
     """The "quarters" quantiser's launch shape for rows of `width` with `group_size` (None where it does not apply):
-    the shapes `norm_modulate_quant_forward` takes."""
+    the row widths `norm_modulate_quant_forward` and `swiglu_quant_forward` take."""
     return _qk._quarters_launch(width, group_size)
 
 
 def norm_modulate_quant_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                                eps: float, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                eps: float, group_size: int, one_buffer: bool = True
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`norm_modulate_forward` of x [B, S, W] (as there), and the ConvRot INT8 codes [B * S, W] and fp32 scales
-    [B * S] of its rows, as the activation quantiser gives them (in one buffer, as it lays them out). Only for shapes
-    with a `norm_modulate_quant_plan`."""
+    [B * S] of its rows, as the activation quantiser gives them (`one_buffer`: in one allocation, as it lays them out
+    for the activation cache; else two). Only for shapes with a `fused_quant_plan`."""
     bsz, seq, width = x.shape
-    plan = norm_modulate_quant_plan(width, group_size)
+    plan = fused_quant_plan(width, group_size)
     if plan is None:
         raise ValueError(f"no fused quantisation for rows of {width} in groups of {group_size}")
     bm, nch_a, nch_b, warps, fills = plan
     m = bsz * seq
     y = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device)
-    q, s = _qk._codes_and_scales(m, width, x.device)
+    q, s = _codes_out(m, width, x.device, one_buffer)
     if m:
-        even = fills and m % bm == 0
-        const = {"T_CODE": _qk._T_CODE[x.dtype], "TINY": _qk._TINY[x.dtype], "LOG4G": _qk.log4(group_size), "BM": bm,
-                 "NCH_A": nch_a, "NCH_B": nch_b, "EVEN": even, "FAST_DIV": x.dtype == torch.bfloat16,
-                 "GATHER": _qk._INTERPRET}
+        const = {**_quant_constexprs(x.dtype, group_size, bm, nch_a, nch_b), "EVEN": fills and m % bm == 0}
         _launcher(_norm_modulate_quant_kernel, const, warps)(
             (triton.cdiv(m, bm), 1, 1), (x, weight, shift, scale, y, q, s, m, seq, width, row_stride(x),
                                          scale.stride(0), float(eps)))
     return y, q, s
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# SwiGLU + ConvRot INT8 quantisation
+# --------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _silu_product(gate, value, T_CODE: tl.constexpr, GATHER: tl.constexpr):
+    """silu(gate) * value in fp32 (as `_swiglu_fwd_kernel`), rounded to T."""
+    return _qk._round_fast(gate * tl.sigmoid(gate) * value, T_CODE, GATHER)
+
+
+@triton.jit
+def _swiglu_quarters(u_ptr, rows64, row_ok, col0, u_row, F, T_CODE: tl.constexpr, BM: tl.constexpr,
+                     NCH: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr):
+    """NCH groups of the SwiGLU output from column col0, as the quantiser's four quarters (rounded to T, fp32): the
+    value half's columns and the gate half's (F columns further on) of the same rows."""
+    v0, v1, v2, v3 = _qk._quarters_load(u_ptr, rows64, row_ok, col0, u_row, F, BM, NCH, G, EVEN)
+    g0, g1, g2, g3 = _qk._quarters_load(u_ptr + F, rows64, row_ok, col0, u_row, F, BM, NCH, G, EVEN)
+    return (_silu_product(g0, v0, T_CODE, GATHER), _silu_product(g1, v1, T_CODE, GATHER),
+            _silu_product(g2, v2, T_CODE, GATHER), _silu_product(g3, v3, T_CODE, GATHER))
+
+
+@triton.jit
+def _swiglu_quant_kernel(
+    u_ptr, y_ptr, q_ptr, s_ptr, M, F, u_row,
+    T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH_A: tl.constexpr,
+    NCH_B: tl.constexpr, EVEN: tl.constexpr, FAST_DIV: tl.constexpr, GATHER: tl.constexpr,
+):
+    g: tl.constexpr = 1 << (2 * LOG4G)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    a0, a1, a2, a3 = _swiglu_quarters(u_ptr, rows64, row_ok, 0, u_row, F, T_CODE, BM, NCH_A, g, EVEN, GATHER)
+    _store_quarters(y_ptr, rows64, row_ok, 0, F, a0, a1, a2, a3, NCH_A, g, EVEN)
+    a0, a1, a2, a3, amax = _qk._quarters_rotate(a0, a1, a2, a3, T_CODE, LOG4G, BM, NCH_A, g, GATHER)
+    if NCH_B > 0:
+        c0 = NCH_A * g
+        b0, b1, b2, b3 = _swiglu_quarters(u_ptr, rows64, row_ok, c0, u_row, F, T_CODE, BM, NCH_B, g, EVEN, GATHER)
+        _store_quarters(y_ptr, rows64, row_ok, c0, F, b0, b1, b2, b3, NCH_B, g, EVEN)
+        b0, b1, b2, b3, amax_b = _qk._quarters_rotate(b0, b1, b2, b3, T_CODE, LOG4G, BM, NCH_B, g, GATHER)
+        amax = tl.maximum(amax, amax_b)
+    r, s_t = _qk._quarters_scales(s_ptr, rows, row_ok, amax, T_CODE, TINY, BM, EVEN, GATHER)
+    _qk._quarters_store(q_ptr, rows64, row_ok, 0, F, F, a0, a1, a2, a3, r, s_t, T_CODE, NCH_A, g, EVEN, FAST_DIV,
+                        GATHER)
+    if NCH_B > 0:
+        _qk._quarters_store(q_ptr, rows64, row_ok, NCH_A * g, F, F, b0, b1, b2, b3, r, s_t, T_CODE, NCH_B, g, EVEN,
+                            FAST_DIV, GATHER)
+
+
+def swiglu_quant_forward(u: torch.Tensor, group_size: int, one_buffer: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`swiglu_forward` of u [..., 2F] (rows of unit column stride, as there), and the ConvRot INT8 codes [rows, F]
+    and fp32 scales [rows] of its output's rows, as the activation quantiser gives them; `one_buffer`: codes and
+    scales in one allocation, as the quantiser lays them out for the activation cache (else two, as the registered
+    ops return them). Only for widths with a `fused_quant_plan`."""
+    width = u.shape[-1] // 2
+    plan = fused_quant_plan(width, group_size)
+    if plan is None:
+        raise ValueError(f"no fused quantisation for rows of {width} in groups of {group_size}")
+    bm, nch_a, nch_b, warps, fills = plan
+    m = u.numel() // u.shape[-1]
+    y = torch.empty((*u.shape[:-1], width), dtype=u.dtype, device=u.device)
+    q, s = _codes_out(m, width, u.device, one_buffer)
+    if m:
+        const = {**_quant_constexprs(u.dtype, group_size, bm, nch_a, nch_b), "EVEN": fills and m % bm == 0}
+        _launcher(_swiglu_quant_kernel, const, warps)((triton.cdiv(m, bm), 1, 1), (u, y, q, s, m, width, row_stride(u)))
+    return y, q, s
+
+
+def _codes_out(m: int, width: int, device: torch.device, one_buffer: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """New int8 codes [m, width] and fp32 scales [m]: in one allocation (`one_buffer`) or two."""
+    if one_buffer:
+        return _qk._codes_and_scales(m, width, device)
+    return (torch.empty((m, width), dtype=torch.int8, device=device),
+            torch.empty((m,), dtype=torch.float32, device=device))
+
+
+def _quant_constexprs(dtype: torch.dtype, group_size: int, bm: int, nch_a: int, nch_b: int) -> dict[str, int]:
+    """The quarters quantiser's constexprs (all but EVEN) for rows of `dtype` in groups of `group_size`."""
+    return {"T_CODE": _qk._T_CODE[dtype], "TINY": _qk._TINY[dtype], "LOG4G": _qk.log4(group_size), "BM": bm,
+            "NCH_A": nch_a, "NCH_B": nch_b, "FAST_DIV": dtype == torch.bfloat16, "GATHER": _qk._INTERPRET}
 
 
 # --------------------------------------------------------------------------------------------------------------------

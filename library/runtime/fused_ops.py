@@ -8,7 +8,9 @@
 - `fused_gated_residual(x, gate, y)`: `x + gate * y` of a block's branch, one kernel each way (y's gradient only);
 - `fused_norm_modulate_quant(x, weight, shift, scale, eps, group_size)`: `fused_norm_modulate` whose kernel also
   writes the ConvRot INT8 codes of its output rows into the int8 Linears' activation cache
-  (`library.quant.convrot_kernels`), for a block input that only ConvRot INT8 Linears read: they launch no quantiser.
+  (`library.quant.convrot_kernels`), for a block input that only ConvRot INT8 Linears read: they launch no quantiser;
+- `fused_swiglu_quant(u, group_size)`: `fused_swiglu` whose kernel also writes its output's codes there, for a
+  ConvRot INT8 `ffn_down`.
 
 The `*_usable` functions say where they apply: eager CUDA tensors of the layouts the kernels take, and norm weights,
 RoPE tables, modulation and gates that need no gradient. Anywhere else (the CPU, torch.compile, where inductor fuses the
@@ -39,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_STATE: dict[str, Any] = {"enabled": True, "kernels": None, "failed": False, "norm_quant": True}
+_STATE: dict[str, Any] = {"enabled": True, "kernels": None, "failed": False, "fused_quant": True}
 _CHECKED: dict[torch.device, bool] = {}  # device -> whether the kernels passed their check there
 _CHECK_TOLERANCE = 2e-2  # relative error of the bf16 check against fp32 (a broken kernel is off by O(1))
 
@@ -64,10 +66,11 @@ def _kernels() -> ModuleType | None:
     return module
 
 
-def set_norm_quant(enabled: bool) -> bool:
-    """Let the norm + modulation of an INT8 block's inputs write their ConvRot INT8 codes too (the default), or leave
-    the quantisation to the int8 Linears (the benchmark's comparison). Returns the previous setting."""
-    previous, _STATE["norm_quant"] = _STATE["norm_quant"], bool(enabled)
+def set_fused_quant(enabled: bool) -> bool:
+    """Let the kernels that produce an INT8 block's Linear inputs (the norm + modulation before q/k/v and the FFN,
+    SwiGLU before `ffn_down`) write their ConvRot INT8 codes too (the default), or leave the quantisation to the int8
+    Linears (the benchmark's comparison). Returns the previous setting."""
+    previous, _STATE["fused_quant"] = _STATE["fused_quant"], bool(enabled)
     return previous
 
 
@@ -149,51 +152,60 @@ def _self_check(device: torch.device) -> bool:
     return True
 
 
-_NORM_QUANT_CHECKED: dict[torch.device, bool] = {}  # device -> whether the norm + codes kernel passed its check
+_FUSED_QUANT_CHECKED: dict[torch.device, bool] = {}  # device -> whether the kernels that write codes passed their check
 
 
-def prepare_norm_quant(device: torch.device | str) -> bool:
-    """Whether the norm + modulation + codes kernel runs on `device`: the other kernels run there (`prepare`), the
-    switch is on (`set_norm_quant`), and its own check passed (run on the first call for each device; a failure turns
-    this kernel off alone). `MossImage.prepare_text` calls it for a DiT with ConvRot INT8 blocks, outside any
-    checkpointed or compiled code; `norm_modulate_quant_usable` only reads the outcome."""
-    if not (_STATE["norm_quant"] and prepare(device)):
+def prepare_fused_quant(device: torch.device | str) -> bool:
+    """Whether the kernels that write ConvRot INT8 codes with their output (norm + modulation, SwiGLU) run on
+    `device`: the other kernels run there (`prepare`), the switch is on (`set_fused_quant`), and their own check passed
+    (run on the first call for each device; a failure turns these two kernels off alone). `MossImage.prepare_text`
+    calls it for a DiT with ConvRot INT8 blocks, outside any checkpointed or compiled code; `norm_modulate_quant_usable`
+    and `swiglu_quant_usable` only read the outcome."""
+    if not (_STATE["fused_quant"] and prepare(device)):
         return False
     key = _device_key(torch.device(device))
-    ok = _NORM_QUANT_CHECKED.get(key)
+    ok = _FUSED_QUANT_CHECKED.get(key)
     if ok is None:
-        ok = _NORM_QUANT_CHECKED[key] = _norm_quant_checked(_STATE["kernels"], key)
+        ok = _FUSED_QUANT_CHECKED[key] = _fused_quant_checked(_STATE["kernels"], key)
     return ok
 
 
-def _norm_quant_checked(kernels: ModuleType, device: torch.device) -> bool:
-    """The norm + modulation kernel that writes ConvRot INT8 codes too, checked on its own: its output against fp32
-    torch operators, its codes and scales against the activation quantiser's on that output (bit for bit), twice
-    (Triton's launch, then the direct one). False, with one warning, where it fails to run or differs."""
-    if kernels.norm_modulate_quant_plan(3072, 256) is None:  # the DiT's width and ConvRot group
+def _fused_quant_checked(kernels: ModuleType, device: torch.device) -> bool:
+    """The kernels that write ConvRot INT8 codes too, checked on their own at the DiT's widths: each output against
+    fp32 torch operators, its codes and scales against the activation quantiser's on that output (bit for bit),
+    twice (Triton's launch, then the direct one). False, with one warning, where one fails to run or differs."""
+    if kernels.fused_quant_plan(3072, 256) is None:  # the DiT's width and ConvRot group
         return True
     g = torch.Generator().manual_seed(1)
     h = torch.randn(2, 16, 3072, generator=g).to(device)
     hw = (1 + 0.1 * torch.randn(3072, generator=g)).to(device)
     mod = (torch.randn(2, 2, 3072, generator=g) * 0.3).to(device)
-    ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * hw * (1 + mod[:, 1, None]) + mod[:, 0, None]
-    hb, hwb, modb = h.bfloat16(), hw.bfloat16(), mod.bfloat16()
-    try:
-        with torch.inference_mode(False), torch.autocast(device.type, enabled=False):
-            for _ in range(2):
-                y, q, scales = kernels.norm_modulate_quant_forward(hb, hwb, modb[:, 0], modb[:, 1], 1e-6, 256)
-                q_ref, s_ref = _quantised_rows(y.reshape(-1, 3072), 256)
-                err = _rel(y, ref)
-                if not (err <= _CHECK_TOLERANCE and torch.equal(q, q_ref) and torch.equal(scales, s_ref)):
-                    logger.warning("the fused norm + modulation with ConvRot INT8 codes gave other numbers on %s"
-                                   " (relative error %.3g, codes equal: %s); the int8 Linears quantise their inputs"
-                                   " themselves", device, err, bool(torch.equal(q, q_ref)))
-                    return False
-    except Exception as e:  # noqa: BLE001 - any failure (a compile error on this Triton) means this kernel off
-        logger.warning("the fused norm + modulation with ConvRot INT8 codes failed to run on %s (%s: %s); the int8"
-                       " Linears quantise their inputs themselves", device, type(e).__name__,
-                       str(e).splitlines()[0] if str(e) else "")
-        return False
+    u = torch.randn(32, 2 * 8192, generator=g).to(device)  # the FFN's width (SwiGLU of 8,192)
+    value, gate = u.chunk(2, dim=-1)
+    hb, hwb, modb, ub = h.bfloat16(), hw.bfloat16(), mod.bfloat16(), u.bfloat16()
+    launches = {
+        "norm + modulation": (lambda: kernels.norm_modulate_quant_forward(hb, hwb, modb[:, 0], modb[:, 1], 1e-6, 256),
+                              h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * hw * (1 + mod[:, 1, None])
+                              + mod[:, 0, None]),
+        "SwiGLU": (lambda: kernels.swiglu_quant_forward(ub, 256), torch.nn.functional.silu(gate) * value),
+    }
+    for name, (launch, ref) in launches.items():
+        try:
+            with torch.inference_mode(False), torch.autocast(device.type, enabled=False):
+                for _ in range(2):
+                    y, q, scales = launch()
+                    q_ref, s_ref = _quantised_rows(y.reshape(-1, y.shape[-1]), 256)
+                    err = _rel(y, ref)
+                    if not (err <= _CHECK_TOLERANCE and torch.equal(q, q_ref) and torch.equal(scales, s_ref)):
+                        logger.warning("the fused %s with ConvRot INT8 codes gave other numbers on %s (relative error"
+                                       " %.3g, codes equal: %s); the int8 Linears quantise their inputs themselves",
+                                       name, device, err, bool(torch.equal(q, q_ref)))
+                        return False
+        except Exception as e:  # noqa: BLE001 - any failure (a compile error on this Triton) means these kernels off
+            logger.warning("the fused %s with ConvRot INT8 codes failed to run on %s (%s: %s); the int8 Linears"
+                           " quantise their inputs themselves", name, device, type(e).__name__,
+                           str(e).splitlines()[0] if str(e) else "")
+            return False
     return True
 
 
@@ -375,6 +387,39 @@ def swiglu_usable(u: torch.Tensor) -> bool:
     return _STATE["kernels"].row_stride(u) is not None
 
 
+class _SwiGLUQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, u: torch.Tensor, group_size: int) -> torch.Tensor:
+        from library.quant import convrot_kernels
+
+        ctx.save_for_backward(u)
+        y, q, s = _STATE["kernels"].swiglu_quant_forward(u, group_size)
+        convrot_kernels.cache_quantized_activation(y, group_size, (q, s))
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (u,) = ctx.saved_tensors
+        return _STATE["kernels"].swiglu_backward(grad, u), None
+
+
+def fused_swiglu_quant(u: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`fused_swiglu`, whose kernel also quantises the output's rows for a ConvRot INT8 Linear of `group_size` and
+    leaves the codes in its activation cache; only where `swiglu_quant_usable` says so."""
+    return _SwiGLUQuant.apply(u, group_size)
+
+
+def swiglu_quant_usable(u: torch.Tensor, group_size: int | None) -> bool:
+    """Whether `fused_swiglu_quant` takes u for an int8 Linear of `group_size`: the switch on (`set_fused_quant`), a
+    rotation group, `swiglu_usable`, an output width the quantiser's one-pass form takes, no inference tensor (the
+    activation cache keeps none), and the kernels' own check passed on u's device (`prepare_fused_quant`)."""
+    if not (_STATE["fused_quant"] and group_size and swiglu_usable(u)) or torch.is_inference_mode_enabled():
+        return False
+    if not _FUSED_QUANT_CHECKED.get(_device_key(u.device)):
+        return False
+    return _STATE["kernels"].fused_quant_plan(u.shape[-1] // 2, group_size) is not None
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # gated residual
 # --------------------------------------------------------------------------------------------------------------------
@@ -449,13 +494,13 @@ def fused_norm_modulate_quant(x: torch.Tensor, weight: torch.Tensor, shift: torc
 def norm_modulate_quant_usable(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
                                group_size: int | None) -> bool:
     """Whether `fused_norm_modulate_quant` takes these tensors for int8 Linears of `group_size`: the switch on
-    (`set_norm_quant`), a rotation group, `norm_modulate_usable`, a row shape the quantiser's one-pass form takes,
+    (`set_fused_quant`), a rotation group, `norm_modulate_usable`, a row shape the quantiser's one-pass form takes,
     an output the activation cache may keep (not an inference tensor, which has no version counter), and the kernel's
-    own check passed on x's device (`prepare_norm_quant`)."""
-    if not (_STATE["norm_quant"] and group_size and norm_modulate_usable(x, weight, shift, scale)):
+    own check passed on x's device (`prepare_fused_quant`)."""
+    if not (_STATE["fused_quant"] and group_size and norm_modulate_usable(x, weight, shift, scale)):
         return False
     if torch.is_inference_mode_enabled():
         return False
-    if not _NORM_QUANT_CHECKED.get(_device_key(x.device)):
+    if not _FUSED_QUANT_CHECKED.get(_device_key(x.device)):
         return False
-    return _STATE["kernels"].norm_modulate_quant_plan(x.shape[-1], group_size) is not None
+    return _STATE["kernels"].fused_quant_plan(x.shape[-1], group_size) is not None
