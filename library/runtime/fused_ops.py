@@ -411,9 +411,14 @@ def fused_swiglu_quant(u: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def swiglu_quant_usable(u: torch.Tensor, group_size: int | None) -> bool:
     """Whether `fused_swiglu_quant` takes u for an int8 Linear of `group_size`: the switch on (`set_fused_quant`), a
-    rotation group, `swiglu_usable`, an output width the quantiser's one-pass form takes, no inference tensor (the
-    activation cache keeps none), and the kernels' own check passed on u's device (`prepare_fused_quant`)."""
-    if not (_STATE["fused_quant"] and group_size and swiglu_usable(u)) or torch.is_inference_mode_enabled():
+    rotation group, u in bf16 or fp16, `swiglu_usable`, an output width the quantiser's one-pass form takes, no
+    inference tensor (the activation cache keeps none), and the kernels' own check passed on u's device
+    (`prepare_fused_quant`). Not fp32: there no rounding separates the product from the rotation's first sums, so the
+    compiler may contract them into fused multiply-adds, and the codes would differ in the last bits from the
+    quantiser's on the stored product (seen on an H200)."""
+    if u.dtype not in (torch.bfloat16, torch.float16) or torch.is_inference_mode_enabled():
+        return False
+    if not (_STATE["fused_quant"] and group_size and swiglu_usable(u)):
         return False
     if not _FUSED_QUANT_CHECKED.get(_device_key(u.device)):
         return False
