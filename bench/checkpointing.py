@@ -200,7 +200,7 @@ for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager
 # int8 Linear's input quantised by the activation quantiser, library.runtime.fused_ops.set_fused_quant), for the
 # ratio in one run
 SEPARATE_QUANTISER = "_separate_quantiser"
-for _name in ("no_gc_eager_int8", "gc_full_eager_int8"):
+for _name in ("no_gc_eager_int8", "gc_full_eager_int8", "gc_full_compile_int8", "no_gc_compile_int8"):
     CONFIGS[_name + SEPARATE_QUANTISER] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent

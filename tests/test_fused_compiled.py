@@ -190,3 +190,86 @@ def test_cuda_compiled_block_with_the_kernels_is_as_close_to_fp32_as_the_eager_k
         assert _relerr(got[i], ref[i]) < 1.5 * _relerr(eager[i], ref[i]) + 1e-3
     for name in ref[2]:
         assert _relerr(got[2][name], ref[2][name]) < 1.5 * _relerr(eager[2][name], ref[2][name]) + 1e-3
+
+
+# ------------------------------------------------------------------------------------------------ SwiGLU + INT8 codes
+def _swiglu_then_quantize(u: torch.Tensor, group_size: int = 16) -> tuple[torch.Tensor, ...]:
+    """What a compiled ConvRot INT8 block computes for ffn_down's input: SwiGLU, its rows quantised, and the product
+    read by something else too (the LoRA's down-projection)."""
+    from library.quant.convrot_ops import QUANTIZE
+
+    y = OPS.fused_swiglu(u)
+    q, s = QUANTIZE(y.reshape(-1, y.shape[-1]), group_size)
+    return y * 2, q, s
+
+
+def test_the_swiglu_codes_op_gives_the_two_ops_bits():
+    u = torch.randn(2, 5, 2 * 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    fused = OPS.fused_swiglu_quant(u, 16)
+    y, q, s = _swiglu_then_quantize(u)
+    assert torch.equal(fused[0] * 2, y) and torch.equal(fused[1], q) and torch.equal(fused[2], s)
+    torch.library.opcheck(OPS.fused_swiglu_quant, (u, 16), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_pass_puts_the_swiglu_codes_op_in_place_of_swiglu_and_its_quantisation():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from library.quant.convrot_ops import QUANTIZE
+    from library.runtime.fused_compiled import SWIGLU_QUANT, fuse_quantize_into_producers
+
+    u = torch.randn(2, 5, 2 * 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    gm = make_fx(lambda t: _swiglu_then_quantize(t), tracing_mode="fake")(u)
+    assert fuse_quantize_into_producers(gm.graph) == 1
+    gm.graph.lint()
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert SWIGLU_QUANT in targets and QUANTIZE not in targets and OPS.fused_swiglu.default not in targets
+    assert all(torch.equal(a, b) for a, b in zip(gm(u), _swiglu_then_quantize(u)))
+    # another group than the one produced, or rows that are not the product's: nothing to fuse
+    other = make_fx(lambda t: QUANTIZE(OPS.fused_swiglu(t).transpose(0, 1).reshape(-1, 64), 16),
+                    tracing_mode="fake")(u)
+    assert fuse_quantize_into_producers(other.graph) == 0
+
+
+def test_an_inductor_graph_runs_swiglu_and_the_quantisation_as_one_op(monkeypatch):
+    """Compiled with inductor (the product's pass installed as `compile_blocks` installs it), SwiGLU and the
+    quantisation of its rows for an int8 Linear run as one op, and the output is the same; with the codes off
+    (`set_fused_quant(False)`) they stay two."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    from library.quant import convrot_kernels as K
+    from library.quant import convrot_ops as ops
+    from library.runtime import fused_compiled, fused_ops
+
+    try:
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - inductor raises various errors for a missing compiler
+        pytest.skip(f"inductor on the CPU needs a C++ compiler ({e})")
+    calls = collections.Counter()
+    original = fused_compiled._quantized_rows
+    monkeypatch.setattr(fused_compiled, "_quantized_rows",
+                        lambda y, g: calls.update(["fused"]) or original(y, g))
+    torch.manual_seed(0)
+    q, s = K.quantize_convrot_weight(torch.randn(24, 64), 16)
+
+    def ffn_down(u):
+        return ops.linear(OPS.fused_swiglu(u), q, s, None, 16, "bf16")
+
+    u = torch.randn(3, 7, 128)
+    with torch.no_grad():
+        ref = ffn_down(u)
+        for on in (True, False):
+            torch._dynamo.reset()
+            previous = fused_ops.set_fused_quant(on)
+            try:
+                with torch._inductor.config.patch(post_grad_custom_pre_pass=None, compile_threads=1,
+                                                  fx_graph_cache=False):
+                    ops.enable_inductor_quantize_dedupe()
+                    fused_compiled.enable_inductor_producer_codes()
+                    compiled = torch.compile(ffn_down, backend="inductor", fullgraph=True)
+                    calls.clear()
+                    out = compiled(u)
+            finally:
+                fused_ops.set_fused_quant(previous)
+            assert calls["fused"] == (1 if on else 0), (on, calls)
+            assert torch.equal(out, ref)

@@ -675,9 +675,9 @@ class MossImage(nn.Module):
         device = self.device
         if eager_fused():  # the kernels' one check per device (compiled blocks call them too: fused_compiled), here
             prepare_fused_kernels(device)  # outside any checkpointed or compiled code
-            # ConvRot INT8 blocks: the own check of the kernels that write codes (not under inference_mode, where
-            # the int8 Linears' activation cache keeps nothing, so those kernels are not used)
-            if (not torch.is_inference_mode_enabled() and len(self.layers)
+            # ConvRot INT8 blocks: the own check of the kernels that write codes (under inference_mode only for
+            # compiled blocks: the eager int8 Linears' activation cache keeps no inference tensor)
+            if ((self._compiled or not torch.is_inference_mode_enabled()) and len(self.layers)
                     and _int8_group((self.layers[0].proj.q,)) is not None):
                 prepare_fused_quant(device)
         b, t_pad = prompt_embeds.shape[:2]

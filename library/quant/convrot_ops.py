@@ -32,8 +32,8 @@ from library.quant import convrot_kernels as kernels
 from library.quant.linear_plan import LinearPlans
 
 __all__ = [
-    "DEQUANTIZE", "LINEAR", "LINEAR_GRAD_INPUT", "QUANTIZE", "dedupe_quantize", "dequantize",
-    "eager_forward", "enable_inductor_quantize_dedupe", "linear", "linear_eager",
+    "DEQUANTIZE", "LINEAR", "LINEAR_GRAD_INPUT", "QUANTIZE", "VIEW_OPS", "dedupe_quantize", "dequantize",
+    "eager_forward", "enable_inductor_quantize_dedupe", "input_key", "linear", "linear_eager",
 ]
 
 
@@ -150,7 +150,7 @@ DEQUANTIZE = torch.ops.moss_image.convrot_int8_dequantize.default
 # --------------------------------------------------------------------------------------------------------------------
 # One quantisation per input in compiled inference graphs
 # --------------------------------------------------------------------------------------------------------------------
-_VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
              torch.ops.aten.alias.default, torch.ops.aten.detach.default)
 
 
@@ -158,10 +158,10 @@ def _hashable(value: object) -> object:
     return tuple(_hashable(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def _input_key(node: object) -> tuple:
+def input_key(node: object) -> tuple:
     """A QUANTIZE input as (base node, the view ops from it): two views of one tensor with the same shape match."""
     chain = []
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEW_OPS:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
         chain.append((node.target, _hashable(node.args[1:]), _hashable(tuple(sorted(node.kwargs.items())))))
         node = node.args[0]
     return node, tuple(reversed(chain))
@@ -178,7 +178,7 @@ def dedupe_quantize(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not QUANTIZE:
             continue
-        key = (_input_key(node.args[0]), _hashable(node.args[1:]), _hashable(tuple(sorted(node.kwargs.items()))))
+        key = (input_key(node.args[0]), _hashable(node.args[1:]), _hashable(tuple(sorted(node.kwargs.items()))))
         first = seen.setdefault(key, node)
         if first is node:
             continue
@@ -186,7 +186,7 @@ def dedupe_quantize(graph: torch.fx.Graph) -> int:
         node.replace_all_uses_with(first)
         graph.erase_node(node)
         removed += 1
-        while isinstance(source, torch.fx.Node) and source.target in _VIEW_OPS and not source.users:
+        while isinstance(source, torch.fx.Node) and source.target in VIEW_OPS and not source.users:
             parent = source.args[0]
             graph.erase_node(source)
             source = parent

@@ -138,8 +138,10 @@ def compile_blocks(args: argparse.Namespace, dit: Any, num_shapes: int = 1) -> N
     import torch
 
     from library.quant.convrot_ops import enable_inductor_quantize_dedupe  # torch and triton: loaded when compiling
+    from library.runtime.fused_compiled import enable_inductor_producer_codes
 
     enable_inductor_quantize_dedupe()  # INT8 inference graphs: q, k and v share one quantised input
+    enable_inductor_producer_codes()  # INT8 graphs: SwiGLU writes ffn_down's codes (after the dedupe)
     dynamic = {"true": True, "false": False}.get(args.compile_dynamic, None)
     if dynamic is None:
         dynamic = True if num_shapes > 1 else None

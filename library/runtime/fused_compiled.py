@@ -16,6 +16,16 @@ block calls them as opaque nodes and inductor fuses the code around them:
   Off by default (`set_compiled_kernels`): inductor fuses that norm with the gated residual add before it, which
   an opaque op would split into two passes over the activation.
 
+- ``fused_swiglu_quant`` (no autograd: only an inductor pass puts it in a graph): ``fused_swiglu`` and the ConvRot
+  INT8 codes and scales of its output rows, as ``moss_image::convrot_int8_quantize`` gives them. A compiled ConvRot
+  INT8 block calls ``fused_swiglu`` and then that quantiser on the same rows for `ffn_down`;
+  `fuse_quantize_into_producers`, an inductor post-grad pass (`enable_inductor_producer_codes`, installed by
+  `library.runtime.compile.compile_blocks`), puts the one op in their place, so the product is not read again. The
+  CUDA implementation takes `library.runtime.fused_kernels.swiglu_quant_forward` where the kernels that write codes
+  passed their check (`fused_ops.prepare_fused_quant`), else the two kernels; the default one runs the two ops' torch
+  implementations, so CPU graphs give the same bits either way. The norm + modulation stays inductor's there: it fuses
+  the norm with the residual add before it, which an op would split into two passes, taking what the codes save.
+
 `op_norm_rope`, `op_swiglu` and `op_norm_modulate` are what `library.moss_image.dit` calls while torch.compile
 traces a block, where `compiled_kernel` and the `*_applies` checks here (shapes, dtypes, no gradient for the
 weights) say so. On the CPU the ops stay off unless a test turns them on (`set_compiled_kernels(cpu=
@@ -25,6 +35,8 @@ True)`): there they run the default implementation, which is what the CPU tests 
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,8 +45,9 @@ import torch.nn.functional as F
 
 from library.runtime import fused_ops
 
-__all__ = ["compiled_kernel", "compiled_kernels", "norm_modulate_applies", "norm_rope_applies", "op_norm_modulate",
-           "op_norm_rope", "op_swiglu", "set_compiled_kernels", "swiglu_applies"]
+__all__ = ["compiled_kernel", "compiled_kernels", "enable_inductor_producer_codes", "fuse_quantize_into_producers",
+           "norm_modulate_applies", "norm_rope_applies", "op_norm_modulate", "op_norm_rope", "op_swiglu",
+           "set_compiled_kernels", "swiglu_applies"]
 
 _SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "cpu": False}
 
@@ -270,6 +283,129 @@ SWIGLU = _define("fused_swiglu", "(Tensor u) -> Tensor", _swiglu_math, _swiglu_c
 SWIGLU_BACKWARD = _define("fused_swiglu_backward", "(Tensor grad, Tensor u) -> Tensor",
                           _swiglu_grad, _swiglu_backward_cuda,
                           lambda grad, u: u.new_empty(u.shape))
+
+
+def _quantized_rows(y: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``convrot_int8_quantize`` of y's rows [M, F] (the op itself: its implementation for y's device)."""
+    from library.quant.convrot_ops import QUANTIZE
+
+    return QUANTIZE(y.reshape(-1, y.shape[-1]), group_size)
+
+
+def _swiglu_quant_math(u, group_size):
+    y = _swiglu_math(u)
+    return (y, *_quantized_rows(y, group_size))
+
+
+def _swiglu_quant_cuda(u, group_size):
+    kernels = _kernels_for(u)
+    width = u.shape[-1] // 2
+    if (kernels is not None and u.dtype in (torch.bfloat16, torch.float16) and fused_ops.prepare_fused_quant(u.device)
+            and kernels.fused_quant_plan(width, group_size) is not None):
+        return kernels.swiglu_quant_forward(_rows(u, kernels), group_size, one_buffer=False)
+    y = _swiglu_cuda(u)
+    return (y, *_quantized_rows(y, group_size))
+
+
+def _swiglu_quant_fake(u, group_size):
+    y = u.new_empty((*u.shape[:-1], u.shape[-1] // 2))
+    rows = y.numel() // max(1, y.shape[-1])
+    return (y, u.new_empty((rows, y.shape[-1]), dtype=torch.int8), u.new_empty((rows,), dtype=torch.float32))
+
+
+SWIGLU_QUANT = _define("fused_swiglu_quant", "(Tensor u, int group_size) -> (Tensor, Tensor, Tensor)",
+                       _swiglu_quant_math, _swiglu_quant_cuda, _swiglu_quant_fake)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The inductor pass: a producer op and the quantisation of its output rows as one op
+# --------------------------------------------------------------------------------------------------------------------
+_PRODUCERS_WITH_CODES = {SWIGLU: SWIGLU_QUANT}  # producer op -> the op that also gives its output's codes
+
+
+def _rows_of(view: torch.fx.Node, producer: torch.fx.Node) -> bool:
+    """Whether `view` (QUANTIZE's input, reached from `producer` through view ops) is the producer's output as its
+    rows [M, F]: the same last dim and element count (a row-major flattening, the only one view ops give here)."""
+    out, rows = producer.meta.get("val"), view.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        return False
+    return out.is_contiguous() and rows.shape[-1] == out.shape[-1] and rows.numel() == out.numel()
+
+
+def fuse_quantize_into_producers(graph: torch.fx.Graph) -> int:
+    """In a functional (post-grad) graph, put ``fused_swiglu_quant`` in place of ``fused_swiglu`` and the
+    ``convrot_int8_quantize`` of its output rows (the producer's other users take the fused op's first output, the
+    quantisation's users its codes and scales). Returns the number of pairs fused."""
+    from library.quant.convrot_ops import QUANTIZE, VIEW_OPS, input_key
+
+    fused = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not QUANTIZE or node.kwargs:
+            continue
+        producer, _chain = input_key(node.args[0])
+        target = _PRODUCERS_WITH_CODES.get(getattr(producer, "target", None))
+        if target is None or producer.kwargs or not _rows_of(node.args[0], producer):
+            continue
+        if not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+            continue
+        with graph.inserting_after(producer):
+            both = graph.call_function(target, (*producer.args, node.args[1]))
+        with graph.inserting_after(both):
+            out = graph.call_function(operator.getitem, (both, 0))
+        both.meta["val"] = (producer.meta["val"], *node.meta["val"])
+        out.meta["val"] = producer.meta["val"]
+        producer.replace_all_uses_with(out)
+        graph.erase_node(producer)
+        for user in list(node.users):
+            with graph.inserting_after(out):
+                codes = graph.call_function(operator.getitem, (both, user.args[1] + 1))
+            codes.meta.update(user.meta)
+            user.replace_all_uses_with(codes)
+            graph.erase_node(user)
+        source = node.args[0]
+        graph.erase_node(node)
+        while isinstance(source, torch.fx.Node) and source.target in VIEW_OPS and not source.users:
+            parent = source.args[0]
+            graph.erase_node(source)
+            source = parent
+        fused += 1
+    return fused
+
+
+@functools.cache
+def _producer_pass_type() -> type:
+    """The inductor pass class, made at the first compile (torch._inductor is loaded only when something compiles)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _ProducerCodesPass(CustomGraphPass):
+        """The pass configured before (the quantisations' dedupe, `library.quant.convrot_ops`), then
+        `fuse_quantize_into_producers` where the kernels that write codes are on (`fused_ops.set_fused_quant`)."""
+
+        def __init__(self, then: Any = None):
+            self.then = then
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            if self.then is not None:
+                self.then(graph)
+            if fused_ops.fused_quant_enabled():
+                fuse_quantize_into_producers(graph)
+
+        def uuid(self) -> Any:
+            then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else self.then
+            return ("moss_image producer codes", 1, fused_ops.fused_quant_enabled(), then)
+
+    return _ProducerCodesPass
+
+
+def enable_inductor_producer_codes() -> None:
+    """Install `fuse_quantize_into_producers` as inductor's ``post_grad_custom_pre_pass``, after the pass configured
+    before it (idempotent). It touches only ``fused_swiglu`` nodes whose output rows are quantised."""
+    import torch._inductor.config as inductor_config  # heavy: only a compile needs it
+
+    pass_type = _producer_pass_type()
+    current = inductor_config.post_grad_custom_pre_pass
+    if not isinstance(current, pass_type):
+        inductor_config.post_grad_custom_pre_pass = pass_type(current)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -74,6 +74,11 @@ def set_fused_quant(enabled: bool) -> bool:
     return previous
 
 
+def fused_quant_enabled() -> bool:
+    """Whether the kernels that produce an INT8 block's Linear inputs write their codes too (`set_fused_quant`)."""
+    return _STATE["fused_quant"]
+
+
 def kernels_enabled() -> bool:
     """Whether the kernels are on (`set_fused_kernels`), whatever the device."""
     return _STATE["enabled"]
