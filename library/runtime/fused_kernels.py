@@ -435,18 +435,13 @@ def norm_modulate_quant_forward(x: torch.Tensor, weight: torch.Tensor, shift: to
     [B * S] of its rows, as the activation quantiser gives them (`one_buffer`: in one allocation, as it lays them out
     for the activation cache; else two). Only for shapes with a `fused_quant_plan`."""
     bsz, seq, width = x.shape
-    plan = fused_quant_plan(width, group_size)
-    if plan is None:
-        raise ValueError(f"no fused quantisation for rows of {width} in groups of {group_size}")
-    bm, nch_a, nch_b, warps, fills = plan
     m = bsz * seq
     y = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device)
     q, s = _codes_out(m, width, x.device, one_buffer)
     if m:
-        const = {**_quant_constexprs(x.dtype, group_size, bm, nch_a, nch_b), "EVEN": fills and m % bm == 0}
-        _launcher(_norm_modulate_quant_kernel, const, warps)(
-            (triton.cdiv(m, bm), 1, 1), (x, weight, shift, scale, y, q, s, m, seq, width, row_stride(x),
-                                         scale.stride(0), float(eps)))
+        launcher, bm = _codes_launcher(_norm_modulate_quant_kernel, width, group_size, x.dtype, m)
+        launcher(((m + bm - 1) // bm, 1, 1), (x, weight, shift, scale, y, q, s, m, seq, width, row_stride(x),
+                                              scale.stride(0), float(eps)))
     return y, q, s
 
 
@@ -504,17 +499,33 @@ def swiglu_quant_forward(u: torch.Tensor, group_size: int, one_buffer: bool = Tr
     scales in one allocation, as the quantiser lays them out for the activation cache (else two, as the registered
     ops return them). Only for widths with a `fused_quant_plan`."""
     width = u.shape[-1] // 2
-    plan = fused_quant_plan(width, group_size)
-    if plan is None:
-        raise ValueError(f"no fused quantisation for rows of {width} in groups of {group_size}")
-    bm, nch_a, nch_b, warps, fills = plan
     m = u.numel() // u.shape[-1]
     y = torch.empty((*u.shape[:-1], width), dtype=u.dtype, device=u.device)
     q, s = _codes_out(m, width, u.device, one_buffer)
     if m:
-        const = {**_quant_constexprs(u.dtype, group_size, bm, nch_a, nch_b), "EVEN": fills and m % bm == 0}
-        _launcher(_swiglu_quant_kernel, const, warps)((triton.cdiv(m, bm), 1, 1), (u, y, q, s, m, width, row_stride(u)))
+        launcher, bm = _codes_launcher(_swiglu_quant_kernel, width, group_size, u.dtype, m)
+        launcher(((m + bm - 1) // bm, 1, 1), (u, y, q, s, m, width, row_stride(u)))
     return y, q, s
+
+
+_CODES_LAUNCHERS: dict[tuple, tuple[DirectLauncher, int]] = {}  # (kernel, width, group, dtype, even) -> launch
+
+
+def _codes_launcher(kernel: object, width: int, group_size: int, dtype: torch.dtype, m: int
+                    ) -> tuple[DirectLauncher, int]:
+    """The launcher and rows per program of a kernel that writes codes (`norm_modulate_quant_forward`,
+    `swiglu_quant_forward`) for m rows of `width` in groups of `group_size`: kept per shape, since the compiled blocks
+    call these once per block and pass, where the host time of building the plan again would show."""
+    key = (kernel.__name__, width, group_size, dtype, m & 63)
+    hit = _CODES_LAUNCHERS.get(key)
+    if hit is None:
+        plan = fused_quant_plan(width, group_size)
+        if plan is None:
+            raise ValueError(f"no fused quantisation for rows of {width} in groups of {group_size}")
+        bm, nch_a, nch_b, warps, fills = plan
+        const = {**_quant_constexprs(dtype, group_size, bm, nch_a, nch_b), "EVEN": fills and m % bm == 0}
+        hit = _CODES_LAUNCHERS[key] = (_launcher(kernel, const, warps), bm)
+    return hit
 
 
 def _codes_out(m: int, width: int, device: torch.device, one_buffer: bool) -> tuple[torch.Tensor, torch.Tensor]:
