@@ -232,9 +232,9 @@ def test_the_pass_puts_the_swiglu_codes_op_in_place_of_swiglu_and_its_quantisati
 
 
 def test_an_inductor_graph_runs_swiglu_and_the_quantisation_as_one_op(monkeypatch):
-    """Compiled with inductor (the product's pass installed as `compile_blocks` installs it), SwiGLU and the
-    quantisation of its rows for an int8 Linear run as one op, and the output is the same; with the codes off
-    (`set_fused_quant(False)`) they stay two."""
+    """Compiled with inductor (the product's pass installed as `compile_blocks` installs it, and turned on), SwiGLU
+    and the quantisation of its rows for an int8 Linear run as one op, and the output is the same; with the pass off
+    (the default) or the codes off (`set_fused_quant(False)`) they stay two."""
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     from library.quant import convrot_kernels as K
@@ -258,9 +258,10 @@ def test_an_inductor_graph_runs_swiglu_and_the_quantisation_as_one_op(monkeypatc
     u = torch.randn(3, 7, 128)
     with torch.no_grad():
         ref = ffn_down(u)
-        for on in (True, False):
+        for on, pass_on in ((True, True), (False, True), (True, False)):
             torch._dynamo.reset()
             previous = fused_ops.set_fused_quant(on)
+            previous_pass = set_compiled_kernels(swiglu_codes=pass_on)
             try:
                 with torch._inductor.config.patch(post_grad_custom_pre_pass=None, compile_threads=1,
                                                   fx_graph_cache=False):
@@ -271,5 +272,6 @@ def test_an_inductor_graph_runs_swiglu_and_the_quantisation_as_one_op(monkeypatc
                     out = compiled(u)
             finally:
                 fused_ops.set_fused_quant(previous)
-            assert calls["fused"] == (1 if on else 0), (on, calls)
+                set_compiled_kernels(**previous_pass)
+            assert calls["fused"] == (1 if on and pass_on else 0), (on, pass_on, calls)
             assert torch.equal(out, ref)

@@ -35,6 +35,7 @@ from library.runtime.fused_compiled import (
     op_norm_modulate,
     op_norm_rope,
     op_swiglu,
+    producer_codes_on,
     swiglu_applies,
 )
 from library.runtime.fused_ops import (
@@ -676,8 +677,10 @@ class MossImage(nn.Module):
         if eager_fused():  # the kernels' one check per device (compiled blocks call them too: fused_compiled), here
             prepare_fused_kernels(device)  # outside any checkpointed or compiled code
             # ConvRot INT8 blocks: the own check of the kernels that write codes (under inference_mode only for
-            # compiled blocks: the eager int8 Linears' activation cache keeps no inference tensor)
-            if ((self._compiled or not torch.is_inference_mode_enabled()) and len(self.layers)
+            # compiled blocks that take SwiGLU's codes: the eager int8 Linears' activation cache keeps no inference
+            # tensor)
+            compiled_codes = bool(self._compiled) and producer_codes_on()
+            if ((compiled_codes or not torch.is_inference_mode_enabled()) and len(self.layers)
                     and _int8_group((self.layers[0].proj.q,)) is not None):
                 prepare_fused_quant(device)
         b, t_pad = prompt_embeds.shape[:2]

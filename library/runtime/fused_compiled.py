@@ -20,7 +20,10 @@ block calls them as opaque nodes and inductor fuses the code around them:
   INT8 codes and scales of its output rows, as ``moss_image::convrot_int8_quantize`` gives them. A compiled ConvRot
   INT8 block calls ``fused_swiglu`` and then that quantiser on the same rows for `ffn_down`;
   `fuse_quantize_into_producers`, an inductor post-grad pass (`enable_inductor_producer_codes`, installed by
-  `library.runtime.compile.compile_blocks`), puts the one op in their place, so the product is not read again. The
+  `library.runtime.compile.compile_blocks`), puts the one op in their place, so the product is not read again.
+  **Off by default** (`set_compiled_kernels(swiglu_codes=True)` turns it on): on an H200 it took 2.8-4.2 ms of GPU
+  time off a checkpointed compiled INT8 step in one run and nothing in another, while the step's host time grew by
+  half in both runs, for a reason not found yet (docs/benchmarks.md, sixteenth run). The
   CUDA implementation takes `library.runtime.fused_kernels.swiglu_quant_forward` where the kernels that write codes
   passed their check (`fused_ops.prepare_fused_quant`), else the two kernels; the default one runs the two ops' torch
   implementations, so CPU graphs give the same bits either way. The norm + modulation stays inductor's there: it fuses
@@ -47,14 +50,16 @@ from library.runtime import fused_ops
 
 __all__ = ["compiled_kernel", "compiled_kernels", "enable_inductor_producer_codes", "fuse_quantize_into_producers",
            "norm_modulate_applies", "norm_rope_applies", "op_norm_modulate", "op_norm_rope", "op_swiglu",
-           "set_compiled_kernels", "swiglu_applies"]
+           "producer_codes_on", "set_compiled_kernels", "swiglu_applies"]
 
-_SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "cpu": False}
+_SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": False,
+                               "cpu": False}
 
 
 def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
-    """Which kernels compiled blocks call (`norm_rope`, `swiglu`, `norm_modulate`), and whether CPU tensors take the
-    ops too (`cpu`, for tests); returns the previous settings."""
+    """Which kernels compiled blocks call (`norm_rope`, `swiglu`, `norm_modulate`; `swiglu_codes`: the inductor pass
+    that gives SwiGLU ffn_down's codes, see the module docstring), and whether CPU tensors take the ops too (`cpu`,
+    for tests); returns the previous settings."""
     unknown = set(settings) - set(_SETTINGS)
     if unknown:
         raise ValueError(f"unknown compiled-kernel settings {sorted(unknown)}; known: {sorted(_SETTINGS)}")
@@ -387,6 +392,12 @@ def fuse_quantize_into_producers(graph: torch.fx.Graph) -> int:
     return fused
 
 
+def producer_codes_on() -> bool:
+    """Whether compiled INT8 blocks get SwiGLU's codes (`set_compiled_kernels(swiglu_codes=True)` and
+    `fused_ops.set_fused_quant`)."""
+    return _SETTINGS["swiglu_codes"] and fused_ops.fused_quant_enabled()
+
+
 @functools.cache
 def _producer_pass_type() -> type:
     """The inductor pass class, made at the first compile (torch._inductor is loaded only when something compiles)."""
@@ -394,7 +405,8 @@ def _producer_pass_type() -> type:
 
     class _ProducerCodesPass(CustomGraphPass):
         """The pass configured before (the quantisations' dedupe, `library.quant.convrot_ops`), then
-        `fuse_quantize_into_producers` where the kernels that write codes are on (`fused_ops.set_fused_quant`)."""
+        `fuse_quantize_into_producers` where it is on (`set_compiled_kernels(swiglu_codes=True)`) and so are the
+        kernels that write codes (`fused_ops.set_fused_quant`)."""
 
         def __init__(self, then: Any = None):
             self.then = then
@@ -402,12 +414,12 @@ def _producer_pass_type() -> type:
         def __call__(self, graph: torch.fx.Graph) -> None:
             if self.then is not None:
                 self.then(graph)
-            if fused_ops.fused_quant_enabled():
+            if producer_codes_on():
                 fuse_quantize_into_producers(graph)
 
         def uuid(self) -> Any:
             then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else self.then
-            return ("moss_image producer codes", 1, fused_ops.fused_quant_enabled(), then)
+            return ("moss_image producer codes", 2, producer_codes_on(), then)
 
     return _ProducerCodesPass
 
