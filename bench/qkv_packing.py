@@ -27,14 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.convrot_int8 import relerr, time_ms
-
-
-def _repeated(fn: Callable[[], Any], reps: int) -> Callable[[], None]:
-    def run() -> None:
-        for _ in range(reps):
-            fn()
-
-    return run
+from bench.fused_kernels import _repeated
+from library.files.safetensors_io import write_atomic
 
 
 def _pair(name: str, three: Callable[[], Any], one: Callable[[], Any], device: str, iters: int, reps: int,
@@ -104,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"command": " ".join(["python", "-m", "bench.qkv_packing", *(argv if argv is not None else sys.argv[1:])]),
                "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu", "torch": torch.__version__,
                "results": rows}
-    tmp = ns.out.with_name(f".{ns.out.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(ns.out)
+    write_atomic(ns.out, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=1)))
     for r in rows:
         print(f"{r['case']:<22} three {r['three_ms']:.4f} ms ({r['three_tflops']:.0f} T/s), one {r['one_ms']:.4f} ms "
               f"({r['one_tflops']:.0f} T/s): {r['speedup']:.3f}x, rel diff {r['rel_diff']:.2e}")

@@ -516,7 +516,7 @@ def _codes_launcher(kernel: object, width: int, group_size: int, dtype: torch.dt
     """The launcher and rows per program of a kernel that writes codes (`norm_modulate_quant_forward`,
     `swiglu_quant_forward`) for m rows of `width` in groups of `group_size`: kept per shape, since the compiled blocks
     call these once per block and pass, where the host time of building the plan again would show."""
-    key = (kernel.__name__, width, group_size, dtype, m & 63)
+    key = (kernel.__name__, width, group_size, dtype, m & 63)  # m & 63: whether m is a multiple of BM (<= 64)
     hit = _CODES_LAUNCHERS.get(key)
     if hit is None:
         plan = fused_quant_plan(width, group_size)
