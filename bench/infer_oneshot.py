@@ -9,7 +9,9 @@ repository root:
 Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes two (a two-line prompt file),
 so that the second image's denoising is the steady state per image (`per_image_s` = its denoising plus the encode
 and the decode per image); `compile_plain_kernels` is `compile` with the compiled blocks' element-wise code left
-to inductor (`library.runtime.fused_compiled` off), for the ratio of the two in one run. Before the first run the
+to inductor (`library.runtime.fused_compiled` off), and `compile_no_codes` is `compile` with ConvRot INT8 blocks whose
+norms and SwiGLU write their outputs for the int8 Linears to quantise (`set_compiled_kernels(inference_codes=False)`;
+the same as `compile` in bf16), each for the ratio of the two in one run. Before the first run the
 repository's Python files are compiled to bytecode (`compileall`, as pip does when it installs a package), so the
 runs measure the imports a user's installed copy pays.
 
@@ -36,12 +38,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "moss_image_minimal_inference.py"
 PROMPTS = ("a red fox in the snow, morning light", "a lighthouse on a cliff at dusk, long exposure")
-RUNS = ("eager", "compile", "compile_plain_kernels")
-# bench-only: `compile` with the compiled blocks' element-wise code left to inductor (no fused kernels as ops,
-# library.runtime.fused_compiled), the form before them, for a ratio measured in one run
-_PLAIN_KERNELS = ("import runpy, sys; from library.runtime.fused_compiled import set_compiled_kernels; "
-                  "set_compiled_kernels(norm_rope=False, swiglu=False); sys.argv = sys.argv[1:]; "
-                  "runpy.run_path(sys.argv[0], run_name='__main__')")
+RUNS = ("eager", "compile", "compile_plain_kernels", "compile_no_codes")
+# bench-only: `compile` with settings of library.runtime.fused_compiled changed in the script's process, the forms
+# before them, for a ratio measured in one run: the compiled blocks' element-wise code left to inductor (no fused
+# kernels as ops), or ConvRot INT8 blocks whose producers write their outputs and the int8 Linears quantise them
+_COMPILED_SETTINGS = {"compile_plain_kernels": "norm_rope=False, swiglu=False",
+                      "compile_no_codes": "inference_codes=False"}
+
+
+def _launcher(settings: str) -> str:
+    return ("import runpy, sys; from library.runtime.fused_compiled import set_compiled_kernels; "
+            f"set_compiled_kernels({settings}); sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 _NUM = r"([0-9]+(?:\.[0-9]+)?)"
 _TIMINGS_RE = re.compile(
@@ -87,7 +95,8 @@ def compile_bytecode() -> float:
 
 
 def run_command(args: argparse.Namespace, run: str, save: Path, prompts_file: Path) -> list[str]:
-    launcher = [sys.executable, "-c", _PLAIN_KERNELS] if run == "compile_plain_kernels" else [sys.executable]
+    settings = _COMPILED_SETTINGS.get(run)
+    launcher = [sys.executable, "-c", _launcher(settings)] if settings else [sys.executable]
     cmd = [*launcher, SCRIPT, "--snapshot", str(args.snapshot), "--image_size", *map(str, args.image_size),
            "--infer_steps", str(args.steps), "--seed", "42", "--save_path", str(save)]
     if args.device:

@@ -216,13 +216,13 @@ def elementwise_jobs() -> list[Job]:
                                          "M": "i32", "seq": "i32", "K": "i32", "x_row": "i32", "mod_b": "i32",
                                          "eps": "fp32"},
          {"T_CODE": 2, "TINY": 1.1754943508222875e-38, "LOG4G": 4, "BM": quant[0], "NCH_A": quant[1],
-          "NCH_B": quant[2], "EVEN": quant[4], "FAST_DIV": True, "GATHER": False},
+          "NCH_B": quant[2], "EVEN": quant[4], "FAST_DIV": True, "GATHER": False, "WRITE_Y": True},
          {"num_warps": quant[3]}, ("seq", "K", "x_row", "mod_b"), 0),
         # SwiGLU with the ConvRot INT8 codes of its rows (an INT8 block's ffn_down input)
         (E._swiglu_quant_kernel, {"u_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32",
                                   "F": "i32", "u_row": "i32"},
          {"T_CODE": 2, "TINY": 1.1754943508222875e-38, "LOG4G": 4, "BM": ffn_quant[0], "NCH_A": ffn_quant[1],
-          "NCH_B": ffn_quant[2], "EVEN": ffn_quant[4], "FAST_DIV": True, "GATHER": False},
+          "NCH_B": ffn_quant[2], "EVEN": ffn_quant[4], "FAST_DIV": True, "GATHER": False, "WRITE_Y": True},
          {"num_warps": ffn_quant[3]}, ("F", "u_row"), 0),
     ]
 

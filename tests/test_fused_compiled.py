@@ -275,3 +275,108 @@ def test_an_inductor_graph_runs_swiglu_and_the_quantisation_as_one_op(monkeypatc
                 set_compiled_kernels(**previous_pass)
             assert calls["fused"] == (1 if on and pass_on else 0), (on, pass_on, calls)
             assert torch.equal(out, ref)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Compiled inference blocks: the int8 Linears' inputs as codes alone
+# ------------------------------------------------------------------------------------------------------------------
+def _int8_block() -> MossImageBlock:
+    from library.quant.convrot import convert_model_to_convrot_int8
+
+    blk = _block()
+    convert_model_to_convrot_int8(blk, lambda name: name.startswith("proj."), group_size=64)
+    blk.requires_grad_(False)
+    return blk.to(torch.bfloat16)
+
+
+def _inference_inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(2)
+    cos, sin = RopeTables(CFG.rope_axes_dims, CFG.rope_theta).cos_sin([5], 8, 6, 6, torch.device("cpu"))
+    x = torch.randn(1, 44, CFG.hidden_size, generator=g).bfloat16()
+    mod = (torch.randn(1, 6, CFG.hidden_size, generator=g) * 0.3).bfloat16()
+    return x, cos, sin, mod
+
+
+def _recorded_forward(blk: MossImageBlock, grad: bool = False, **settings: bool
+                      ) -> tuple[torch.Tensor, collections.Counter]:
+    """The block compiled with fullgraph=True (aot graphs recorded, run as they are) under no_grad (or with x
+    requiring grad): its output and the moss_image ops of its forward graph."""
+    x, cos, sin, mod = _inference_inputs()
+    targets: list[str] = []
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    try:
+        with compiled_kernels(cpu=True, **settings), torch.set_grad_enabled(grad):
+            compiled = torch.compile(blk, backend=aot_autograd(fw_compiler=compiler), fullgraph=True)
+            out = compiled(x.requires_grad_(grad), cos, sin, None, mod)
+    finally:
+        torch._dynamo.reset()
+    return out.detach(), collections.Counter(t.removeprefix("moss_image.").removesuffix(".default")
+                                             for t in targets if t.startswith("moss_image."))
+
+
+def test_a_block_compiled_without_gradients_gives_its_int8_linears_their_inputs_as_codes():
+    """Both norms and SwiGLU write only the codes of their outputs for the int8 Linears that read them (q, k and v
+    share one), so no quantiser runs but the attention output's, and the output is the same bits as with the
+    outputs written and quantised (the same torch math on the CPU)."""
+    blk = _int8_block()
+    out, ops = _recorded_forward(blk, norm_modulate=True)
+    assert ops == {"fused_norm_modulate_codes": 2, "fused_swiglu_codes": 1, "convrot_int8_linear_codes": 5,
+                   "fused_norm_rope": 2, "convrot_int8_quantize": 1, "convrot_int8_linear": 1}, ops
+    ref, ref_ops = _recorded_forward(blk, norm_modulate=True, inference_codes=False)
+    # one quantisation per Linear here (inductor's pass, not run by this backend, keeps one for q, k and v)
+    assert ref_ops["convrot_int8_quantize"] == 6 and "fused_swiglu_codes" not in ref_ops, ref_ops
+    assert torch.equal(out, ref)
+    with torch.no_grad():
+        eager = blk(*_inference_inputs()[:3], None, _inference_inputs()[3])
+    assert _relerr(out, eager) < 2e-2  # the eager forms round the norm twice; the int8 codes amplify that
+
+
+def test_codes_alone_only_without_gradients_and_for_plain_int8_linears():
+    """A graph traced with gradients (training) keeps the outputs; a Linear whose forward was replaced (a LoRA) or
+    hooked reads its input itself, so its producer writes it (the other consumers' producers still write codes)."""
+    blk = _int8_block()
+    _, ops = _recorded_forward(blk, grad=True)
+    assert not {"fused_norm_modulate_codes", "fused_swiglu_codes", "convrot_int8_linear_codes"} & set(ops), ops
+    original = blk.proj.k.forward
+    blk.proj.k.forward = lambda x: original(x)  # what a LoRA's apply_to does
+    _, ops = _recorded_forward(blk)
+    assert ops["fused_norm_modulate_codes"] == 1 and ops["fused_swiglu_codes"] == 1, ops  # the FFN's two
+    assert ops["convrot_int8_linear_codes"] == 2 and ops["convrot_int8_linear"] == 4, ops
+    del blk.proj.k.forward
+    handle = blk.proj.ffn_down.register_forward_pre_hook(lambda m, args: None)
+    _, ops = _recorded_forward(blk)
+    assert ops["fused_norm_modulate_codes"] == 2 and "fused_swiglu_codes" not in ops, ops
+    handle.remove()
+    _, ops = _recorded_forward(blk, inference_codes=False)
+    assert "fused_norm_modulate_codes" not in ops and "convrot_int8_linear_codes" not in ops, ops
+
+
+def test_the_codes_ops_give_the_producer_and_quantiser_bits():
+    from library.quant import convrot_kernels as K
+    from library.quant.convrot_ops import LINEAR, LINEAR_CODES, QUANTIZE
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 128, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(128, generator=g)).bfloat16()
+    shift, scale = (torch.randn(2, 2, 128, generator=g) * 0.3).bfloat16().unbind(1)
+    u = torch.randn(2, 5, 2 * 128, generator=g).bfloat16()
+    y = OPS.fused_norm_modulate(x, w, shift, scale, 1e-6)
+    q, s = OPS.fused_norm_modulate_codes(x, w, shift, scale, 1e-6, 64)
+    q_ref, s_ref = QUANTIZE(y.reshape(-1, 128), 64)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    q2, s2 = OPS.fused_swiglu_codes(u, 64)
+    q2_ref, s2_ref = QUANTIZE(OPS.fused_swiglu(u).reshape(-1, 128), 64)
+    assert torch.equal(q2, q2_ref) and torch.equal(s2, s2_ref)
+    wq, ws = K.quantize_convrot_weight(torch.randn(24, 128, generator=g), 64)
+    bias = torch.randn(24, generator=g).bfloat16()
+    out = LINEAR_CODES(q, s, wq, ws, bias, torch.bfloat16)
+    assert out.shape == (10, 24) and out.dtype == torch.bfloat16
+    assert torch.equal(out.view(2, 5, 24), LINEAR(y, q, s, wq, ws, bias, 64, "bf16"))
+    for op, args in ((OPS.fused_norm_modulate_codes, (x, w, shift, scale, 1e-6, 64)),
+                     (OPS.fused_swiglu_codes, (u, 64)), (LINEAR_CODES, (q, s, wq, ws, bias, torch.bfloat16))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

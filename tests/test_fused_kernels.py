@@ -159,6 +159,7 @@ def _swiglu_case(dtype: torch.dtype, width: int, view: bool, device: str) -> dic
 def _norm_modulate_quant_case(dtype: torch.dtype, width: int, group_size: int, device: str) -> dict:
     from library.quant import convrot_kernels
     from library.quant.convrot_quant_kernels import _quantize_rows_triton
+    from library.runtime import fused_kernels
 
     g = torch.Generator().manual_seed(7)
     bsz, seq, eps = 2, 11, 1e-6
@@ -184,12 +185,27 @@ def _norm_modulate_quant_case(dtype: torch.dtype, width: int, group_size: int, d
             "out_err": _rel(y, ref), "eager_out_err": _rel(ye, ref), "cached": cached is not None,
             "codes_equal": cached is not None and bool(torch.equal(cached[0], q_ref)),
             "scales_equal": cached is not None and bool(torch.equal(cached[1], s_ref)),
-            "grad_equal": bool(torch.equal(xk.grad, xn.grad))}
+            "grad_equal": bool(torch.equal(xk.grad, xn.grad)),
+            "codes_only_equal": _codes_only_equal(
+                dtype, lambda: fused_kernels.norm_modulate_quant_forward(x, w, shift, scale, eps, group_size,
+                                                                         one_buffer=False, write_y=False),
+                q_ref, s_ref)}
+
+
+def _codes_only_equal(dtype: torch.dtype, launch: Callable[[], tuple], q_ref: torch.Tensor,
+                      s_ref: torch.Tensor) -> bool | None:
+    """Whether the kernel without its output (`write_y=False`, the compiled inference blocks' codes-only ops) gives
+    the codes and scales of the quantiser on its output; None for fp32, which those ops do not launch it for."""
+    if dtype == torch.float32:
+        return None
+    y, q, s = launch()
+    return y is None and bool(torch.equal(q, q_ref)) and bool(torch.equal(s, s_ref))
 
 
 def _swiglu_quant_case(dtype: torch.dtype, width: int, group_size: int, device: str) -> dict:
     from library.quant import convrot_kernels
     from library.quant.convrot_quant_kernels import _quantize_rows_triton
+    from library.runtime import fused_kernels
 
     g = torch.Generator().manual_seed(9)
     u = (torch.randn(2, 11, 2 * width, generator=g) * 2).to(device, dtype)
@@ -211,7 +227,10 @@ def _swiglu_quant_case(dtype: torch.dtype, width: int, group_size: int, device: 
             "out_err": _rel(y, ref), "eager_out_err": _rel(F.silu(ge) * ve, ref), "cached": cached is not None,
             "codes_equal": cached is not None and bool(torch.equal(cached[0], q_ref)),
             "scales_equal": cached is not None and bool(torch.equal(cached[1], s_ref)),
-            "grad_equal": bool(torch.equal(uk.grad, us.grad))}
+            "grad_equal": bool(torch.equal(uk.grad, us.grad)),
+            "codes_only_equal": _codes_only_equal(
+                dtype, lambda: fused_kernels.swiglu_quant_forward(u, group_size, one_buffer=False, write_y=False),
+                q_ref, s_ref)}
 
 
 def _block_inputs(device: str) -> tuple[torch.Tensor, ...]:
@@ -454,6 +473,7 @@ def _assert_checks(res: dict) -> None:
     assert len(res["norm_quant"]) == 6
     for c in res["norm_quant"]:
         assert c["out_dtype"] == c["dtype"] and c["cached"] and c["codes_equal"] and c["scales_equal"], c
+        assert c["codes_only_equal"] is (None if c["dtype"] == "torch.float32" else True), c
         assert c["grad_equal"], c  # the norm + modulation's backward kernel
         if c["dtype"] == "torch.float32":
             assert c["out_err"] < 1e-6, c
@@ -462,6 +482,7 @@ def _assert_checks(res: dict) -> None:
     assert len(res["swiglu_quant"]) == 4
     for c in res["swiglu_quant"]:
         assert c["out_dtype"] == c["dtype"] and c["cached"] and c["codes_equal"] and c["scales_equal"], c
+        assert c["codes_only_equal"], c  # without its output: the same codes
         assert c["grad_equal"], c  # SwiGLU's backward kernel
         # rounded to nearest even, also under the interpreter (the eager forms round twice)
         assert c["out_err"] <= c["eager_out_err"] * 1.02, c

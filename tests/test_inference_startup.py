@@ -182,3 +182,10 @@ def test_infer_oneshot_runs_the_script_with_the_compiled_kernels_off_for_its_pla
     out = subprocess.run([sys.executable, "-c", cmd[2], str(probe), "--flag"], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parent.parent).stdout
     assert out.strip() == "False False ['--flag']"
+    # `compile_no_codes`: the ConvRot INT8 blocks' codes-only producers off, the kernel ops on
+    cmd = infer_oneshot.run_command(args, "compile_no_codes", tmp_path / "out", tmp_path / "p.txt")
+    probe.write_text("from library.runtime import fused_compiled as f\n"
+                     "print(f._SETTINGS['inference_codes'], f._SETTINGS['swiglu'])\n")
+    out = subprocess.run([sys.executable, "-c", cmd[2], str(probe)], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    assert out.strip() == "False True"

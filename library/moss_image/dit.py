@@ -25,16 +25,20 @@ import torch.nn.functional as F
 
 from library.lora.compiled_group import plain_group, plain_group_parts
 from library.lora.eager_node import lora_group, lora_group_parts
+from library.quant.convrot_ops import QuantizedRows
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
 from library.runtime.eager_fusion import eager_fused
 from library.runtime.fused_compiled import (
+    codes_inference_applies,
     compiled_kernel,
     norm_modulate_applies,
     norm_rope_applies,
     op_norm_modulate,
+    op_norm_modulate_codes,
     op_norm_rope,
     op_swiglu,
+    op_swiglu_codes,
     producer_codes_on,
     swiglu_applies,
 )
@@ -288,17 +292,21 @@ class RopeTables:
         return out[0], out[1]
 
 
-def swiglu(u: torch.Tensor, consumer: nn.Module | None = None) -> torch.Tensor:
+def swiglu(u: torch.Tensor, consumer: nn.Module | None = None) -> torch.Tensor | QuantizedRows:
     """silu(gate) * value of the FFN's up/gate output u = [value | gate]; in eager CUDA runs one Triton kernel each
     way (`library.runtime.fused_ops`), and a compiled CUDA block the same kernels as ops
     (`library.runtime.fused_compiled`). Where `consumer` (the Linear that reads the result) is a ConvRot INT8 Linear,
-    the eager kernel also writes the int8 codes of the result's rows for it (`fused_swiglu_quant`)."""
+    the eager kernel also writes the int8 codes of the result's rows for it (`fused_swiglu_quant`), and a block
+    compiled without gradients gives it those codes alone (`QuantizedRows`, see `_codes_group`)."""
     if eager_fused():
         group = _int8_group((consumer,)) if consumer is not None else None
         if group is not None and swiglu_quant_usable(u, group):
             return fused_swiglu_quant(u, group)
         if swiglu_usable(u):
             return fused_swiglu(u)
+    group = _codes_group((consumer,), u) if consumer is not None else None
+    if group is not None and swiglu_applies(u):
+        return op_swiglu_codes(u, group)
     if compiled_kernel("swiglu", u) and swiglu_applies(u):
         return op_swiglu(u)
     value, gate = u.chunk(2, dim=-1)
@@ -319,14 +327,30 @@ def _int8_group(consumers: Sequence[nn.Module]) -> int | None:
     return groups.pop() if len(groups) == 1 else None
 
 
+def _codes_group(consumers: Sequence[nn.Module], x: torch.Tensor) -> int | None:
+    """The ConvRot rotation group in which every one of `consumers` takes x as its codes alone, in a block being
+    compiled without gradients (`fused_compiled.codes_inference_applies`, `ConvRotInt8Linear.codes_group`); None
+    elsewhere."""
+    if not codes_inference_applies(x):
+        return None
+    groups = {getattr(m, "codes_group", lambda: None)() for m in consumers}
+    return groups.pop() if len(groups) == 1 else None
+
+
+def project(linear: nn.Module, h: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    """linear(h), or for h given as its codes (`QuantizedRows`) the int8 Linear's product of them."""
+    return linear.forward_codes(h) if isinstance(h, QuantizedRows) else linear(h)
+
+
 def norm_modulate(norm: RMSNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                  consumers: Sequence[nn.Module] = ()) -> torch.Tensor:
+                  consumers: Sequence[nn.Module] = ()) -> torch.Tensor | QuantizedRows:
     """modulate(norm(x), shift, scale) for a block input; in eager CUDA runs one Triton kernel each way
     (`library.runtime.fused_ops`), where the eager forms take two or three (a compiled block leaves it to inductor
     unless `set_compiled_kernels(norm_modulate=True)`). Where every one of `consumers` (the Linears that read the
     result) is a ConvRot INT8 Linear, the kernel also writes the int8 codes of the result's rows for them
-    (`fused_norm_modulate_quant`). A norm whose call does more than its forward (a hook, a wrapped forward) is called
-    as it is."""
+    (`fused_norm_modulate_quant`), and a block compiled without gradients gives them those codes alone
+    (`QuantizedRows`, see `_codes_group`). A norm whose call does more than its forward (a hook, a wrapped forward)
+    is called as it is."""
     if _plain_norm(norm):
         if eager_fused():
             group = _int8_group(consumers) if consumers else None
@@ -334,6 +358,9 @@ def norm_modulate(norm: RMSNorm, x: torch.Tensor, shift: torch.Tensor, scale: to
                 return fused_norm_modulate_quant(x, norm.weight, shift, scale, norm.eps, group)
             if norm_modulate_usable(x, norm.weight, shift, scale):
                 return fused_norm_modulate(x, norm.weight, shift, scale, norm.eps)
+        group = _codes_group(consumers, x) if consumers else None
+        if group is not None and norm_modulate_applies(x, norm.weight, shift, scale):
+            return op_norm_modulate_codes(x, norm.weight, shift, scale, norm.eps, group)
         if compiled_kernel("norm_modulate", x) and norm_modulate_applies(x, norm.weight, shift, scale):
             return op_norm_modulate(x, norm.weight, shift, scale, norm.eps)
     return modulate(norm(x), shift, scale)
@@ -382,11 +409,14 @@ class MossImageBlock(nn.Module):
         # MossImage.enable_gradient_checkpointing; None: not checkpointed here)
         self.checkpointing: str | None = None
 
-    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, h: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of h: one autograd node for the three where each is a LoRA-wrapped Linear that runs as one
         (`library.lora.eager_node.LoRAGroup`, eager mode), their LoRA down-projections as one product in a compiled
-        block and in the plain forms (`library.lora.compiled_group`), else the three Linears."""
+        block and in the plain forms (`library.lora.compiled_group`), else the three Linears (of h's codes where the
+        norm gave those)."""
         linears = (self.proj.q, self.proj.k, self.proj.v)
+        if isinstance(h, QuantizedRows):
+            return project(linears[0], h), project(linears[1], h), project(linears[2], h)
         if eager_fused():
             parts = lora_group_parts(linears, h)
             if parts is not None:
@@ -399,17 +429,18 @@ class MossImageBlock(nn.Module):
                 return q, k, v
         return self.proj.q(h), self.proj.k(h), self.proj.v(h)
 
-    def _attn(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        shape = (*h.shape[:2], self.cfg.num_heads, self.cfg.head_dim)
+    def _attn(self, h: torch.Tensor | QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
+              key_mask: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self._qkv(h)
+        shape = (*q.shape[:2], self.cfg.num_heads, self.cfg.head_dim)
         q = norm_rope(self.q_norm, q.view(shape), cos, sin)
         k = norm_rope(self.k_norm, k.view(shape), cos, sin)
         v = v.view(shape)
         out = self.attention(q, k, v, key_mask).flatten(2)
         return self.proj.o(out)
 
-    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj.ffn_down(swiglu(self.proj.ffn_up_gate(h), self.proj.ffn_down))
+    def _ffn(self, h: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        return project(self.proj.ffn_down, swiglu(project(self.proj.ffn_up_gate, h), self.proj.ffn_down))
 
     def forward(
         self,

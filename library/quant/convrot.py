@@ -409,6 +409,21 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
             return None
         return self.group_size
 
+    def codes_group(self) -> int | None:
+        """The rotation group in which this Linear takes an input given as its codes alone (`forward_codes`), where
+        a compiled inference block's producer writes them (`library.runtime.fused_compiled`); None where it cannot:
+        a full-precision layer, no rotation, a trainable bias, or a forward that does more than the product (a LoRA
+        that replaced it, a hook)."""
+        if self.full_precision or not self.group_size or (self.bias is not None and self.bias.requires_grad):
+            return None
+        if "forward" in self.__dict__ or self._forward_hooks or self._forward_pre_hooks:
+            return None
+        return self.group_size
+
+    def forward_codes(self, rows: ops.QuantizedRows) -> torch.Tensor:
+        """The product of an input given as the codes and scales of its rows (no gradient; see `codes_group`)."""
+        return ops.linear_from_codes(rows, self.weight, self.weight_scale, self.bias)
+
     def frozen_product(self) -> type[Int8Product] | None:
         """The eager int8 product for an adapter whose autograd node wraps this Linear (`library.lora.eager_node`), or
         None where the module's own forward must run: a full-precision layer, a trainable bias, torch.compile."""

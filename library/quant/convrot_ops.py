@@ -11,6 +11,9 @@ eager torch numerics, any device) and a CUDA one (the Triton kernels where usabl
   and nothing of `x` is saved for it. It reads only the quantised rows, so the q, k and v projections of one input
   share one ``convrot_int8_quantize`` node, which the compiled training graph keeps once (common-subexpression
   elimination of the joint graph);
+- ``convrot_int8_linear_codes(x_q, x_scale, weight, weight_scale, bias, dtype) -> y [M, N]``: the same product of
+  rows given only as their codes (`linear_from_codes`, with `QuantizedRows`), for compiled inference blocks whose
+  producers write the codes of their output and not the output (`library.runtime.fused_compiled`); no autograd;
 - ``convrot_int8_linear_grad_input(grad, weight, weight_scale, group_size, bwd) -> grad_x [..., K]``;
 - ``convrot_int8_dequantize(weight, weight_scale, group_size, dtype) -> W`` (layers flagged full precision).
 
@@ -24,7 +27,7 @@ Inference graphs get no common-subexpression elimination from torch; `enable_ind
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,8 +35,9 @@ from library.quant import convrot_kernels as kernels
 from library.quant.linear_plan import LinearPlans
 
 __all__ = [
-    "DEQUANTIZE", "LINEAR", "LINEAR_GRAD_INPUT", "QUANTIZE", "VIEW_OPS", "dedupe_quantize", "dequantize",
-    "eager_forward", "enable_inductor_quantize_dedupe", "input_key", "linear", "linear_eager",
+    "DEQUANTIZE", "LINEAR", "LINEAR_CODES", "LINEAR_GRAD_INPUT", "QUANTIZE", "QuantizedRows", "VIEW_OPS",
+    "dedupe_quantize", "dequantize", "eager_forward", "enable_inductor_quantize_dedupe", "input_key", "linear",
+    "linear_eager", "linear_from_codes",
 ]
 
 
@@ -141,10 +145,50 @@ _define("convrot_int8_dequantize", "(Tensor weight, Tensor weight_scale, int gro
         _dequantize, _dequantize_cuda, _dequantize_fake)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# convrot_int8_linear_codes (no autograd: compiled inference blocks only)
+# --------------------------------------------------------------------------------------------------------------------
+def _linear_codes(x_q, x_scale, weight, weight_scale, bias, dtype):
+    return kernels.int8_gemm(x_q, x_scale, weight, weight_scale, bias, dtype, "eager")
+
+
+def _linear_codes_fake(x_q, x_scale, weight, weight_scale, bias, dtype):
+    return x_q.new_empty((x_q.shape[0], weight.shape[0]), dtype=dtype)
+
+
+def _linear_codes_cuda(x_q, x_scale, weight, weight_scale, bias, dtype):
+    return kernels.int8_gemm(x_q, x_scale, weight, weight_scale, bias, dtype, "auto")
+
+
+_define("convrot_int8_linear_codes",
+        "(Tensor x_q, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor? bias, ScalarType dtype) -> Tensor",
+        _linear_codes, _linear_codes_cuda, _linear_codes_fake)
+
+
 QUANTIZE = torch.ops.moss_image.convrot_int8_quantize.default
 LINEAR = torch.ops.moss_image.convrot_int8_linear.default
+LINEAR_CODES = torch.ops.moss_image.convrot_int8_linear_codes.default
 LINEAR_GRAD_INPUT = torch.ops.moss_image.convrot_int8_linear_grad_input.default
 DEQUANTIZE = torch.ops.moss_image.convrot_int8_dequantize.default
+
+
+class QuantizedRows(NamedTuple):
+    """An activation [*lead_shape, K] of `dtype` given only as the ConvRot INT8 codes [M, K] and fp32 scales [M] of its
+    rows, as ``convrot_int8_quantize`` makes them: what a compiled inference block's producer writes for int8 Linears
+    that read nothing else (`library.runtime.fused_compiled`), so that the activation itself is never written."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    lead_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def linear_from_codes(rows: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """The int8 linear of an input given as its codes (``convrot_int8_linear_codes``): [*rows.lead_shape, N] of
+    rows.dtype. No gradient: for compiled blocks traced without one."""
+    out = LINEAR_CODES(rows.codes, rows.scales, weight, weight_scale, bias, rows.dtype)
+    return out.view(*rows.lead_shape, weight.shape[0])
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -46,20 +46,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from library.quant.convrot_ops import QuantizedRows
 from library.runtime import fused_ops
 
-__all__ = ["compiled_kernel", "compiled_kernels", "enable_inductor_producer_codes", "fuse_quantize_into_producers",
-           "norm_modulate_applies", "norm_rope_applies", "op_norm_modulate", "op_norm_rope", "op_swiglu",
-           "producer_codes_on", "set_compiled_kernels", "swiglu_applies"]
+__all__ = ["codes_inference_applies", "compiled_kernel", "compiled_kernels", "enable_inductor_producer_codes",
+           "fuse_quantize_into_producers", "norm_modulate_applies", "norm_rope_applies", "op_norm_modulate",
+           "op_norm_modulate_codes", "op_norm_rope", "op_swiglu", "op_swiglu_codes", "producer_codes_on",
+           "set_compiled_kernels", "swiglu_applies"]
 
 _SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": False,
-                               "cpu": False}
+                               "inference_codes": True, "cpu": False}
 
 
 def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
     """Which kernels compiled blocks call (`norm_rope`, `swiglu`, `norm_modulate`; `swiglu_codes`: the inductor pass
-    that gives SwiGLU ffn_down's codes, see the module docstring), and whether CPU tensors take the ops too (`cpu`,
-    for tests); returns the previous settings."""
+    that gives SwiGLU ffn_down's codes; `inference_codes`: the codes-only producers of blocks compiled without
+    gradients; see the module docstring), and whether CPU tensors take the ops too (`cpu`, for tests); returns the
+    previous settings."""
     unknown = set(settings) - set(_SETTINGS)
     if unknown:
         raise ValueError(f"unknown compiled-kernel settings {sorted(unknown)}; known: {sorted(_SETTINGS)}")
@@ -86,6 +89,22 @@ def compiled_kernel(name: str, x: torch.Tensor) -> bool:
         return False
     if x.device.type == "cuda":
         return fused_ops.checked(x.device)
+    return x.device.type == "cpu" and _SETTINGS["cpu"]
+
+
+def codes_inference_applies(x: torch.Tensor) -> bool:
+    """Whether a block being compiled gives its int8 Linears x's codes alone (`op_norm_modulate_codes`,
+    `op_swiglu_codes`): tracing without gradients (an inference graph), `inference_codes` and the kernels that write
+    codes on (`fused_ops.set_fused_quant`), no autocast, and x on a CUDA device where those kernels passed their
+    check (`fused_ops.prepare_fused_quant`, run before the blocks by `MossImage`), or on the CPU where `cpu` is set.
+    """
+    if not (torch.compiler.is_compiling() and not torch.is_grad_enabled() and _SETTINGS["inference_codes"]):
+        return False
+    if not (fused_ops.kernels_enabled() and fused_ops.fused_quant_enabled()) or torch.is_autocast_enabled(
+            x.device.type):
+        return False
+    if x.device.type == "cuda":
+        return fused_ops.fused_quant_checked(x.device)
     return x.device.type == "cpu" and _SETTINGS["cpu"]
 
 
@@ -337,6 +356,72 @@ SWIGLU_QUANT = _define("fused_swiglu_quant", "(Tensor u, int group_size) -> (Ten
                        _swiglu_quant_math, _swiglu_quant_cuda, _swiglu_quant_fake)
 
 
+# The codes-only producers of compiled inference blocks (no autograd: `codes_inference_applies` puts them only in
+# graphs traced without gradients): the codes and scales of the producer's output rows, where the int8 Linears that
+# read it read nothing else, so the output itself is never written. The CUDA implementations launch the kernels that
+# write codes without their output (`write_y=False`) where those kernels run, else the producer op and the quantiser.
+# (kernels on, producer, device, dtype, width, group) -> whether the kernel runs
+_CODES_ONLY_RUN: dict[tuple, bool] = {}
+
+
+def _codes_kernel_runs(name: str, t: torch.Tensor, width: int, group_size: int) -> bool:
+    """Whether the codes-only op `name` launches its one kernel for t (decided once per device, dtype, width and
+    group, like `_swiglu_codes_kernel_runs`)."""
+    key = (fused_ops.kernels_enabled(), name, t.device, t.dtype, width, group_size)
+    runs = _CODES_ONLY_RUN.get(key)
+    if runs is None:
+        kernels = _kernels_for(t)
+        runs = (kernels is not None and t.dtype in (torch.bfloat16, torch.float16)
+                and fused_ops.prepare_fused_quant(t.device)
+                and kernels.fused_quant_plan(width, group_size) is not None)
+        _CODES_ONLY_RUN[key] = runs
+    return runs
+
+
+def _codes_fake(rows_of: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = rows_of.numel() // max(1, rows_of.shape[-1])
+    return (rows_of.new_empty((rows, width), dtype=torch.int8), rows_of.new_empty((rows,), dtype=torch.float32))
+
+
+def _norm_modulate_codes_math(x, weight, shift, scale, eps, group_size):
+    return _quantized_rows(_norm_modulate_math(x, weight, shift, scale, eps), group_size)
+
+
+def _norm_modulate_codes_cuda(x, weight, shift, scale, eps, group_size):
+    if x.dim() == 3 and _codes_kernel_runs("norm_modulate", x, x.shape[-1], group_size):
+        kernels = fused_ops.kernel_module()
+        if shift.stride() != scale.stride() or scale.stride(-1) != 1:
+            shift, scale = shift.contiguous(), scale.contiguous()
+        _, q, s = kernels.norm_modulate_quant_forward(_rows(x, kernels), weight.contiguous(), shift, scale, eps,
+                                                      group_size, one_buffer=False, write_y=False)
+        return q, s
+    return _quantized_rows(_norm_modulate_cuda(x, weight, shift, scale, eps), group_size)
+
+
+NORM_MODULATE_CODES = _define(
+    "fused_norm_modulate_codes",
+    "(Tensor x, Tensor weight, Tensor shift, Tensor scale, float eps, int group_size) -> (Tensor, Tensor)",
+    _norm_modulate_codes_math, _norm_modulate_codes_cuda,
+    lambda x, weight, shift, scale, eps, group_size: _codes_fake(x, x.shape[-1]))
+
+
+def _swiglu_codes_math(u, group_size):
+    return _quantized_rows(_swiglu_math(u), group_size)
+
+
+def _swiglu_codes_cuda(u, group_size):
+    if _codes_kernel_runs("swiglu", u, u.shape[-1] // 2, group_size):
+        kernels = fused_ops.kernel_module()
+        _, q, s = kernels.swiglu_quant_forward(_rows(u, kernels), group_size, one_buffer=False, write_y=False)
+        return q, s
+    return _quantized_rows(_swiglu_cuda(u), group_size)
+
+
+SWIGLU_CODES = _define("fused_swiglu_codes", "(Tensor u, int group_size) -> (Tensor, Tensor)",
+                       _swiglu_codes_math, _swiglu_codes_cuda,
+                       lambda u, group_size: _codes_fake(u, u.shape[-1] // 2))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The inductor pass: a producer op and the quantisation of its output rows as one op
 # --------------------------------------------------------------------------------------------------------------------
@@ -491,3 +576,18 @@ def op_norm_modulate(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor,
 def op_swiglu(u: torch.Tensor) -> torch.Tensor:
     """`fused_ops.fused_swiglu` as an op (for a block being compiled; the same conditions of use)."""
     return _OpSwiGLU.apply(u)
+
+
+def op_norm_modulate_codes(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                           eps: float, group_size: int) -> QuantizedRows:
+    """The codes of `op_norm_modulate`'s output rows, for int8 Linears of `group_size` that read nothing else (where
+    `codes_inference_applies` and `norm_modulate_applies` say so)."""
+    q, s = NORM_MODULATE_CODES(x, weight, shift, scale, eps, group_size)
+    return QuantizedRows(q, s, tuple(x.shape[:-1]), x.dtype)
+
+
+def op_swiglu_codes(u: torch.Tensor, group_size: int) -> QuantizedRows:
+    """The codes of `op_swiglu`'s output rows, for an int8 Linear of `group_size` that reads nothing else (where
+    `codes_inference_applies` and `swiglu_applies` say so)."""
+    q, s = SWIGLU_CODES(u, group_size)
+    return QuantizedRows(q, s, tuple(u.shape[:-1]), u.dtype)

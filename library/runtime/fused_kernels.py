@@ -377,7 +377,7 @@ def _sum_squares(z0, z1, z2, z3):
 def _norm_modulate_quant_kernel(
     x_ptr, w_ptr, shift_ptr, scale_ptr, y_ptr, q_ptr, s_ptr, M, seq, K, x_row, mod_b, eps,
     T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH_A: tl.constexpr,
-    NCH_B: tl.constexpr, EVEN: tl.constexpr, FAST_DIV: tl.constexpr, GATHER: tl.constexpr,
+    NCH_B: tl.constexpr, EVEN: tl.constexpr, FAST_DIV: tl.constexpr, GATHER: tl.constexpr, WRITE_Y: tl.constexpr,
 ):
     g: tl.constexpr = 1 << (2 * LOG4G)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -398,7 +398,8 @@ def _norm_modulate_quant_kernel(
                             GATHER)
     a3 = _modulated_quarter(a3, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, 0, 3, K, T_CODE, NCH_A, g, EVEN,
                             GATHER)
-    _store_quarters(y_ptr, rows64, row_ok, 0, K, a0, a1, a2, a3, NCH_A, g, EVEN)
+    if WRITE_Y:
+        _store_quarters(y_ptr, rows64, row_ok, 0, K, a0, a1, a2, a3, NCH_A, g, EVEN)
     a0, a1, a2, a3, amax = _qk._quarters_rotate(a0, a1, a2, a3, T_CODE, LOG4G, BM, NCH_A, g, GATHER)
     if NCH_B > 0:
         c0 = NCH_A * g
@@ -410,7 +411,8 @@ def _norm_modulate_quant_kernel(
                                 EVEN, GATHER)
         b3 = _modulated_quarter(b3, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, c0, 3, K, T_CODE, NCH_B, g,
                                 EVEN, GATHER)
-        _store_quarters(y_ptr, rows64, row_ok, c0, K, b0, b1, b2, b3, NCH_B, g, EVEN)
+        if WRITE_Y:
+            _store_quarters(y_ptr, rows64, row_ok, c0, K, b0, b1, b2, b3, NCH_B, g, EVEN)
         b0, b1, b2, b3, amax_b = _qk._quarters_rotate(b0, b1, b2, b3, T_CODE, LOG4G, BM, NCH_B, g, GATHER)
         amax = tl.maximum(amax, amax_b)
     # the activation quantiser's scale and codes (`_qk._rot_quant_quarters_kernel`), from the rounded output
@@ -429,19 +431,20 @@ def fused_quant_plan(width: int, group_size: int) -> tuple[int, int, int, int, b
 
 
 def norm_modulate_quant_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                                eps: float, group_size: int, one_buffer: bool = True
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                eps: float, group_size: int, one_buffer: bool = True, write_y: bool = True
+                                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """`norm_modulate_forward` of x [B, S, W] (as there), and the ConvRot INT8 codes [B * S, W] and fp32 scales
     [B * S] of its rows, as the activation quantiser gives them (`one_buffer`: in one allocation, as it lays them out
-    for the activation cache; else two). Only for shapes with a `fused_quant_plan`."""
+    for the activation cache; else two). `write_y=False`: the codes and scales only (the output is None), for
+    consumers that read nothing else. Only for shapes with a `fused_quant_plan`."""
     bsz, seq, width = x.shape
     m = bsz * seq
-    y = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device)
     q, s = _codes_out(m, width, x.device, one_buffer)
+    y = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device) if write_y else None
     if m:
-        launcher, bm = _codes_launcher(_norm_modulate_quant_kernel, width, group_size, x.dtype, m)
-        launcher(((m + bm - 1) // bm, 1, 1), (x, weight, shift, scale, y, q, s, m, seq, width, row_stride(x),
-                                              scale.stride(0), float(eps)))
+        launcher, bm = _codes_launcher(_norm_modulate_quant_kernel, width, group_size, x.dtype, m, write_y)
+        launcher(((m + bm - 1) // bm, 1, 1), (x, weight, shift, scale, y if write_y else x, q, s, m, seq, width,
+                                              row_stride(x), scale.stride(0), float(eps)))
     return y, q, s
 
 
@@ -469,19 +472,21 @@ def _swiglu_quarters(u_ptr, rows64, row_ok, col0, u_row, F, T_CODE: tl.constexpr
 def _swiglu_quant_kernel(
     u_ptr, y_ptr, q_ptr, s_ptr, M, F, u_row,
     T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH_A: tl.constexpr,
-    NCH_B: tl.constexpr, EVEN: tl.constexpr, FAST_DIV: tl.constexpr, GATHER: tl.constexpr,
+    NCH_B: tl.constexpr, EVEN: tl.constexpr, FAST_DIV: tl.constexpr, GATHER: tl.constexpr, WRITE_Y: tl.constexpr,
 ):
     g: tl.constexpr = 1 << (2 * LOG4G)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
     a0, a1, a2, a3 = _swiglu_quarters(u_ptr, rows64, row_ok, 0, u_row, F, T_CODE, BM, NCH_A, g, EVEN, GATHER)
-    _store_quarters(y_ptr, rows64, row_ok, 0, F, a0, a1, a2, a3, NCH_A, g, EVEN)
+    if WRITE_Y:
+        _store_quarters(y_ptr, rows64, row_ok, 0, F, a0, a1, a2, a3, NCH_A, g, EVEN)
     a0, a1, a2, a3, amax = _qk._quarters_rotate(a0, a1, a2, a3, T_CODE, LOG4G, BM, NCH_A, g, GATHER)
     if NCH_B > 0:
         c0 = NCH_A * g
         b0, b1, b2, b3 = _swiglu_quarters(u_ptr, rows64, row_ok, c0, u_row, F, T_CODE, BM, NCH_B, g, EVEN, GATHER)
-        _store_quarters(y_ptr, rows64, row_ok, c0, F, b0, b1, b2, b3, NCH_B, g, EVEN)
+        if WRITE_Y:
+            _store_quarters(y_ptr, rows64, row_ok, c0, F, b0, b1, b2, b3, NCH_B, g, EVEN)
         b0, b1, b2, b3, amax_b = _qk._quarters_rotate(b0, b1, b2, b3, T_CODE, LOG4G, BM, NCH_B, g, GATHER)
         amax = tl.maximum(amax, amax_b)
     r, s_t = _qk._quarters_scales(s_ptr, rows, row_ok, amax, T_CODE, TINY, BM, EVEN, GATHER)
@@ -492,38 +497,43 @@ def _swiglu_quant_kernel(
                             FAST_DIV, GATHER)
 
 
-def swiglu_quant_forward(u: torch.Tensor, group_size: int, one_buffer: bool = True
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def swiglu_quant_forward(u: torch.Tensor, group_size: int, one_buffer: bool = True, write_y: bool = True
+                         ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """`swiglu_forward` of u [..., 2F] (rows of unit column stride, as there), and the ConvRot INT8 codes [rows, F]
     and fp32 scales [rows] of its output's rows, as the activation quantiser gives them; `one_buffer`: codes and
     scales in one allocation, as the quantiser lays them out for the activation cache (else two, as the registered
-    ops return them). Only for widths with a `fused_quant_plan`."""
+    ops return them); `write_y=False`: the codes and scales only (the output is None). Only for widths with a
+    `fused_quant_plan`."""
     width = u.shape[-1] // 2
     m = u.numel() // u.shape[-1]
-    y = torch.empty((*u.shape[:-1], width), dtype=u.dtype, device=u.device)
     q, s = _codes_out(m, width, u.device, one_buffer)
+    y = torch.empty((*u.shape[:-1], width), dtype=u.dtype, device=u.device) if write_y else None
     if m:
-        launcher, bm = _codes_launcher(_swiglu_quant_kernel, width, group_size, u.dtype, m)
-        launcher(((m + bm - 1) // bm, 1, 1), (u, y, q, s, m, width, row_stride(u)))
+        launcher, bm = _codes_launcher(_swiglu_quant_kernel, width, group_size, u.dtype, m, write_y)
+        launcher(((m + bm - 1) // bm, 1, 1), (u, y if write_y else u, q, s, m, width, row_stride(u)))
     return y, q, s
 
 
-_CODES_LAUNCHERS: dict[tuple, tuple[DirectLauncher, int]] = {}  # (kernel, width, group, dtype, even) -> launch
+# (kernel, width, group, dtype, even, write_y) -> launch
+_CODES_LAUNCHERS: dict[tuple, tuple[DirectLauncher, int]] = {}
 
 
-def _codes_launcher(kernel: object, width: int, group_size: int, dtype: torch.dtype, m: int
+def _codes_launcher(kernel: object, width: int, group_size: int, dtype: torch.dtype, m: int, write_y: bool = True
                     ) -> tuple[DirectLauncher, int]:
     """The launcher and rows per program of a kernel that writes codes (`norm_modulate_quant_forward`,
-    `swiglu_quant_forward`) for m rows of `width` in groups of `group_size`: kept per shape, since the compiled blocks
-    call these once per block and pass, where the host time of building the plan again would show."""
-    key = (kernel.__name__, width, group_size, dtype, m & 63)  # m & 63: whether m is a multiple of BM (<= 64)
+    `swiglu_quant_forward`) for m rows of `width` in groups of `group_size`, with or without its output (`write_y`):
+    kept per shape, since the compiled blocks call these once per block and pass, where the host time of building the
+    plan again would show."""
+    # m & 63: whether m is a multiple of BM (<= 64)
+    key = (kernel.__name__, width, group_size, dtype, m & 63, write_y)
     hit = _CODES_LAUNCHERS.get(key)
     if hit is None:
         plan = fused_quant_plan(width, group_size)
         if plan is None:
             raise ValueError(f"no fused quantisation for rows of {width} in groups of {group_size}")
         bm, nch_a, nch_b, warps, fills = plan
-        const = {**_quant_constexprs(dtype, group_size, bm, nch_a, nch_b), "EVEN": fills and m % bm == 0}
+        const = {**_quant_constexprs(dtype, group_size, bm, nch_a, nch_b), "EVEN": fills and m % bm == 0,
+                 "WRITE_Y": write_y}
         hit = _CODES_LAUNCHERS[key] = (_launcher(kernel, const, warps), bm)
     return hit
 

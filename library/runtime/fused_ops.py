@@ -95,6 +95,12 @@ def checked(device: torch.device) -> bool:
     return bool(_CHECKED.get(_device_key(device)))
 
 
+def fused_quant_checked(device: torch.device) -> bool:
+    """Whether the kernels that write codes passed their check on `device` already (`prepare_fused_quant` runs it;
+    this never does): what code being traced by torch.compile may read."""
+    return bool(_FUSED_QUANT_CHECKED.get(_device_key(device)))
+
+
 def _device_key(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
