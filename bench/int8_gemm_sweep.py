@@ -60,7 +60,9 @@ DIT_SHAPES = [(3072, 3072), (16384, 3072), (3072, 8192)]  # (N, K)
 TE_MS = (300, 1024, 2560, 4352)
 # The first H200 sweep, with all six variants and a pool of 12 compiling workers, printed nothing in 370 s; the
 # same sweep with these variants compiling in its own process took 75 s. "tma_persistent_ws" and "tma_split_tail"
-# (int32 atomics into a shared workspace) have not run on a GPU yet: only with --variants, and with a timeout around the run.
+# (int32 atomics into a shared workspace) ran on an H200 in docs/benchmarks.md's seventeenth run: exact, but no faster
+# than these at the DiT's shapes (split tail 1 % at 3072 x 8192, 11 % slower at 3072 x 3072; warp specialisation 5 %
+# slower at 3072 x 3072, and about 25 s of compilation per configuration): only with --variants, and with a timeout.
 DEFAULT_VARIANTS = ("ptr", "tma", "ptr_persistent", "tma_persistent")
 PARTS = ("dit", "bwd", "te")
 GROUP = 256  # the ConvRot group of the quantiser timing

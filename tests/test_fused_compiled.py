@@ -321,12 +321,14 @@ def _recorded_forward(blk: MossImageBlock, grad: bool = False, **settings: bool
 
 def test_a_block_compiled_without_gradients_gives_its_int8_linears_their_inputs_as_codes():
     """Both norms and SwiGLU write only the codes of their outputs for the int8 Linears that read them (q, k and v
-    share one), so no quantiser runs but the attention output's, and the output is the same bits as with the
-    outputs written and quantised (the same torch math on the CPU)."""
+    share one), so no quantiser runs but the attention output's; q and k come with their head norm and RoPE, o and
+    ffn_down with the gated residual (one op each); and the output is the same bits as with the outputs written and
+    quantised and the steps after the products on their own (the same torch math on the CPU)."""
     blk = _int8_block()
     out, ops = _recorded_forward(blk, norm_modulate=True)
-    assert ops == {"fused_norm_modulate_codes": 2, "fused_swiglu_codes": 1, "convrot_int8_linear_codes": 5,
-                   "fused_norm_rope": 2, "convrot_int8_quantize": 1, "convrot_int8_linear": 1}, ops
+    assert ops == {"fused_norm_modulate_codes": 2, "fused_swiglu_codes": 1, "convrot_int8_linear_codes": 2,
+                   "convrot_int8_linear_norm_rope": 2, "convrot_int8_linear_gated_residual": 2,
+                   "convrot_int8_quantize": 1}, ops
     ref, ref_ops = _recorded_forward(blk, norm_modulate=True, inference_codes=False)
     # one quantisation per Linear here (inductor's pass, not run by this backend, keeps one for q, k and v)
     assert ref_ops["convrot_int8_quantize"] == 6 and "fused_swiglu_codes" not in ref_ops, ref_ops
@@ -346,11 +348,14 @@ def test_codes_alone_only_without_gradients_and_for_plain_int8_linears():
     blk.proj.k.forward = lambda x: original(x)  # what a LoRA's apply_to does
     _, ops = _recorded_forward(blk)
     assert ops["fused_norm_modulate_codes"] == 1 and ops["fused_swiglu_codes"] == 1, ops  # the FFN's two
-    assert ops["convrot_int8_linear_codes"] == 2 and ops["convrot_int8_linear"] == 4, ops
+    # q, k and v read the norm's output (k as its LoRA would); o and ffn_down still add their residual
+    assert ops["convrot_int8_linear"] == 3 and ops["convrot_int8_linear_codes"] == 1, ops
+    assert ops["convrot_int8_linear_gated_residual"] == 2 and "convrot_int8_linear_norm_rope" not in ops, ops
     del blk.proj.k.forward
     handle = blk.proj.ffn_down.register_forward_pre_hook(lambda m, args: None)
     _, ops = _recorded_forward(blk)
     assert ops["fused_norm_modulate_codes"] == 2 and "fused_swiglu_codes" not in ops, ops
+    assert ops["convrot_int8_linear_gated_residual"] == 1 and ops["convrot_int8_linear"] == 1, ops  # o; ffn_down
     handle.remove()
     _, ops = _recorded_forward(blk, inference_codes=False)
     assert "fused_norm_modulate_codes" not in ops and "convrot_int8_linear_codes" not in ops, ops
@@ -377,6 +382,28 @@ def test_the_codes_ops_give_the_producer_and_quantiser_bits():
     out = LINEAR_CODES(q, s, wq, ws, bias, torch.bfloat16)
     assert out.shape == (10, 24) and out.dtype == torch.bfloat16
     assert torch.equal(out.view(2, 5, 24), LINEAR(y, q, s, wq, ws, bias, 64, "bf16"))
+    # the products with the step after them: the gated residual, the head norm + RoPE
+    residual, gate = torch.randn(2, 5, 24, generator=g).bfloat16(), torch.randn(2, 24, generator=g).bfloat16()
+    plain = LINEAR(y, q, s, wq, ws, None, 64, "bf16")
+    got = OPS.convrot_int8_linear_gated_residual(q, s, wq, ws, residual, gate)
+    assert torch.equal(got, residual + gate[:, None] * plain)
+    hw = (1 + 0.1 * torch.randn(8, generator=g)).bfloat16()
+    cos, sin = RopeTables((4, 2, 2), 10000.0).cos_sin([2], 5, 1, 3, torch.device("cpu"))
+    cos, sin = cos[:, :5], sin[:, :5]
+    got = OPS.convrot_int8_linear_norm_rope(q, s, wq, ws, hw, cos, sin, 1e-6, 5, torch.bfloat16)
+    assert got.shape == (2, 5, 3, 8)
+    assert torch.equal(got, OPS.fused_norm_rope(plain.view(2, 5, 3, 8), hw, cos, sin, 1e-6))
     for op, args in ((OPS.fused_norm_modulate_codes, (x, w, shift, scale, 1e-6, 64)),
-                     (OPS.fused_swiglu_codes, (u, 64)), (LINEAR_CODES, (q, s, wq, ws, bias, torch.bfloat16))):
+                     (OPS.fused_swiglu_codes, (u, 64)), (LINEAR_CODES, (q, s, wq, ws, bias, torch.bfloat16)),
+                     (OPS.convrot_int8_linear_gated_residual, (q, s, wq, ws, residual, gate)),
+                     (OPS.convrot_int8_linear_norm_rope, (q, s, wq, ws, hw, cos, sin, 1e-6, 5, torch.bfloat16))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_products_with_their_steps_can_be_turned_off_alone():
+    """`inference_epilogues=False`: the inputs stay codes, the products are written and the steps run after them."""
+    blk = _int8_block()
+    out, ops = _recorded_forward(blk, norm_modulate=True, inference_epilogues=False)
+    assert ops == {"fused_norm_modulate_codes": 2, "fused_swiglu_codes": 1, "convrot_int8_linear_codes": 5,
+                   "fused_norm_rope": 2, "convrot_int8_quantize": 1, "convrot_int8_linear": 1}, ops
+    assert torch.equal(out, _recorded_forward(blk, norm_modulate=True)[0])

@@ -32,14 +32,19 @@ from library.runtime.eager_fusion import eager_fused
 from library.runtime.fused_compiled import (
     codes_inference_applies,
     compiled_kernel,
+    epilogues_inference_apply,
     norm_modulate_applies,
     norm_rope_applies,
+    norm_rope_shape_applies,
+    op_linear_gated_residual,
+    op_linear_norm_rope,
     op_norm_modulate,
     op_norm_modulate_codes,
     op_norm_rope,
     op_swiglu,
     op_swiglu_codes,
     producer_codes_on,
+    quantized_rows,
     swiglu_applies,
 )
 from library.runtime.fused_ops import (
@@ -366,6 +371,20 @@ def norm_modulate(norm: RMSNorm, x: torch.Tensor, shift: torch.Tensor, scale: to
     return modulate(norm(x), shift, scale)
 
 
+def gated_project(linear: nn.Module, inp: torch.Tensor | QuantizedRows, x: torch.Tensor,
+                  gate: torch.Tensor) -> torch.Tensor:
+    """gated_residual(x, gate, linear(inp)); in a block compiled without gradients, where `linear` is a ConvRot INT8
+    Linear without bias that takes its input as codes (`_codes_group`), the product and the residual are one kernel
+    (`fused_compiled.op_linear_gated_residual`), which never writes the product."""
+    fused = getattr(linear, "bias", None) is None and epilogues_inference_apply()
+    group = _codes_group((linear,), x) if fused else None
+    if (group is not None and x.dim() == 3 and gate.shape == (x.shape[0], x.shape[-1])
+            and gate.dtype == x.dtype and inp.dtype == x.dtype):
+        rows = inp if isinstance(inp, QuantizedRows) else quantized_rows(inp, group)
+        return op_linear_gated_residual(linear, rows, x, gate)
+    return gated_residual(x, gate, project(linear, inp))
+
+
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x + gate * y, with gate [B, W] broadcast over the tokens; in eager CUDA runs one Triton kernel each way
     (`library.runtime.fused_ops`), where torch's broadcasting addcmul is about half as fast."""
@@ -429,15 +448,36 @@ class MossImageBlock(nn.Module):
                 return q, k, v
         return self.proj.q(h), self.proj.k(h), self.proj.v(h)
 
-    def _attn(self, h: torch.Tensor | QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
-              key_mask: torch.Tensor | None) -> torch.Tensor:
-        q, k, v = self._qkv(h)
-        shape = (*q.shape[:2], self.cfg.num_heads, self.cfg.head_dim)
-        q = norm_rope(self.q_norm, q.view(shape), cos, sin)
-        k = norm_rope(self.k_norm, k.view(shape), cos, sin)
-        v = v.view(shape)
-        out = self.attention(q, k, v, key_mask).flatten(2)
-        return self.proj.o(out)
+    def _attention(self, h: torch.Tensor | QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
+                   key_mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention branch up to `o` (its input, [B, S, W])."""
+        if isinstance(h, QuantizedRows):
+            shape = (*h.lead_shape[:2], self.cfg.num_heads, self.cfg.head_dim)
+            q = self._head_codes(self.proj.q, self.q_norm, h, cos, sin, shape)
+            k = self._head_codes(self.proj.k, self.k_norm, h, cos, sin, shape)
+            v = project(self.proj.v, h).view(shape)
+        else:
+            q, k, v = self._qkv(h)
+            shape = (*q.shape[:2], self.cfg.num_heads, self.cfg.head_dim)
+            q = norm_rope(self.q_norm, q.view(shape), cos, sin)
+            k = norm_rope(self.k_norm, k.view(shape), cos, sin)
+            v = v.view(shape)
+        return self.attention(q, k, v, key_mask).flatten(2)
+
+    @staticmethod
+    def _head_codes(linear: nn.Module, norm: RMSNorm, h: QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
+                    shape: tuple) -> torch.Tensor:
+        """norm_rope(norm, linear(h)) for q or k given h's codes: one kernel for the product, the head norm and RoPE
+        (`fused_compiled.op_linear_norm_rope`) where the norm is plain and the Linear has no bias."""
+        if (epilogues_inference_apply() and _plain_norm(norm) and getattr(linear, "bias", None) is None
+                and len(h.lead_shape) == 2
+                and norm_rope_shape_applies(shape, h.dtype, norm.weight, cos, sin)):
+            return op_linear_norm_rope(linear, h, norm.weight, cos, sin, norm.eps)
+        return norm_rope(norm, project(linear, h).view(shape), cos, sin)
+
+    def _attn(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None
+              ) -> torch.Tensor:
+        return self.proj.o(self._attention(h, cos, sin, key_mask))
 
     def _ffn(self, h: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return project(self.proj.ffn_down, swiglu(project(self.proj.ffn_up_gate, h), self.proj.ffn_down))
@@ -471,8 +511,9 @@ class MossImageBlock(nn.Module):
         shift1, scale1, gate1, shift2, scale2, gate2 = (mod + self.scale_shift_table.to(mod.dtype)[None]).unbind(1)
         proj = self.proj
         h = norm_modulate(self.norm1, x, shift1, scale1, (proj.q, proj.k, proj.v))
-        x = gated_residual(x, gate1, self._attn(h, cos, sin, key_mask))
-        return gated_residual(x, gate2, self._ffn(norm_modulate(self.norm2, x, shift2, scale2, (proj.ffn_up_gate,))))
+        x = gated_project(proj.o, self._attention(h, cos, sin, key_mask), x, gate1)
+        h = norm_modulate(self.norm2, x, shift2, scale2, (proj.ffn_up_gate,))
+        return gated_project(proj.ffn_down, swiglu(project(proj.ffn_up_gate, h), proj.ffn_down), x, gate2)
 
 
 class MossImageTextEmbedder(nn.Module):

@@ -50,19 +50,20 @@ from library.quant.convrot_ops import QuantizedRows
 from library.runtime import fused_ops
 
 __all__ = ["codes_inference_applies", "compiled_kernel", "compiled_kernels", "enable_inductor_producer_codes",
-           "fuse_quantize_into_producers", "norm_modulate_applies", "norm_rope_applies", "op_norm_modulate",
+           "epilogues_inference_apply", "fuse_quantize_into_producers", "norm_modulate_applies", "norm_rope_applies",
+           "norm_rope_shape_applies", "op_linear_gated_residual", "op_linear_norm_rope", "op_norm_modulate",
            "op_norm_modulate_codes", "op_norm_rope", "op_swiglu", "op_swiglu_codes", "producer_codes_on",
-           "set_compiled_kernels", "swiglu_applies"]
+           "quantized_rows", "set_compiled_kernels", "swiglu_applies"]
 
 _SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": False,
-                               "inference_codes": True, "cpu": False}
+                               "inference_codes": True, "inference_epilogues": True, "cpu": False}
 
 
 def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
     """Which kernels compiled blocks call (`norm_rope`, `swiglu`, `norm_modulate`; `swiglu_codes`: the inductor pass
     that gives SwiGLU ffn_down's codes; `inference_codes`: the codes-only producers of blocks compiled without
-    gradients; see the module docstring), and whether CPU tensors take the ops too (`cpu`, for tests); returns the
-    previous settings."""
+    gradients, and `inference_epilogues` there the int8 products with the step after them; see the module
+    docstring), and whether CPU tensors take the ops too (`cpu`, for tests); returns the previous settings."""
     unknown = set(settings) - set(_SETTINGS)
     if unknown:
         raise ValueError(f"unknown compiled-kernel settings {sorted(unknown)}; known: {sorted(_SETTINGS)}")
@@ -90,6 +91,13 @@ def compiled_kernel(name: str, x: torch.Tensor) -> bool:
     if x.device.type == "cuda":
         return fused_ops.checked(x.device)
     return x.device.type == "cpu" and _SETTINGS["cpu"]
+
+
+def epilogues_inference_apply() -> bool:
+    """Whether a block compiled without gradients whose int8 Linears take their inputs as codes
+    (`codes_inference_applies`) runs their products with the step after them (`op_linear_gated_residual`,
+    `op_linear_norm_rope`): the `inference_epilogues` setting."""
+    return _SETTINGS["inference_epilogues"]
 
 
 def codes_inference_applies(x: torch.Tensor) -> bool:
@@ -121,9 +129,15 @@ def _no_weight_grads(*weights: torch.Tensor) -> bool:
 
 def norm_rope_applies(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """x [B, S, H, D] with D a power of two, a weight [D], fp32 tables [B or 1, S, D/2] of one shape."""
-    if x.dim() != 4 or x.dtype not in _DTYPES or cos.dim() != 3 or cos.shape != sin.shape:
+    return norm_rope_shape_applies(tuple(x.shape), x.dtype, weight, cos, sin)
+
+
+def norm_rope_shape_applies(shape: tuple, dtype: torch.dtype, weight: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor) -> bool:
+    """`norm_rope_applies` for an x of `shape` and `dtype` (one not made yet: an int8 product's output)."""
+    if len(shape) != 4 or dtype not in _DTYPES or cos.dim() != 3 or cos.shape != sin.shape:
         return False
-    bsz, seq, _, dim = x.shape
+    bsz, seq, _, dim = shape
     if dim < 2 or dim & (dim - 1) or weight.shape != (dim,):
         return False
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape[0] not in (1, bsz):
@@ -422,6 +436,66 @@ SWIGLU_CODES = _define("fused_swiglu_codes", "(Tensor u, int group_size) -> (Ten
                        lambda u, group_size: _codes_fake(u, u.shape[-1] // 2))
 
 
+# The int8 products of compiled inference blocks with the element-wise step that follows them (no autograd, like the
+# codes-only producers): `o` and `ffn_down` with the gated residual, `q` and `k` with their head norm and RoPE. The
+# CUDA implementations run `library.quant.int8_epilogue_kernels` where it takes the operands, else the product and the
+# step's torch math; the default ones the product ("eager" backend) and the step as the plain block writes it.
+def _product(x_q, x_scale, weight, weight_scale, dtype, backend):
+    from library.quant import convrot_kernels
+
+    return convrot_kernels.int8_gemm(x_q, x_scale, weight, weight_scale, None, dtype, backend)
+
+
+def _gated_residual_product(x_q, x_scale, weight, weight_scale, residual, gate, backend="eager"):
+    y = _product(x_q, x_scale, weight, weight_scale, residual.dtype, backend).view(residual.shape)
+    return residual + gate[:, None] * y
+
+
+def _gated_residual_product_cuda(x_q, x_scale, weight, weight_scale, residual, gate):
+    from library.quant import int8_epilogue_kernels as epilogue
+
+    if epilogue.epilogue_gemm_usable(x_q, weight, residual.dtype):
+        return epilogue.gemm_gated_residual(x_q, x_scale, weight, weight_scale, residual, gate)
+    return _gated_residual_product(x_q, x_scale, weight, weight_scale, residual, gate, "auto")
+
+
+LINEAR_GATED_RESIDUAL = _define(
+    "convrot_int8_linear_gated_residual",
+    "(Tensor x_q, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor residual, Tensor gate) -> Tensor",
+    _gated_residual_product, _gated_residual_product_cuda,
+    lambda x_q, x_scale, weight, weight_scale, residual, gate: residual.new_empty(residual.shape))
+
+
+def _heads(y: torch.Tensor, seq: int, head_dim: int) -> torch.Tensor:
+    return y.view(y.shape[0] // seq, seq, y.shape[1] // head_dim, head_dim)
+
+
+def _norm_rope_product(x_q, x_scale, weight, weight_scale, norm_weight, cos, sin, eps, seq, dtype, backend="eager"):
+    y = _heads(_product(x_q, x_scale, weight, weight_scale, dtype, backend), seq, norm_weight.shape[0])
+    return _norm_rope_math(y, norm_weight, cos, sin, eps)
+
+
+def _norm_rope_product_cuda(x_q, x_scale, weight, weight_scale, norm_weight, cos, sin, eps, seq, dtype):
+    from library.quant import int8_epilogue_kernels as epilogue
+
+    head_dim = norm_weight.shape[0]
+    if (epilogue.epilogue_gemm_usable(x_q, weight, dtype, head_dim) and cos.stride() == sin.stride()
+            and cos.stride(-1) == 1):
+        return _heads(epilogue.gemm_norm_rope(x_q, x_scale, weight, weight_scale, norm_weight, cos, sin, eps, seq,
+                                              dtype), seq, head_dim)
+    y = _heads(_product(x_q, x_scale, weight, weight_scale, dtype, "auto"), seq, head_dim)
+    return _norm_rope_cuda(y, norm_weight, cos, sin, eps)
+
+
+LINEAR_NORM_ROPE = _define(
+    "convrot_int8_linear_norm_rope",
+    "(Tensor x_q, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor norm_weight, Tensor cos, Tensor sin,"
+    " float eps, SymInt seq, ScalarType dtype) -> Tensor",
+    _norm_rope_product, _norm_rope_product_cuda,
+    lambda x_q, x_scale, weight, weight_scale, norm_weight, cos, sin, eps, seq, dtype: x_q.new_empty(
+        (x_q.shape[0] // seq, seq, weight.shape[0] // norm_weight.shape[0], norm_weight.shape[0]), dtype=dtype))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The inductor pass: a producer op and the quantisation of its output rows as one op
 # --------------------------------------------------------------------------------------------------------------------
@@ -591,3 +665,25 @@ def op_swiglu_codes(u: torch.Tensor, group_size: int) -> QuantizedRows:
     `codes_inference_applies` and `swiglu_applies` say so)."""
     q, s = SWIGLU_CODES(u, group_size)
     return QuantizedRows(q, s, tuple(u.shape[:-1]), u.dtype)
+
+
+def op_linear_gated_residual(linear: torch.nn.Module, rows: QuantizedRows, residual: torch.Tensor,
+                             gate: torch.Tensor) -> torch.Tensor:
+    """residual + gate[:, None] * linear(rows) for a ConvRot INT8 Linear without bias given its input as codes (a
+    block compiled without gradients; see `library.moss_image.dit.gated_project`)."""
+    return LINEAR_GATED_RESIDUAL(rows.codes, rows.scales, linear.weight, linear.weight_scale, residual, gate)
+
+
+def op_linear_norm_rope(linear: torch.nn.Module, rows: QuantizedRows, norm_weight: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """apply_rope(rms_norm(linear(rows) per head), cos, sin) as [B, S, heads, head_dim] for a ConvRot INT8 Linear
+    without bias given its input as codes (see `library.moss_image.dit.MossImageBlock._attention`)."""
+    seq = rows.lead_shape[1]
+    return LINEAR_NORM_ROPE(rows.codes, rows.scales, linear.weight, linear.weight_scale, norm_weight, cos, sin, eps,
+                            seq, rows.dtype)
+
+
+def quantized_rows(x: torch.Tensor, group_size: int) -> QuantizedRows:
+    """x [..., K] as the codes and scales of its rows (``convrot_int8_quantize``)."""
+    q, s = _quantized_rows(x, group_size)
+    return QuantizedRows(q, s, tuple(x.shape[:-1]), x.dtype)
