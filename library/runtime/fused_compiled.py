@@ -29,6 +29,16 @@ block calls them as opaque nodes and inductor fuses the code around them:
   implementations, so CPU graphs give the same bits either way. The norm + modulation stays inductor's there: it fuses
   the norm with the residual add before it, which an op would split into two passes, taking what the codes save.
 
+Blocks compiled without gradients whose int8 Linears read nothing but their inputs (inference; `codes_inference_applies`
+and `ConvRotInt8Linear.codes_group` decide while tracing, `inference_codes` turns it off) take ops without autograd:
+
+- ``fused_norm_modulate_codes`` / ``fused_swiglu_codes``: only the codes and scales of the producer's output rows
+  (`op_norm_modulate_codes`, `op_swiglu_codes` give them as `QuantizedRows`): the code-writing kernels without
+  their output (`write_y=False`), so neither the output nor a quantiser's read of it happens;
+- ``convrot_int8_linear_norm_rope`` (q and k) and ``convrot_int8_linear_gated_residual`` (o and ffn_down): the int8
+  product of codes with the step after it in the GEMM's epilogue (`library.quant.int8_epilogue_kernels`;
+  `inference_epilogues` turns these off alone), so the product is never written.
+
 `op_norm_rope`, `op_swiglu` and `op_norm_modulate` are what `library.moss_image.dit` calls while torch.compile
 traces a block, where `compiled_kernel` and the `*_applies` checks here (shapes, dtypes, no gradient for the
 weights) say so. On the CPU the ops stay off unless a test turns them on (`set_compiled_kernels(cpu=
