@@ -46,7 +46,7 @@ def run_checks(device: str) -> dict:
             hw = (1 + 0.1 * torch.randn(head, generator=g)).to(device, dtype)
             angles = torch.rand(bsz, seq, head // 2, generator=g).to(device) * 6  # a table per sample
             cos, sin = angles.cos(), angles.sin()
-            usable = (E.epilogue_gemm_usable(xq, w, dtype), E.epilogue_gemm_usable(xq, w, dtype, head))
+            usable = [E.epilogue_gemm_usable(xq, w, dtype), E.epilogue_gemm_usable(xq, w, dtype, head)]
             got_res = E.gemm_gated_residual(xq, sa, w, sw, res, gate)
             ref_res = (res.float() + gate.float()[:, None] * y.view(bsz, seq, n).float()).to(dtype)
             got_rope = E.gemm_norm_rope(xq, sa, w, sw, hw, cos, sin, 1e-6, seq, dtype)

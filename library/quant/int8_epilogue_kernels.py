@@ -15,8 +15,10 @@ epilogue does that step on the tile it holds and writes only its result:
 y is the Linear's output as the plain GEMM rounds it (``T(fp32(acc) * sa[m] * sb[n])``), so these are the plain
 kernels' steps on the same values; only where the fp32 arithmetic is contracted or summed in another order may the
 last bit differ. The main loop and the tile order are the forward GEMM's (`library.quant.int8_gemm_kernels`); the
-launch configuration is the pinned table's for the shape (BLOCK_N set to the head size for the norm), launched
-through Triton (no autotuning in a denoising step; an unpinned shape takes `_DEFAULT_CONFIG`).
+launch configuration is the pinned table's for the shape (BLOCK_N set to the head size for the norm; an unpinned
+shape takes `_DEFAULT_CONFIG`: no autotuning in a denoising step). A shape's first call launches through Triton;
+the later ones launch the compiled kernel raw, with each operand's descriptor encoded once per address
+(`library.quant.triton_launch.TmaLauncher`, as the forward GEMM's TMA variants), where this Triton allows it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from library.quant import int8_gemm_kernels as G
 from library.quant.convrot_quant_kernels import _INTERPRET, _TRITON_IMPORTED, tl, triton
 from library.quant.int8_gemm_configs import GemmConfig
+from library.quant.triton_launch import TmaLauncher, _launch_hooks_idle, constexpr_tail, raw_launch_enabled, spec_key
 
 logger = logging.getLogger(__name__)
 
@@ -116,18 +119,35 @@ def _config(device: torch.device, m: int, n: int, k: int, head_dim: int | None) 
     return base
 
 
+# (epilogue, M, N, K, head size, device, what Triton specialises the other arguments on) -> (configuration, grid,
+# raw launch or None): a shape's first call goes through Triton, the later ones launch its compiled kernel raw
+_PLANS: dict[tuple, tuple] = {}
+
+
 def _launch(mode: int, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             out: torch.Tensor, seq: int, tensors: tuple, scalars: tuple, head_dim: int | None = None) -> None:
     m, k = x_q.shape
     n = weight.shape[0]
-    cfg = _config(x_q.device, m, n, k, head_dim)
-    a_desc = G._TensorDescriptor(x_q, [m, k], [k, 1], [cfg.block_m, cfg.block_k])
-    b_desc = G._TensorDescriptor(weight, [n, k], [k, 1], [cfg.block_n, cfg.block_k])
+    args = (out, x_scale, weight_scale.reshape(-1), *tensors, m, n, k, seq, *scalars)
+    key = (mode, m, n, k, head_dim, x_q.device, spec_key(args))
+    plan = _PLANS.get(key)
+    if plan is not None and plan[2] is not None and raw_launch_enabled() and _launch_hooks_idle():
+        plan[2](plan[1], ((x_q, (m, k), (k, 1)), (weight, (n, k), (k, 1))), args)
+        return
+    cfg = plan[0] if plan is not None else _config(x_q.device, m, n, k, head_dim)
+    blocks = ([cfg.block_m, cfg.block_k], [cfg.block_n, cfg.block_k])
+    a_desc = G._TensorDescriptor(x_q, [m, k], [k, 1], blocks[0])
+    b_desc = G._TensorDescriptor(weight, [n, k], [k, 1], blocks[1])
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _int8_gemm_epilogue_kernel[grid](
-        a_desc, b_desc, out, x_scale, weight_scale.reshape(-1), *tensors, m, n, k, seq, *scalars, EPILOGUE=mode,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    constexprs = {"EPILOGUE": mode, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                  "GROUP_M": cfg.group_m}
+    kernel = _int8_gemm_epilogue_kernel[grid](a_desc, b_desc, *args, **constexprs, num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages)
+    if plan is None:
+        raw = None
+        if not _INTERPRET and kernel is not None and hasattr(type(kernel), "__getitem__"):
+            raw = TmaLauncher.of(kernel, constexpr_tail(_int8_gemm_epilogue_kernel, constexprs), blocks)
+        _PLANS[key] = (cfg, (grid[0], 1, 1), raw)
 
 
 def gemm_gated_residual(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
