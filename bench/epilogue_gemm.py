@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {"env": {"torch": torch.__version__, "python": platform.python_version(),
                                    "gpu": torch.cuda.get_device_name(), "kernels": E.describe()},
-                           "args": vars(args), "cases": {}}
+                           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                           "cases": {}}
     for case, (n, k) in CASES.items():
         t = _inputs(n, k, "cuda")
         calls = _calls(case, t)

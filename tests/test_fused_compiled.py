@@ -325,11 +325,11 @@ def test_a_block_compiled_without_gradients_gives_its_int8_linears_their_inputs_
     ffn_down with the gated residual (one op each); and the output is the same bits as with the outputs written and
     quantised and the steps after the products on their own (the same torch math on the CPU)."""
     blk = _int8_block()
-    out, ops = _recorded_forward(blk, norm_modulate=True)
+    out, ops = _recorded_forward(blk, norm_modulate=True, inference_epilogues=True)
     assert ops == {"fused_norm_modulate_codes": 2, "fused_swiglu_codes": 1, "convrot_int8_linear_codes": 2,
                    "convrot_int8_linear_norm_rope": 2, "convrot_int8_linear_gated_residual": 2,
                    "convrot_int8_quantize": 1}, ops
-    ref, ref_ops = _recorded_forward(blk, norm_modulate=True, inference_codes=False)
+    ref, ref_ops = _recorded_forward(blk, norm_modulate=True, inference_epilogues=True, inference_codes=False)
     # one quantisation per Linear here (inductor's pass, not run by this backend, keeps one for q, k and v)
     assert ref_ops["convrot_int8_quantize"] == 6 and "fused_swiglu_codes" not in ref_ops, ref_ops
     assert torch.equal(out, ref)
@@ -346,14 +346,14 @@ def test_codes_alone_only_without_gradients_and_for_plain_int8_linears():
     assert not {"fused_norm_modulate_codes", "fused_swiglu_codes", "convrot_int8_linear_codes"} & set(ops), ops
     original = blk.proj.k.forward
     blk.proj.k.forward = lambda x: original(x)  # what a LoRA's apply_to does
-    _, ops = _recorded_forward(blk)
+    _, ops = _recorded_forward(blk, inference_epilogues=True)
     assert ops["fused_norm_modulate_codes"] == 1 and ops["fused_swiglu_codes"] == 1, ops  # the FFN's two
     # q, k and v read the norm's output (k as its LoRA would); o and ffn_down still add their residual
     assert ops["convrot_int8_linear"] == 3 and ops["convrot_int8_linear_codes"] == 1, ops
     assert ops["convrot_int8_linear_gated_residual"] == 2 and "convrot_int8_linear_norm_rope" not in ops, ops
     del blk.proj.k.forward
     handle = blk.proj.ffn_down.register_forward_pre_hook(lambda m, args: None)
-    _, ops = _recorded_forward(blk)
+    _, ops = _recorded_forward(blk, inference_epilogues=True)
     assert ops["fused_norm_modulate_codes"] == 2 and "fused_swiglu_codes" not in ops, ops
     assert ops["convrot_int8_linear_gated_residual"] == 1 and ops["convrot_int8_linear"] == 1, ops  # o; ffn_down
     handle.remove()
@@ -400,10 +400,11 @@ def test_the_codes_ops_give_the_producer_and_quantiser_bits():
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
-def test_the_products_with_their_steps_can_be_turned_off_alone():
-    """`inference_epilogues=False`: the inputs stay codes, the products are written and the steps run after them."""
+def test_by_default_the_products_are_written_and_their_steps_run_after_them():
+    """`inference_epilogues` off (the default): the inputs stay codes, the products are written and the steps run
+    after them, to the same bits."""
     blk = _int8_block()
-    out, ops = _recorded_forward(blk, norm_modulate=True, inference_epilogues=False)
+    out, ops = _recorded_forward(blk, norm_modulate=True)
     assert ops == {"fused_norm_modulate_codes": 2, "fused_swiglu_codes": 1, "convrot_int8_linear_codes": 5,
                    "fused_norm_rope": 2, "convrot_int8_quantize": 1, "convrot_int8_linear": 1}, ops
-    assert torch.equal(out, _recorded_forward(blk, norm_modulate=True)[0])
+    assert torch.equal(out, _recorded_forward(blk, norm_modulate=True, inference_epilogues=True)[0])

@@ -374,8 +374,8 @@ def norm_modulate(norm: RMSNorm, x: torch.Tensor, shift: torch.Tensor, scale: to
 def gated_project(linear: nn.Module, inp: torch.Tensor | QuantizedRows, x: torch.Tensor,
                   gate: torch.Tensor) -> torch.Tensor:
     """gated_residual(x, gate, linear(inp)); in a block compiled without gradients, where `linear` is a ConvRot INT8
-    Linear without bias that takes its input as codes (`_codes_group`), the product and the residual are one kernel
-    (`fused_compiled.op_linear_gated_residual`), which never writes the product."""
+    Linear without bias that takes its input as codes (`_codes_group`) and `inference_epilogues` is on (off by
+    default), the product and the residual are one kernel (`fused_compiled.op_linear_gated_residual`)."""
     fused = getattr(linear, "bias", None) is None and epilogues_inference_apply()
     group = _codes_group((linear,), x) if fused else None
     if (group is not None and x.dim() == 3 and gate.shape == (x.shape[0], x.shape[-1])
@@ -468,7 +468,8 @@ class MossImageBlock(nn.Module):
     def _head_codes(linear: nn.Module, norm: RMSNorm, h: QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
                     shape: tuple) -> torch.Tensor:
         """norm_rope(norm, linear(h)) for q or k given h's codes: one kernel for the product, the head norm and RoPE
-        (`fused_compiled.op_linear_norm_rope`) where the norm is plain and the Linear has no bias."""
+        (`fused_compiled.op_linear_norm_rope`) where `inference_epilogues` is on (off by default), the norm is plain
+        and the Linear has no bias."""
         if (epilogues_inference_apply() and _plain_norm(norm) and getattr(linear, "bias", None) is None
                 and len(h.lead_shape) == 2
                 and norm_rope_shape_applies(shape, h.dtype, norm.weight, cos, sin)):

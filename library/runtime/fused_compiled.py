@@ -36,8 +36,11 @@ and `ConvRotInt8Linear.codes_group` decide while tracing, `inference_codes` turn
   (`op_norm_modulate_codes`, `op_swiglu_codes` give them as `QuantizedRows`): the code-writing kernels without
   their output (`write_y=False`), so neither the output nor a quantiser's read of it happens;
 - ``convrot_int8_linear_norm_rope`` (q and k) and ``convrot_int8_linear_gated_residual`` (o and ffn_down): the int8
-  product of codes with the step after it in the GEMM's epilogue (`library.quant.int8_epilogue_kernels`;
-  `inference_epilogues` turns these off alone), so the product is never written.
+  product of codes with the step after it in the GEMM's epilogue (`library.quant.int8_epilogue_kernels`), so the
+  product is never written. **Off by default** (`set_compiled_kernels(inference_epilogues=True)` turns them on): on
+  an H200 each fused GEMM took the time of the GEMM and the step's own kernel together (106 against 106 us for q,
+  107 against 109 for o, 232 against 229 for ffn_down), since a program's epilogue runs after its main loop with
+  nothing to overlap it, and 50-step inference was no faster (docs/benchmarks.md, seventeenth run).
 
 `op_norm_rope`, `op_swiglu` and `op_norm_modulate` are what `library.moss_image.dit` calls while torch.compile
 traces a block, where `compiled_kernel` and the `*_applies` checks here (shapes, dtypes, no gradient for the
@@ -66,7 +69,7 @@ __all__ = ["codes_inference_applies", "compiled_kernel", "compiled_kernels", "en
            "quantized_rows", "set_compiled_kernels", "swiglu_applies"]
 
 _SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": False,
-                               "inference_codes": True, "inference_epilogues": True, "cpu": False}
+                               "inference_codes": True, "inference_epilogues": False, "cpu": False}
 
 
 def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
@@ -106,7 +109,7 @@ def compiled_kernel(name: str, x: torch.Tensor) -> bool:
 def epilogues_inference_apply() -> bool:
     """Whether a block compiled without gradients whose int8 Linears take their inputs as codes
     (`codes_inference_applies`) runs their products with the step after them (`op_linear_gated_residual`,
-    `op_linear_norm_rope`): the `inference_epilogues` setting."""
+    `op_linear_norm_rope`): the `inference_epilogues` setting (off by default: no faster on an H200)."""
     return _SETTINGS["inference_epilogues"]
 
 
