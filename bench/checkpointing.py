@@ -202,11 +202,11 @@ for _name in ("no_gc_eager", "no_gc_eager_int8", "gc_full_eager", "gc_full_eager
 SEPARATE_QUANTISER = "_separate_quantiser"
 for _name in ("no_gc_eager_int8", "gc_full_eager_int8"):
     CONFIGS[_name + SEPARATE_QUANTISER] = CONFIGS[_name]
-# bench-only: compiled INT8 blocks with SwiGLU writing ffn_down's codes (the inductor pass of
-# library.runtime.fused_compiled, off by default), for the ratio in one run
-COMPILED_CODES = "_compiled_codes"
+# bench-only: compiled INT8 blocks without SwiGLU writing ffn_down's codes (the inductor pass of
+# library.runtime.fused_compiled turned off: SwiGLU, then the quantiser), for the ratio in one run
+NO_COMPILED_CODES = "_no_compiled_codes"
 for _name in ("gc_full_compile_int8", "no_gc_compile_int8"):
-    CONFIGS[_name + COMPILED_CODES] = CONFIGS[_name]
+    CONFIGS[_name + NO_COMPILED_CODES] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -474,7 +474,7 @@ def bench_variant(name: str) -> Any:
     saved_compiled = fused_compiled.set_compiled_kernels(
         **({"norm_rope": False, "swiglu": False} if name.endswith(COMPILED_PLAIN) else {}),
         **({"norm_modulate": True} if name.endswith(COMPILED_ALL) else {}),
-        **({"swiglu_codes": True} if name.endswith(COMPILED_CODES) else {}))
+        **({"swiglu_codes": False} if name.endswith(NO_COMPILED_CODES) else {}))
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")

@@ -78,6 +78,9 @@ def test_the_ops_fake_implementations_give_the_shapes_and_dtypes():
 
 
 def test_blocks_call_the_ops_only_while_being_compiled():
+    from library.runtime.fused_compiled import _SETTINGS
+
+    assert _SETTINGS["swiglu_codes"] and _SETTINGS["inference_codes"] and not _SETTINGS["inference_epilogues"]
     x = torch.randn(2, 4)
     with compiled_kernels(cpu=True):
         assert not compiled_kernel("swiglu", x)  # not tracing: the eager kernels' business
@@ -232,9 +235,9 @@ def test_the_pass_puts_the_swiglu_codes_op_in_place_of_swiglu_and_its_quantisati
 
 
 def test_an_inductor_graph_runs_swiglu_and_the_quantisation_as_one_op(monkeypatch):
-    """Compiled with inductor (the product's pass installed as `compile_blocks` installs it, and turned on), SwiGLU
+    """Compiled with inductor (the product's pass installed as `compile_blocks` installs it, on by default), SwiGLU
     and the quantisation of its rows for an int8 Linear run as one op, and the output is the same; with the pass off
-    (the default) or the codes off (`set_fused_quant(False)`) they stay two."""
+    (`set_compiled_kernels(swiglu_codes=False)`) or the codes off (`set_fused_quant(False)`) they stay two."""
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     from library.quant import convrot_kernels as K

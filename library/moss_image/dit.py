@@ -31,6 +31,7 @@ from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKP
 from library.runtime.eager_fusion import eager_fused
 from library.runtime.fused_compiled import (
     codes_inference_applies,
+    compiled_codes_on,
     compiled_kernel,
     epilogues_inference_apply,
     norm_modulate_applies,
@@ -43,7 +44,6 @@ from library.runtime.fused_compiled import (
     op_norm_rope,
     op_swiglu,
     op_swiglu_codes,
-    producer_codes_on,
     quantized_rows,
     swiglu_applies,
 )
@@ -750,9 +750,8 @@ class MossImage(nn.Module):
         if eager_fused():  # the kernels' one check per device (compiled blocks call them too: fused_compiled), here
             prepare_fused_kernels(device)  # outside any checkpointed or compiled code
             # ConvRot INT8 blocks: the own check of the kernels that write codes (under inference_mode only for
-            # compiled blocks that take SwiGLU's codes: the eager int8 Linears' activation cache keeps no inference
-            # tensor)
-            compiled_codes = bool(self._compiled) and producer_codes_on()
+            # compiled blocks that call them: the eager int8 Linears' activation cache keeps no inference tensor)
+            compiled_codes = bool(self._compiled) and compiled_codes_on()
             if ((compiled_codes or not torch.is_inference_mode_enabled()) and len(self.layers)
                     and _int8_group((self.layers[0].proj.q,)) is not None):
                 prepare_fused_quant(device)

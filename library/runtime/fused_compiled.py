@@ -21,9 +21,10 @@ block calls them as opaque nodes and inductor fuses the code around them:
   INT8 block calls ``fused_swiglu`` and then that quantiser on the same rows for `ffn_down`;
   `fuse_quantize_into_producers`, an inductor post-grad pass (`enable_inductor_producer_codes`, installed by
   `library.runtime.compile.compile_blocks`), puts the one op in their place, so the product is not read again.
-  **Off by default** (`set_compiled_kernels(swiglu_codes=True)` turns it on): on an H200 it took 2.8-4.2 ms of GPU
-  time off a checkpointed compiled INT8 step in one run and nothing in another, while the step's host time grew by
-  half in both runs, for a reason not found yet (docs/benchmarks.md, sixteenth run). The
+  On by default (`set_compiled_kernels(swiglu_codes=False)` turns it off): on an H200 it took 0.1-4.2 ms of GPU time
+  off a checkpointed compiled INT8 step in three pairs of runs. The slower host seen twice with it (sixteenth run)
+  was the process, not the pass: in the third pair the process with the pass had the faster host (seventeenth run,
+  call 5; docs/benchmarks.md). The
   CUDA implementation takes `library.runtime.fused_kernels.swiglu_quant_forward` where the kernels that write codes
   passed their check (`fused_ops.prepare_fused_quant`), else the two kernels; the default one runs the two ops' torch
   implementations, so CPU graphs give the same bits either way. The norm + modulation stays inductor's there: it fuses
@@ -62,13 +63,14 @@ import torch.nn.functional as F
 from library.quant.convrot_ops import QuantizedRows
 from library.runtime import fused_ops
 
-__all__ = ["codes_inference_applies", "compiled_kernel", "compiled_kernels", "enable_inductor_producer_codes",
+__all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "compiled_kernels",
+           "enable_inductor_producer_codes",
            "epilogues_inference_apply", "fuse_quantize_into_producers", "norm_modulate_applies", "norm_rope_applies",
            "norm_rope_shape_applies", "op_linear_gated_residual", "op_linear_norm_rope", "op_norm_modulate",
            "op_norm_modulate_codes", "op_norm_rope", "op_swiglu", "op_swiglu_codes", "producer_codes_on",
            "quantized_rows", "set_compiled_kernels", "swiglu_applies"]
 
-_SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": False,
+_SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": True,
                                "inference_codes": True, "inference_epilogues": False, "cpu": False}
 
 
@@ -564,8 +566,15 @@ def fuse_quantize_into_producers(graph: torch.fx.Graph) -> int:
     return fused
 
 
+def compiled_codes_on() -> bool:
+    """Whether compiled ConvRot INT8 blocks may call the kernels that write codes (the inductor pass of
+    `producer_codes_on`, or the codes-only producers of inference blocks): what decides that `MossImage` has those
+    kernels checked before its blocks run, also under inference_mode."""
+    return (_SETTINGS["swiglu_codes"] or _SETTINGS["inference_codes"]) and fused_ops.fused_quant_enabled()
+
+
 def producer_codes_on() -> bool:
-    """Whether compiled INT8 blocks get SwiGLU's codes (`set_compiled_kernels(swiglu_codes=True)` and
+    """Whether compiled INT8 blocks get SwiGLU's codes (`set_compiled_kernels(swiglu_codes=...)`, on by default, and
     `fused_ops.set_fused_quant`)."""
     return _SETTINGS["swiglu_codes"] and fused_ops.fused_quant_enabled()
 
@@ -577,7 +586,7 @@ def _producer_pass_type() -> type:
 
     class _ProducerCodesPass(CustomGraphPass):
         """The pass configured before (the quantisations' dedupe, `library.quant.convrot_ops`), then
-        `fuse_quantize_into_producers` where it is on (`set_compiled_kernels(swiglu_codes=True)`) and so are the
+        `fuse_quantize_into_producers` where it is on (`set_compiled_kernels(swiglu_codes=...)`) and so are the
         kernels that write codes (`fused_ops.set_fused_quant`)."""
 
         def __init__(self, then: Any = None):
