@@ -418,6 +418,8 @@ class ConvRotInt8Linear(_Int8StateMixin, nn.Linear):
             return None
         if "forward" in self.__dict__ or self._forward_hooks or self._forward_pre_hooks:
             return None
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return None
         return self.group_size
 
     def forward_codes(self, rows: ops.QuantizedRows) -> torch.Tensor:
