@@ -64,11 +64,10 @@ from library.quant.convrot_ops import QuantizedRows
 from library.runtime import fused_ops
 
 __all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "compiled_kernels",
-           "enable_inductor_producer_codes",
-           "epilogues_inference_apply", "fuse_quantize_into_producers", "norm_modulate_applies", "norm_rope_applies",
-           "norm_rope_shape_applies", "op_linear_gated_residual", "op_linear_norm_rope", "op_norm_modulate",
-           "op_norm_modulate_codes", "op_norm_rope", "op_swiglu", "op_swiglu_codes", "producer_codes_on",
-           "quantized_rows", "set_compiled_kernels", "swiglu_applies"]
+           "enable_inductor_producer_codes", "epilogues_inference_apply", "fuse_quantize_into_producers",
+           "norm_modulate_applies", "norm_rope_applies", "norm_rope_shape_applies", "op_linear_gated_residual",
+           "op_linear_norm_rope", "op_norm_modulate", "op_norm_modulate_codes", "op_norm_rope", "op_swiglu",
+           "op_swiglu_codes", "producer_codes_on", "quantized_rows", "set_compiled_kernels", "swiglu_applies"]
 
 _SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": True,
                                "inference_codes": True, "inference_epilogues": False, "cpu": False}
