@@ -27,6 +27,8 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("bf16_gemm", ("gemm", "cutlass", "sm90", "nvjet", "xmma", "cublas", "matmul", "splitk")),
     ("inductor_fused", ("triton_",)),  # before "copy": inductor names its kernels after the ops they fuse (_to_copy)
+    # the project's element-wise kernels (library.runtime.fused_kernels), before "reduction" (their names hold "norm")
+    ("fused_elementwise", ("_norm_modulate", "_norm_rope", "_swiglu", "_gated_residual")),
     ("copy", ("copy", "memcpy", "cat", "fill", "memset")),
     ("reduction", ("reduce", "norm", "red_")),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),

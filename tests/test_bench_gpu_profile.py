@@ -39,6 +39,9 @@ def test_categories():
     assert gpu_profile.category("triton_poi_fused_add_cat_mul_silu_silu_backward_view_2") == "inductor_fused"
     assert gpu_profile.category("triton_red_fused__fused_rms_norm__to_copy__unsafe_view_5") == "inductor_fused"
     assert gpu_profile.category("Memcpy HtoD (Pageable -> Device)") == "copy"
+    assert gpu_profile.category("_norm_modulate_quant_kernel") == "fused_elementwise"
+    assert gpu_profile.category("_swiglu_fwd_kernel") == "fused_elementwise"
+    assert gpu_profile.category("_int8_gemm_epilogue_kernel") == "int8_gemm"
 
 
 def test_host_threads_split_the_operators_by_thread_and_name_the_autograd_nodes():

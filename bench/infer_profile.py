@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Where a compiled inference pass of the DiT spends its GPU time: the product's loading and compile path
+(`moss_image_minimal_inference.load_dit_for_sampling`, with the script's own options), one CFG step's two passes at
+an image size (the conditional one over every block, the unconditional one skipping `--uncond_skip_layers` as the
+sampler does), timed over `--steps` steps after warm-up, and with `--profile` the GPU time per kernel category
+(`bench.gpu_profile`). Random prompt embeddings stand in for the text encoder (only their length matters here).
+One JSON.
+
+    python -m bench.infer_profile --snapshot /tmp/full --out OUT/infer_profile.json --profile [--extra=--convrot_int8]
+        [--settings inference_codes=False]
+
+`--settings` changes `library.runtime.fused_compiled.set_compiled_kernels` before the DiT compiles (the same
+switches as `bench.infer_oneshot`'s runs), so two invocations give a ratio; `--no_compile` times the eager forms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import moss_image_minimal_inference as script
+from library.sampling.sampler import DEFAULT_UNCOND_SKIP_LAYERS, initial_noise
+
+
+def _settings(text: str) -> dict[str, bool]:
+    """"a=False,b=True" -> {"a": False, "b": True}."""
+    out: dict[str, bool] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, value = item.partition("=")
+        if value not in ("True", "False"):
+            raise SystemExit(f"--settings: {item!r} is not name=True or name=False")
+        out[name.strip()] = value == "True"
+    return out
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.device]:
+    argv = ["--snapshot", str(args.snapshot), "--prompt", "profile", "--image_size", *map(str, args.image_size)]
+    argv += ([] if args.no_compile else ["--compile"]) + shlex.split(args.extra)
+    sargs = script.setup_parser().parse_args(argv)
+    script.resolve_args(sargs)
+    device, dtype = script._device_and_dtype(sargs)
+    return script.load_dit_for_sampling(sargs, device, dtype), sargs, device
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from library.runtime.fused_compiled import set_compiled_kernels
+
+    previous = set_compiled_kernels(**_settings(args.settings))
+    try:
+        began = time.perf_counter()
+        dit, sargs, device = _load(args)
+        load_s = time.perf_counter() - began
+        height, width = args.image_size
+        g = torch.Generator().manual_seed(0)
+        cond = torch.randn(1, args.text_tokens, dit.config.text_dim, generator=g)
+        uncond = torch.randn(1, args.uncond_tokens, dit.config.text_dim, generator=g)
+        x = initial_noise(height, width, 0, device=device)
+        t = torch.full((1,), 500.0, device=device)
+        skip = list(DEFAULT_UNCOND_SKIP_LAYERS)
+        with torch.no_grad():
+            grid = (x.shape[-2], x.shape[-1])
+            prepared = [dit.prepare_text(e.to(device), torch.ones(e.shape[:2], dtype=torch.bool), grid)
+                        for e in (cond, uncond)]
+
+            def step() -> torch.Tensor:
+                v = dit.forward_with_text(x, t, prepared[0]).float()
+                return v + dit.forward_with_text(x, t, prepared[1], skip_layers=skip).float()
+
+            warm = time.perf_counter()
+            for _ in range(args.warmup):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            warmup_s = time.perf_counter() - warm
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            out: dict[str, Any] = {
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+                "torch": torch.__version__, "args": {k: str(v) if isinstance(v, Path) else v
+                                                     for k, v in vars(args).items()},
+                "compiled_settings": _settings(args.settings), "load_s": round(load_s, 2),
+                "warmup_s": round(warmup_s, 2), "step_ms_median": round(statistics.median(times), 2),
+                "step_ms": [round(v, 2) for v in times],
+                "tokens": {"image": grid[0] * grid[1], "cond_text": args.text_tokens,
+                           "uncond_text": args.uncond_tokens}}
+            if args.profile and device.type == "cuda":
+                from bench.gpu_profile import kernel_profile
+
+                out["profile"] = kernel_profile(step, steps=3)
+    finally:
+        set_compiled_kernels(**previous)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--snapshot", type=Path, required=True, help="snapshot folder (python -m bench.make_full_snapshot)")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    p.add_argument("--image_size", type=int, nargs=2, default=[1024, 1024], metavar=("HEIGHT", "WIDTH"))
+    p.add_argument("--text_tokens", type=int, default=32, help="tokens of the conditional prompt")
+    p.add_argument("--uncond_tokens", type=int, default=8, help="tokens of the negative prompt")
+    p.add_argument("--steps", type=int, default=20, help="timed CFG steps (two passes each)")
+    p.add_argument("--warmup", type=int, default=3, help="CFG steps before timing (the first compiles)")
+    p.add_argument("--profile", action="store_true", help="GPU time per kernel category of three steps")
+    p.add_argument("--no_compile", action="store_true", help="the eager forms")
+    p.add_argument("--settings", default="", help="set_compiled_kernels switches, e.g. inference_codes=False")
+    p.add_argument("--extra", default="", help="more options of the inference script, e.g. --convrot_int8")
+    args = p.parse_args(argv)
+    res = run(args)
+    text = json.dumps(res, indent=1)
+    if args.out is not None:
+        args.out.write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

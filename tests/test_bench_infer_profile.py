@@ -1,0 +1,31 @@
+"""bench.infer_profile on the tiny snapshot (CPU, eager and compiled): the product's loading path, CFG steps timed,
+the settings applied while the DiT compiles and restored after."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import infer_profile
+from library.runtime import fused_compiled
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_infer_profile_times_cfg_steps_on_the_tiny_snapshot(tiny_snapshot, tmp_path, compiled):
+    out = tmp_path / "p.json"
+    argv = ["--snapshot", str(tiny_snapshot), "--out", str(out), "--image_size", "64", "64", "--steps", "2",
+            "--warmup", "1", "--settings", "inference_codes=False", "--extra=--device cpu"]
+    before = dict(fused_compiled._SETTINGS)
+    assert infer_profile.main(argv + ([] if compiled else ["--no_compile"])) == 0
+    res = json.loads(out.read_text())
+    assert res["device"] == "cpu" and len(res["step_ms"]) == 2 and res["step_ms_median"] > 0
+    assert res["tokens"] == {"image": 16, "cond_text": 32, "uncond_text": 8}
+    assert res["compiled_settings"] == {"inference_codes": False} and "profile" not in res
+    assert fused_compiled._SETTINGS == before
+
+
+def test_settings_are_name_equals_true_or_false():
+    assert infer_profile._settings("a=True, b=False") == {"a": True, "b": False}
+    with pytest.raises(SystemExit, match="name=True or name=False"):
+        infer_profile._settings("a=1")
