@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from bench.report import write_report
+
 M = 4352
 CASES = {"q_norm_rope": (3072, 3072), "o_residual": (3072, 3072), "ffn_down_residual": (3072, 8192)}
 HEAD = 128
@@ -95,8 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {"env": {"torch": torch.__version__, "python": platform.python_version(),
                                    "gpu": torch.cuda.get_device_name(), "kernels": E.describe()},
-                           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                           "cases": {}}
+                           "args": vars(args), "cases": {}}
     for case, (n, k) in CASES.items():
         t = _inputs(n, k, "cuda")
         calls = _calls(case, t)
@@ -123,11 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench.epilogue_gemm needs a CUDA GPU", file=sys.stderr)
         return 2
-    res = run(args)
-    text = json.dumps(res, indent=1)
-    if args.out is not None:
-        args.out.write_text(text + "\n", encoding="utf-8")
-    print(text)
+    write_report(run(args), args.out)
     return 0
 
 

@@ -8,12 +8,13 @@ time, prompt index and seed, so the same order is the same prompts), paired one 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from bench.report import write_report
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -38,10 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("second", type=Path)
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args(argv)
-    text = json.dumps(compare(args.first, args.second), indent=1)
-    if args.out is not None:
-        args.out.write_text(text + "\n", encoding="utf-8")
-    print(text)
+    write_report(compare(args.first, args.second), args.out)
     return 0
 
 

@@ -16,7 +16,6 @@ switches as `bench.infer_oneshot`'s runs), so two invocations give a ratio; `--n
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 import moss_image_minimal_inference as script
+from bench.report import write_report
 from library.sampling.sampler import DEFAULT_UNCOND_SKIP_LAYERS, initial_noise
 
 
@@ -89,8 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 times.append((time.perf_counter() - t0) * 1e3)
             out: dict[str, Any] = {
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-                "torch": torch.__version__, "args": {k: str(v) if isinstance(v, Path) else v
-                                                     for k, v in vars(args).items()},
+                "torch": torch.__version__, "args": vars(args),
                 "compiled_settings": _settings(args.settings), "load_s": round(load_s, 2),
                 "warmup_s": round(warmup_s, 2), "step_ms_median": round(statistics.median(times), 2),
                 "step_ms": [round(v, 2) for v in times],
@@ -119,11 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", default="", help="set_compiled_kernels switches, e.g. inference_codes=False")
     p.add_argument("--extra", default="", help="more options of the inference script, e.g. --convrot_int8")
     args = p.parse_args(argv)
-    res = run(args)
-    text = json.dumps(res, indent=1)
-    if args.out is not None:
-        args.out.write_text(text + "\n", encoding="utf-8")
-    print(text)
+    write_report(run(args), args.out)
     return 0
 
 

@@ -60,7 +60,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from library.quant.convrot_ops import QuantizedRows
+from library.quant import convrot_kernels
+from library.quant.convrot_ops import QUANTIZE, VIEW_OPS, QuantizedRows, input_key
 from library.runtime import fused_ops
 
 __all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "compiled_kernels",
@@ -339,8 +340,6 @@ SWIGLU_BACKWARD = _define("fused_swiglu_backward", "(Tensor grad, Tensor u) -> T
 
 def _quantized_rows(y: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``convrot_int8_quantize`` of y's rows [M, F] (the op itself: its implementation for y's device)."""
-    from library.quant.convrot_ops import QUANTIZE
-
     return QUANTIZE(y.reshape(-1, y.shape[-1]), group_size)
 
 
@@ -349,25 +348,27 @@ def _swiglu_quant_math(u, group_size):
     return (y, *_quantized_rows(y, group_size))
 
 
-_SWIGLU_CODES_RUN: dict[tuple, bool] = {}  # (kernels on, device, dtype, width, group) -> whether the kernel runs
+# (kernels on, producer, device, dtype, width, group) -> whether the kernel runs
+_CODES_KERNEL_RUNS: dict[tuple, bool] = {}
 
 
-def _swiglu_codes_kernel_runs(u: torch.Tensor, group_size: int) -> bool:
-    """Whether `_swiglu_quant_cuda` launches the one kernel for u (decided once per device, dtype, width and group:
-    the op runs once per block and pass of a compiled step, so its host time counts)."""
-    key = (fused_ops.kernels_enabled(), u.device, u.dtype, u.shape[-1], group_size)
-    runs = _SWIGLU_CODES_RUN.get(key)
+def _codes_kernel_runs(name: str, t: torch.Tensor, width: int, group_size: int) -> bool:
+    """Whether an op of producer `name` ("norm_modulate", "swiglu") launches the kernel that writes codes for t, rows
+    of `width` (decided once per device, dtype, width and group: the ops run once per block and pass of a compiled
+    step, so their host time counts)."""
+    key = (fused_ops.kernels_enabled(), name, t.device, t.dtype, width, group_size)
+    runs = _CODES_KERNEL_RUNS.get(key)
     if runs is None:
-        kernels = _kernels_for(u)
-        runs = (kernels is not None and u.dtype in (torch.bfloat16, torch.float16)
-                and fused_ops.prepare_fused_quant(u.device)
-                and kernels.fused_quant_plan(u.shape[-1] // 2, group_size) is not None)
-        _SWIGLU_CODES_RUN[key] = runs
+        kernels = _kernels_for(t)
+        runs = (kernels is not None and t.dtype in (torch.bfloat16, torch.float16)
+                and fused_ops.prepare_fused_quant(t.device)
+                and kernels.fused_quant_plan(width, group_size) is not None)
+        _CODES_KERNEL_RUNS[key] = runs
     return runs
 
 
 def _swiglu_quant_cuda(u, group_size):
-    if _swiglu_codes_kernel_runs(u, group_size):
+    if _codes_kernel_runs("swiglu", u, u.shape[-1] // 2, group_size):
         kernels = fused_ops.kernel_module()
         return kernels.swiglu_quant_forward(_rows(u, kernels), group_size, one_buffer=False)
     y = _swiglu_cuda(u)
@@ -387,25 +388,8 @@ SWIGLU_QUANT = _define("fused_swiglu_quant", "(Tensor u, int group_size) -> (Ten
 # The codes-only producers of compiled inference blocks (no autograd: `codes_inference_applies` puts them only in
 # graphs traced without gradients): the codes and scales of the producer's output rows, where the int8 Linears that
 # read it read nothing else, so the output itself is never written. The CUDA implementations launch the kernels that
-# write codes without their output (`write_y=False`) where those kernels run, else the producer op and the quantiser.
-# (kernels on, producer, device, dtype, width, group) -> whether the kernel runs
-_CODES_ONLY_RUN: dict[tuple, bool] = {}
-
-
-def _codes_kernel_runs(name: str, t: torch.Tensor, width: int, group_size: int) -> bool:
-    """Whether the codes-only op `name` launches its one kernel for t (decided once per device, dtype, width and
-    group, like `_swiglu_codes_kernel_runs`)."""
-    key = (fused_ops.kernels_enabled(), name, t.device, t.dtype, width, group_size)
-    runs = _CODES_ONLY_RUN.get(key)
-    if runs is None:
-        kernels = _kernels_for(t)
-        runs = (kernels is not None and t.dtype in (torch.bfloat16, torch.float16)
-                and fused_ops.prepare_fused_quant(t.device)
-                and kernels.fused_quant_plan(width, group_size) is not None)
-        _CODES_ONLY_RUN[key] = runs
-    return runs
-
-
+# write codes without their output (`write_y=False`) where those kernels run (`_codes_kernel_runs`), else the
+# producer op and the quantiser.
 def _codes_fake(rows_of: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = rows_of.numel() // max(1, rows_of.shape[-1])
     return (rows_of.new_empty((rows, width), dtype=torch.int8), rows_of.new_empty((rows,), dtype=torch.float32))
@@ -455,8 +439,6 @@ SWIGLU_CODES = _define("fused_swiglu_codes", "(Tensor u, int group_size) -> (Ten
 # CUDA implementations run `library.quant.int8_epilogue_kernels` where it takes the operands, else the product and the
 # step's torch math; the default ones the product ("eager" backend) and the step as the plain block writes it.
 def _product(x_q, x_scale, weight, weight_scale, dtype, backend):
-    from library.quant import convrot_kernels
-
     return convrot_kernels.int8_gemm(x_q, x_scale, weight, weight_scale, None, dtype, backend)
 
 
@@ -529,8 +511,6 @@ def fuse_quantize_into_producers(graph: torch.fx.Graph) -> int:
     """In a functional (post-grad) graph, put ``fused_swiglu_quant`` in place of ``fused_swiglu`` and the
     ``convrot_int8_quantize`` of its output rows (the producer's other users take the fused op's first output, the
     quantisation's users its codes and scales). Returns the number of pairs fused."""
-    from library.quant.convrot_ops import QUANTIZE, VIEW_OPS, input_key
-
     fused = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not QUANTIZE or node.kwargs:
