@@ -5,6 +5,8 @@ Shapes ("cases", in the order they are measured, so that a budget cut leaves the
 
 - ``dit``: M = 4352 (1024² image + 256 text tokens), (N, K) = (3072, 3072) q/k/v/o, (16384, 3072) ffn_up_gate,
   (3072, 8192) ffn_down; int8 activation x K-major int8 weight, fp32 row and column scales, bf16 out.
+- ``qkv``: the same M, (N, K) = (9216, 3072): q, k and v stacked, as compiled ConvRot INT8 inference runs them (one
+  product for the three; `MossImage.stack_qkv_weights`).
 - ``bwd``: the int8 backward's grad-input GEMMs at M = 4352 (grad_y codes x the weight read N-major, fp32 out, no
   column scale); the pointer variants only (TMA needs K-major operands).
 - ``te``: the Linear shapes of the Qwen3.5-9B text model (from ``configs/moss_image_qwen35_9b/config.json``, one
@@ -57,6 +59,7 @@ REPO = Path(__file__).resolve().parent.parent
 TE_CONFIG = REPO / "configs" / "moss_image_qwen35_9b" / "config.json"
 DIT_M = 4352
 DIT_SHAPES = [(3072, 3072), (16384, 3072), (3072, 8192)]  # (N, K)
+QKV_SHAPE = (9216, 3072)  # q, k and v stacked (inference)
 TE_MS = (300, 1024, 2560, 4352)
 # The first H200 sweep, with all six variants and a pool of 12 compiling workers, printed nothing in 370 s; the
 # same sweep with these variants compiling in its own process took 75 s. "tma_persistent_ws" and "tma_split_tail"
@@ -64,7 +67,7 @@ TE_MS = (300, 1024, 2560, 4352)
 # than these at the DiT's shapes (split tail 1 % at 3072 x 8192, 11 % slower at 3072 x 3072; warp specialisation 5 %
 # slower at 3072 x 3072, and about 25 s of compilation per configuration): only with --variants, and with a timeout.
 DEFAULT_VARIANTS = ("ptr", "tma", "ptr_persistent", "tma_persistent")
-PARTS = ("dit", "bwd", "te")
+PARTS = ("dit", "qkv", "bwd", "te")
 GROUP = 256  # the ConvRot group of the quantiser timing
 
 
@@ -122,6 +125,8 @@ def sweep_cases(parts: list[str], te_ms: tuple[int, ...] = TE_MS) -> list[Case]:
     cases: list[Case] = []
     if "dit" in parts:
         cases += [Case("dit", DIT_M, n, k) for n, k in DIT_SHAPES]
+    if "qkv" in parts:
+        cases.append(Case("qkv", DIT_M, *QKV_SHAPE))
     if "bwd" in parts:  # grad_x [M, K_w] = q_g [M, N_w] @ W [N_w, K_w]: the reduction over the weight's rows
         cases += [Case("bwd", DIT_M, k, n, b_kmajor=False) for n, k in DIT_SHAPES]
     if "te" in parts:
