@@ -261,10 +261,14 @@ def load_dit_for_sampling(args: argparse.Namespace, device: Any, dtype: Any, num
 
 
 def compile_for_sampling(args: argparse.Namespace, dit: Any, num_shapes: int) -> None:
-    """--compile: wrap the DiT's regions (`library.runtime.compile.compile_blocks`); nothing without it."""
+    """--compile: wrap the DiT's regions (`library.runtime.compile.compile_blocks`), with ConvRot INT8 q, k and v
+    stacked first (one product for the three in the compiled blocks; `MossImage.stack_qkv_weights`); nothing
+    without it."""
     from library.runtime.compile import compile_blocks
 
     if args.compile:
+        if args.convrot_int8:
+            dit.stack_qkv_weights()
         compile_blocks(args, dit, num_shapes=num_shapes)
 
 

@@ -13,7 +13,9 @@ to inductor (`library.runtime.fused_compiled` off), and `compile_no_codes` is `c
 norms and SwiGLU write their outputs for the int8 Linears to quantise (`set_compiled_kernels(inference_codes=False)`;
 the same as `compile` in bf16), and `compile_epilogues` is `compile` with those blocks' int8 products taking the
 gated residual and the q/k head norm + RoPE into the GEMM's epilogue (`set_compiled_kernels(inference_epilogues=True)`,
-off by default), each for the ratio of the two in one run. Before the first run the
+off by default), and `compile_no_stack` is `compile` with ConvRot INT8 q, k and v as three products, not one over
+their stacked weight (`set_compiled_kernels(inference_stacked_qkv=False)`), each for the ratio of the two in one
+run. Before the first run the
 repository's Python files are compiled to bytecode (`compileall`, as pip does when it installs a package), so the
 runs measure the imports a user's installed copy pays.
 
@@ -41,13 +43,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "moss_image_minimal_inference.py"
 PROMPTS = ("a red fox in the snow, morning light", "a lighthouse on a cliff at dusk, long exposure")
-RUNS = ("eager", "compile", "compile_plain_kernels", "compile_no_codes", "compile_epilogues")
+RUNS = ("eager", "compile", "compile_plain_kernels", "compile_no_codes", "compile_epilogues", "compile_no_stack")
 # bench-only: `compile` with settings of library.runtime.fused_compiled changed in the script's process, the forms
 # before them, for a ratio measured in one run: the compiled blocks' element-wise code left to inductor (no fused
 # kernels as ops), or ConvRot INT8 blocks whose producers write their outputs and the int8 Linears quantise them
 _COMPILED_SETTINGS = {"compile_plain_kernels": "norm_rope=False, swiglu=False",
                       "compile_no_codes": "inference_codes=False",
-                      "compile_epilogues": "inference_epilogues=True"}
+                      "compile_epilogues": "inference_epilogues=True",
+                      "compile_no_stack": "inference_stacked_qkv=False"}
 
 
 def _launcher(settings: str) -> str:

@@ -403,6 +403,26 @@ def test_the_codes_ops_give_the_producer_and_quantiser_bits():
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
+def test_stacked_q_k_and_v_are_one_product_of_the_same_bits():
+    """With q, k and v stacked (`BlockProjections.stack_qkv`), a block compiled without gradients runs one int8
+    product for the three (three with `inference_stacked_qkv` off, or `inference_epilogues` on), to the same bits;
+    the stack costs no memory (q, k and v are its views) and leaves the state dict as it was."""
+    blk = _int8_block()
+    state = {k: v.clone() for k, v in blk.state_dict().items()}
+    three, three_ops = _recorded_forward(blk, norm_modulate=True)
+    assert blk.proj.stack_qkv() and blk.proj.check_qkv_stack()
+    assert blk.proj.q.weight.untyped_storage().data_ptr() == blk.proj.qkv_weight.untyped_storage().data_ptr()
+    assert blk.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in blk.state_dict().items())
+    one, ops = _recorded_forward(blk, norm_modulate=True)
+    assert ops["convrot_int8_linear_codes"] == three_ops["convrot_int8_linear_codes"] - 2, (ops, three_ops)
+    assert torch.equal(one, three)
+    _, off = _recorded_forward(blk, norm_modulate=True, inference_stacked_qkv=False)
+    assert off == three_ops
+    out, epi = _recorded_forward(blk, norm_modulate=True, inference_epilogues=True)
+    assert epi["convrot_int8_linear_norm_rope"] == 2 and torch.equal(out, one)
+
+
 def test_by_default_the_products_are_written_and_their_steps_run_after_them():
     """`inference_epilogues` off (the default): the inputs stay codes, the products are written and the steps run
     after them, to the same bits."""

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from library.lora.compiled_group import plain_group, plain_group_parts
 from library.lora.eager_node import lora_group, lora_group_parts
-from library.quant.convrot_ops import QuantizedRows
+from library.quant.convrot_ops import QuantizedRows, linear_from_codes
+from library.quant.int8_stack import stack_int8_linears, stack_intact
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
 from library.runtime.eager_fusion import eager_fused
@@ -45,6 +46,7 @@ from library.runtime.fused_compiled import (
     op_swiglu,
     op_swiglu_codes,
     quantized_rows,
+    stacked_qkv_inference_applies,
     swiglu_applies,
 )
 from library.runtime.fused_ops import (
@@ -396,7 +398,11 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torc
 
 
 class BlockProjections(nn.Module):
-    """The six Linears of a block, named as in the official checkpoints (`proj.q`, ..., `proj.ffn_down`)."""
+    """The six Linears of a block, named as in the official checkpoints (`proj.q`, ..., `proj.ffn_down`).
+
+    With ConvRot INT8, `stack_qkv` makes q, k and v views of one stacked weight (`library.quant.int8_stack`), which a
+    block compiled for inference multiplies by its input's codes in one product (`qkv_stack`). The stacked buffers
+    are not state (not in the state dict); moving the module drops them."""
 
     def __init__(self, cfg: MossImageConfig):
         super().__init__()
@@ -407,6 +413,41 @@ class BlockProjections(nn.Module):
         self.o = nn.Linear(h, h, bias=False)
         self.ffn_up_gate = nn.Linear(h, 2 * f, bias=False)  # output [value | gate]
         self.ffn_down = nn.Linear(f, h, bias=False)
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_weight_scale", None, persistent=False)
+
+    def stack_qkv(self) -> bool:
+        """Stack q, k and v (ConvRot int8, no bias, one device; `int8_stack.stack_int8_linears`); False where they
+        cannot be stacked."""
+        stacked = stack_int8_linears((self.q, self.k, self.v))
+        if stacked is None:
+            return False
+        self.qkv_weight, self.qkv_weight_scale = stacked
+        return True
+
+    def unstack_qkv(self) -> None:
+        """Drop the stacked buffers (q, k and v keep their views, and with them the memory, until they are moved)."""
+        self.qkv_weight = self.qkv_weight_scale = None
+
+    def check_qkv_stack(self) -> bool:
+        """Whether a stack is held and q, k and v still read from it; one that they no longer read (the module was
+        moved, a weight replaced, block swap) is dropped here. Called outside the compiled region, once per
+        forward (`MossImage.forward_with_text`)."""
+        if self.qkv_weight is None:
+            return False
+        if stack_intact(self.qkv_weight, self.qkv_weight_scale, (self.q, self.k, self.v)):
+            return True
+        logger.warning("q, k and v no longer read their stacked weight (moved or replaced): dropping the stack")
+        self.unstack_qkv()
+        return False
+
+    def qkv_stack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stacked codes [3W, W] and scales [3W, 1] of q, k and v, or None where they are not stacked."""
+        return None if self.qkv_weight is None else (self.qkv_weight, self.qkv_weight_scale)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        self.unstack_qkv()  # q, k and v move as three tensors; the stack would be a stale fourth copy
+        return super()._apply(fn, recurse)
 
 
 class MossImageBlock(nn.Module):
@@ -453,6 +494,12 @@ class MossImageBlock(nn.Module):
         """The attention branch up to `o` (its input, [B, S, W])."""
         if isinstance(h, QuantizedRows):
             shape = (*h.lead_shape[:2], self.cfg.num_heads, self.cfg.head_dim)
+            stack = self.proj.qkv_stack()
+            if stack is not None and stacked_qkv_inference_applies():  # one product for the three
+                q, k, v = (t.view(shape) for t in linear_from_codes(h, *stack, None).chunk(3, dim=-1))
+                q = norm_rope(self.q_norm, q, cos, sin)
+                k = norm_rope(self.k_norm, k, cos, sin)
+                return self.attention(q, k, v, key_mask).flatten(2)
             q = self._head_codes(self.proj.q, self.q_norm, h, cos, sin, shape)
             k = self._head_codes(self.proj.k, self.k_norm, h, cos, sin, shape)
             v = project(self.proj.v, h).view(shape)
@@ -622,6 +669,7 @@ class MossImage(nn.Module):
         self._block_offloader: Any = None  # library.memory.block_swap.ModelOffloader when block swap is on
         self.rope = RopeTables(cfg.rope_axes_dims, cfg.rope_theta)
         self._compiled: dict[str, Callable[..., Any]] = {}  # COMPILED_REGIONS name -> torch.compile'd method
+        self._qkv_stacked = False  # some block holds a q/k/v stack (`stack_qkv_weights`)
 
     # ----------------------------------------------------------------------------------------------- properties
     @property
@@ -700,6 +748,7 @@ class MossImage(nn.Module):
         a `BlockSwapConfig`. The base weights must be frozen first."""
         from library.memory.block_swap import ModelOffloader
 
+        self.unstack_qkv_weights()  # the offloader replaces the blocks' tensors
         self._block_offloader = ModelOffloader(list(self.layers), num_blocks, config, name="DiT")
 
     @property
@@ -723,6 +772,29 @@ class MossImage(nn.Module):
         """Arm the swap ring for the next forward (a no-op when it is armed or block swap is off)."""
         if self._block_offloader is not None:
             self._block_offloader.prepare_before_forward()
+
+    # ------------------------------------------------------------------------------------------- stacked q/k/v
+    def stack_qkv_weights(self) -> int:
+        """Make each main block's q, k and v views of one stacked weight (`BlockProjections.stack_qkv`: ConvRot int8
+        Linears only; no more memory once done), so that blocks compiled for inference run one product for the three.
+        For a model in its final place: moving it, or block swap, drops the stacks. Returns how many blocks were
+        stacked (0 with block swap on, or where the Linears are not int8)."""
+        if self._block_offloader is not None:
+            return 0
+        stacked = sum(block.proj.stack_qkv() for block in self.layers)
+        self._qkv_stacked = stacked > 0
+        if stacked:
+            logger.info("q, k and v stacked into one int8 weight in %d of %d blocks", stacked, len(self.layers))
+        return stacked
+
+    def unstack_qkv_weights(self) -> None:
+        for block in self.layers:
+            block.proj.unstack_qkv()
+        self._qkv_stacked = False
+
+    def _check_qkv_stacks(self) -> None:
+        """Drop the stacks that q, k and v no longer read from (`BlockProjections.check_qkv_stack`)."""
+        self._qkv_stacked = sum(block.proj.check_qkv_stack() for block in self.layers) > 0
 
     # ------------------------------------------------------------------------------------------------- forward
     def _embed_text(self, prompt_embeds: torch.Tensor) -> torch.Tensor:
@@ -777,6 +849,8 @@ class MossImage(nn.Module):
         if (h, w) != text.grid:
             raise ValueError(f"the text conditioning was prepared for latents {text.grid}, not {(h, w)}")
         t_pad = text.tokens.shape[1]
+        if self._qkv_stacked:
+            self._check_qkv_stacks()
         seq, t_emb, mod = self._region("_embed_image_and_time")(
             x, timesteps.to(x.device, non_blocking=True), text.tokens)
         skip = set(skip_layers or ())

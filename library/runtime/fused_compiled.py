@@ -41,7 +41,11 @@ and `ConvRotInt8Linear.codes_group` decide while tracing, `inference_codes` turn
   product is never written. **Off by default** (`set_compiled_kernels(inference_epilogues=True)` turns them on): on
   an H200 each fused GEMM took the time of the GEMM and the step's own kernel together (106 against 106 us for q,
   107 against 109 for o, 232 against 229 for ffn_down), since a program's epilogue runs after its main loop with
-  nothing to overlap it, and 50-step inference was no faster (docs/benchmarks.md, seventeenth run).
+  nothing to overlap it, and 50-step inference was no faster (docs/benchmarks.md, seventeenth run);
+- q, k and v as one product (``convrot_int8_linear_codes`` over their stacked weight [3W, W]) where the model stacked
+  them (`MossImage.stack_qkv_weights`, which the inference script calls with `--compile`): one 9,216-wide GEMM fills
+  the GPU's last wave of tiles where three 3,072-wide ones leave three partial waves (`inference_stacked_qkv`, on
+  by default; `stacked_qkv_inference_applies`).
 
 `op_norm_rope`, `op_swiglu` and `op_norm_modulate` are what `library.moss_image.dit` calls while torch.compile
 traces a block, where `compiled_kernel` and the `*_applies` checks here (shapes, dtypes, no gradient for the
@@ -68,16 +72,19 @@ __all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "c
            "enable_inductor_producer_codes", "epilogues_inference_apply", "fuse_quantize_into_producers",
            "norm_modulate_applies", "norm_rope_applies", "norm_rope_shape_applies", "op_linear_gated_residual",
            "op_linear_norm_rope", "op_norm_modulate", "op_norm_modulate_codes", "op_norm_rope", "op_swiglu",
-           "op_swiglu_codes", "producer_codes_on", "quantized_rows", "set_compiled_kernels", "swiglu_applies"]
+           "op_swiglu_codes", "producer_codes_on", "quantized_rows", "set_compiled_kernels",
+           "stacked_qkv_inference_applies", "swiglu_applies"]
 
 _SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": True,
-                               "inference_codes": True, "inference_epilogues": False, "cpu": False}
+                               "inference_codes": True, "inference_epilogues": False, "inference_stacked_qkv": True,
+                               "cpu": False}
 
 
 def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
     """Which kernels compiled blocks call (`norm_rope`, `swiglu`, `norm_modulate`; `swiglu_codes`: the inductor pass
     that gives SwiGLU ffn_down's codes; `inference_codes`: the codes-only producers of blocks compiled without
-    gradients, and `inference_epilogues` there the int8 products with the step after them; see the module
+    gradients, and `inference_epilogues` there the int8 products with the step after them; `inference_stacked_qkv`:
+    there one product for q, k and v where the model stacked them, `MossImage.stack_qkv_weights`; see the module
     docstring), and whether CPU tensors take the ops too (`cpu`, for tests); returns the previous settings."""
     unknown = set(settings) - set(_SETTINGS)
     if unknown:
@@ -113,6 +120,13 @@ def epilogues_inference_apply() -> bool:
     (`codes_inference_applies`) runs their products with the step after them (`op_linear_gated_residual`,
     `op_linear_norm_rope`): the `inference_epilogues` setting (off by default: no faster on an H200)."""
     return _SETTINGS["inference_epilogues"]
+
+
+def stacked_qkv_inference_applies() -> bool:
+    """Whether a block compiled without gradients whose q, k and v take their input as codes and are stacked
+    (`BlockProjections.qkv_stack`) runs one product for the three: the `inference_stacked_qkv` setting (on by
+    default), and not `inference_epilogues` (whose q and k products take their head norm and RoPE each)."""
+    return _SETTINGS["inference_stacked_qkv"] and not _SETTINGS["inference_epilogues"]
 
 
 def codes_inference_applies(x: torch.Tensor) -> bool:

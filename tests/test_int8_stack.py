@@ -1,0 +1,95 @@
+"""Int8 Linears stacked into one weight (`library.quant.int8_stack`) and the DiT's stacked q, k and v
+(`MossImage.stack_qkv_weights`): views of one buffer, the same outputs and state dict, and a stack dropped as soon as
+its members stop reading from it (moved, replaced, block swap)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from library.moss_image.loaders import load_moss_image_model
+from library.quant.convrot import ConvRotInt8Linear
+from library.quant.int8_stack import stack_int8_linears, stack_intact, stackable
+
+
+def _int8(n: int, k: int = 64, seed: int = 0, bias: bool = False) -> ConvRotInt8Linear:
+    torch.manual_seed(seed)
+    return ConvRotInt8Linear.from_linear(nn.Linear(k, n, bias=bias), group_size=16)
+
+
+def test_stacked_linears_are_views_of_one_buffer_with_the_same_outputs():
+    linears = [_int8(32, seed=0), _int8(48, seed=1), _int8(32, seed=2)]
+    x = torch.randn(3, 64)
+    before = [m(x) for m in linears]
+    codes = [m.weight.clone() for m in linears]
+    weight, scale = stack_int8_linears(linears)
+    assert weight.shape == (112, 64) and scale.shape == (112, 1)
+    for m, c in zip(linears, codes):
+        assert m.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+        assert torch.equal(m.weight, c)
+    assert torch.equal(weight, torch.cat(codes))
+    assert all(torch.equal(m(x), b) for m, b in zip(linears, before))
+    assert stack_intact(weight, scale, linears)
+    assert not stack_intact(weight, scale, linears[::-1])  # the order is part of the stack
+    assert not stack_intact(weight, scale, linears[:2])  # so is every member
+
+
+def test_a_replaced_weight_breaks_the_stack():
+    linears = [_int8(32, seed=s) for s in range(3)]
+    weight, scale = stack_int8_linears(linears)
+    linears[1].weight = linears[1].weight.clone()
+    assert not stack_intact(weight, scale, linears)
+    linears = [_int8(32, seed=s) for s in range(3)]
+    weight, scale = stack_int8_linears(linears)
+    linears[2].weight_scale.data = linears[2].weight_scale.clone()  # as block swap replaces tensors
+    assert not stack_intact(weight, scale, linears)
+
+
+@pytest.mark.parametrize("case", ["float", "bias", "widths", "groups", "one"])
+def test_only_plain_int8_linears_of_one_input_stack(case):
+    linears: list[nn.Module] = [_int8(32, seed=s) for s in range(3)]
+    if case == "float":
+        linears[0] = nn.Linear(64, 32, bias=False)
+    elif case == "bias":
+        linears[1] = _int8(32, bias=True)
+    elif case == "widths":
+        linears[2] = _int8(32, k=128)
+    elif case == "groups":
+        torch.manual_seed(3)
+        linears[2] = ConvRotInt8Linear.from_linear(nn.Linear(64, 32, bias=False), group_size=64)
+    else:
+        linears = linears[:1]
+    kept = [m.weight for m in linears]
+    assert not stackable(linears) and stack_int8_linears(linears) is None
+    assert all(m.weight is w for m, w in zip(linears, kept))
+
+
+def test_the_dit_stacks_q_k_and_v_and_drops_stacks_it_no_longer_reads(tiny_snapshot, caplog):
+    dit = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32, convrot_int8=True).eval()
+    state = {k: v.clone() for k, v in dit.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    latent = torch.randn(1, dit.config.in_channels, 4, 4, generator=g)
+    text = torch.randn(1, 8, dit.config.text_dim, generator=g)
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        ref = dit(latent, t, text)
+        assert dit.stack_qkv_weights() == len(dit.layers)
+        assert dit.state_dict().keys() == state.keys()
+        assert all(torch.equal(v, state[k]) for k, v in dit.state_dict().items())
+        assert torch.equal(dit(latent, t, text), ref)  # eager: the three Linears read their views
+        dit.layers[3].proj.k.weight = dit.layers[3].proj.k.weight.clone()
+        caplog.set_level(logging.WARNING, logger="library.moss_image.dit")
+        assert torch.equal(dit(latent, t, text), ref)
+        assert "dropping the stack" in caplog.text
+        assert dit.layers[3].proj.qkv_stack() is None and dit.layers[2].proj.qkv_stack() is not None
+        dit.to("cpu")  # moving the model drops every stack
+        assert all(block.proj.qkv_stack() is None for block in dit.layers)
+        assert torch.equal(dit(latent, t, text), ref) and not dit._qkv_stacked
+
+
+def test_a_bf16_dit_stacks_nothing(tiny_snapshot):
+    dit = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32)
+    assert dit.stack_qkv_weights() == 0 and not dit._qkv_stacked
