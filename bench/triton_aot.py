@@ -213,10 +213,12 @@ def elementwise_jobs() -> list[Job]:
         # the norm + modulation with the ConvRot INT8 codes of its rows (an INT8 block's q/k/v and FFN inputs)
         (E._norm_modulate_quant_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "shift_ptr": "*bf16",
                                          "scale_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32",
-                                         "M": "i32", "seq": "i32", "K": "i32", "x_row": "i32", "mod_b": "i32",
+                                         "r_ptr": "*bf16", "gate_ptr": "*bf16", "xo_ptr": "*bf16", "M": "i32",
+                                         "seq": "i32", "K": "i32", "x_row": "i32", "r_row": "i32", "mod_b": "i32",
                                          "eps": "fp32"},
          {"T_CODE": 2, "TINY": 1.1754943508222875e-38, "LOG4G": 4, "BM": quant[0], "NCH_A": quant[1],
-          "NCH_B": quant[2], "EVEN": quant[4], "FAST_DIV": True, "GATHER": False, "WRITE_Y": True},
+          "NCH_B": quant[2], "EVEN": quant[4], "FAST_DIV": True, "GATHER": False, "WRITE_Y": True,
+          "RESIDUAL": False},
          {"num_warps": quant[3]}, ("seq", "K", "x_row", "mod_b"), 0),
         # SwiGLU with the ConvRot INT8 codes of its rows (an INT8 block's ffn_down input)
         (E._swiglu_quant_kernel, {"u_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32",

@@ -380,6 +380,11 @@ def test_the_codes_ops_give_the_producer_and_quantiser_bits():
     q2, s2 = OPS.fused_swiglu_codes(u, 64)
     q2_ref, s2_ref = QUANTIZE(OPS.fused_swiglu(u).reshape(-1, 128), 64)
     assert torch.equal(q2, q2_ref) and torch.equal(s2, s2_ref)
+    r, gate1 = torch.randn(2, 5, 128, generator=g).bfloat16(), torch.randn(2, 128, generator=g).bfloat16()
+    h, q3, s3 = OPS.fused_residual_norm_modulate_codes(x, gate1, r, w, shift, scale, 1e-6, 64)
+    assert torch.equal(h, x + gate1[:, None] * r)
+    q3_ref, s3_ref = OPS.fused_norm_modulate_codes(h, w, shift, scale, 1e-6, 64)
+    assert torch.equal(q3, q3_ref) and torch.equal(s3, s3_ref)
     wq, ws = K.quantize_convrot_weight(torch.randn(24, 128, generator=g), 64)
     bias = torch.randn(24, generator=g).bfloat16()
     out = LINEAR_CODES(q, s, wq, ws, bias, torch.bfloat16)
@@ -397,6 +402,7 @@ def test_the_codes_ops_give_the_producer_and_quantiser_bits():
     assert got.shape == (2, 5, 3, 8)
     assert torch.equal(got, OPS.fused_norm_rope(plain.view(2, 5, 3, 8), hw, cos, sin, 1e-6))
     for op, args in ((OPS.fused_norm_modulate_codes, (x, w, shift, scale, 1e-6, 64)),
+                     (OPS.fused_residual_norm_modulate_codes, (x, gate1, r, w, shift, scale, 1e-6, 64)),
                      (OPS.fused_swiglu_codes, (u, 64)), (LINEAR_CODES, (q, s, wq, ws, bias, torch.bfloat16)),
                      (OPS.convrot_int8_linear_gated_residual, (q, s, wq, ws, residual, gate)),
                      (OPS.convrot_int8_linear_norm_rope, (q, s, wq, ws, hw, cos, sin, 1e-6, 5, torch.bfloat16))):
@@ -428,6 +434,25 @@ def test_by_default_the_products_are_written_and_their_steps_run_after_them():
     after them, to the same bits."""
     blk = _int8_block()
     out, ops = _recorded_forward(blk, norm_modulate=True)
-    assert ops == {"fused_norm_modulate_codes": 2, "fused_swiglu_codes": 1, "convrot_int8_linear_codes": 5,
-                   "fused_norm_rope": 2, "convrot_int8_quantize": 1, "convrot_int8_linear": 1}, ops
+    assert ops == {"fused_norm_modulate_codes": 1, "fused_residual_norm_modulate_codes": 1, "fused_swiglu_codes": 1,
+                   "convrot_int8_linear_codes": 5, "fused_norm_rope": 2, "convrot_int8_quantize": 1,
+                   "convrot_int8_linear": 1}, ops
     assert torch.equal(out, _recorded_forward(blk, norm_modulate=True, inference_epilogues=True)[0])
+
+
+def test_the_attention_residual_and_the_ffn_input_codes_are_one_op_of_the_same_bits():
+    """The attention branch's gated residual and the second norm's codes: one op by default, two with
+    `inference_residual_codes` off, to the same bits; the residual stays separate where the FFN's Linear reads
+    more than codes (a hook)."""
+    blk = _int8_block()
+    out, ops = _recorded_forward(blk, norm_modulate=True)
+    two, two_ops = _recorded_forward(blk, norm_modulate=True, inference_residual_codes=False)
+    assert ops["fused_residual_norm_modulate_codes"] == 1 and ops["fused_norm_modulate_codes"] == 1, ops
+    assert "fused_residual_norm_modulate_codes" not in two_ops and two_ops["fused_norm_modulate_codes"] == 2
+    assert torch.equal(out, two)
+    handle = blk.proj.ffn_up_gate.register_forward_hook(lambda *args: None)
+    try:
+        _, hooked = _recorded_forward(blk, norm_modulate=True)
+    finally:
+        handle.remove()
+    assert "fused_residual_norm_modulate_codes" not in hooked and hooked["fused_norm_modulate_codes"] == 1, hooked

@@ -189,7 +189,31 @@ def _norm_modulate_quant_case(dtype: torch.dtype, width: int, group_size: int, d
             "codes_only_equal": _codes_only_equal(
                 dtype, lambda: fused_kernels.norm_modulate_quant_forward(x, w, shift, scale, eps, group_size,
                                                                          one_buffer=False, write_y=False),
-                q_ref, s_ref)}
+                q_ref, s_ref),
+            "residual": _residual_case(x, w, shift, scale, eps, group_size, g)}
+
+
+def _residual_case(x: torch.Tensor, w: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
+                   group_size: int, g: torch.Generator) -> dict | None:
+    """The gated residual h = x + gate * r with the norm + modulation and codes of h in one kernel
+    (`residual_norm_modulate_quant_forward`): h against float64 and against the torch form's error, and the norm's
+    output, codes and scales the same bits as the plain kernel's of that h (with and without the output). None for
+    fp32 (the compiled blocks launch it for bf16 and fp16 only)."""
+    from library.runtime import fused_kernels
+
+    if x.dtype == torch.float32:
+        return None
+    r = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
+    gate = (torch.randn(x.shape[0], 6, x.shape[-1], generator=g) * 0.5).to(x.device, x.dtype).unbind(1)[2]
+    h, y, q, s = fused_kernels.residual_norm_modulate_quant_forward(x, gate, r, w, shift, scale, eps, group_size,
+                                                                    write_y=True)
+    ref = x.double() + gate.double()[:, None] * r.double()
+    y_ref, q_ref, s_ref = fused_kernels.norm_modulate_quant_forward(h, w, shift, scale, eps, group_size,
+                                                                    one_buffer=False)
+    h2, y2, q2, s2 = fused_kernels.residual_norm_modulate_quant_forward(x, gate, r, w, shift, scale, eps, group_size)
+    return {"h_err": _rel(h, ref), "eager_h_err": _rel(torch.addcmul(x, gate[:, None], r), ref),
+            "same_as_plain": bool(torch.equal(y, y_ref) and torch.equal(q, q_ref) and torch.equal(s, s_ref)),
+            "codes_only_same": y2 is None and bool(torch.equal(h2, h) and torch.equal(q2, q) and torch.equal(s2, s))}
 
 
 def _codes_only_equal(dtype: torch.dtype, launch: Callable[[], tuple], q_ref: torch.Tensor,
@@ -474,6 +498,11 @@ def _assert_checks(res: dict) -> None:
     for c in res["norm_quant"]:
         assert c["out_dtype"] == c["dtype"] and c["cached"] and c["codes_equal"] and c["scales_equal"], c
         assert c["codes_only_equal"] is (None if c["dtype"] == "torch.float32" else True), c
+        if c["dtype"] == "torch.float32":
+            assert c["residual"] is None, c
+        else:  # the residual rounded once to nearest even, as the compiled graph's; then the plain kernel's bits
+            r = c["residual"]
+            assert r["same_as_plain"] and r["codes_only_same"] and r["h_err"] <= r["eager_h_err"] * 1.02, c
         assert c["grad_equal"], c  # the norm + modulation's backward kernel
         if c["dtype"] == "torch.float32":
             assert c["out_err"] < 1e-6, c
@@ -671,12 +700,16 @@ class _TorchKernelsWithCodes(_TorchKernels):
     def swiglu_quant_forward(self, u, group_size):
         return self._with_codes("swiglu", self.swiglu_forward(u))
 
+    def residual_norm_modulate_quant_forward(self, x, gate, r, w, shift, scale, eps, group_size, write_y=False):
+        h = (x.float() + gate.float()[:, None] * r.float()).to(x.dtype)
+        return (h, *self._with_codes("residual", self.norm_modulate_forward(h, w, shift, scale, eps)))
 
-@pytest.mark.parametrize("wrong", [None, "norm", "swiglu"])
+
+@pytest.mark.parametrize("wrong", [None, "norm", "residual", "swiglu"])
 def test_the_kernels_that_write_codes_are_checked_on_their_own(monkeypatch, caplog, wrong):
-    """The norm + modulation and the SwiGLU that write int8 codes too are checked apart from the other kernels, once
-    per device: codes other than the activation quantiser's from either turn both off, with one warning, and leave
-    the other kernels on."""
+    """The norm + modulation (alone and after a gated residual) and the SwiGLU that write int8 codes too are checked
+    apart from the other kernels, once per device: codes other than the activation quantiser's from any turn all
+    off, with one warning, and leave the other kernels on."""
     monkeypatch.setitem(fused_ops._STATE, "kernels", _TorchKernelsWithCodes(wrong))
     monkeypatch.setitem(fused_ops._STATE, "fused_quant", True)
     monkeypatch.setattr(fused_ops, "_quantised_rows",
@@ -692,6 +725,7 @@ def test_the_kernels_that_write_codes_are_checked_on_their_own(monkeypatch, capl
     if wrong:
         assert len(warnings) == 1 and "quantise their inputs themselves" in warnings[0], warnings
         assert ("SwiGLU" in warnings[0]) is (wrong == "swiglu"), warnings
+        assert ("gated residual" in warnings[0]) is (wrong == "residual"), warnings
     else:
         assert warnings == []
 

@@ -43,9 +43,11 @@ from library.runtime.fused_compiled import (
     op_norm_modulate,
     op_norm_modulate_codes,
     op_norm_rope,
+    op_residual_norm_modulate_codes,
     op_swiglu,
     op_swiglu_codes,
     quantized_rows,
+    residual_codes_inference_applies,
     stacked_qkv_inference_applies,
     swiglu_applies,
 )
@@ -387,6 +389,25 @@ def gated_project(linear: nn.Module, inp: torch.Tensor | QuantizedRows, x: torch
     return gated_residual(x, gate, project(linear, inp))
 
 
+def gated_project_norm_modulate(linear: nn.Module, inp: torch.Tensor | QuantizedRows, x: torch.Tensor,
+                                gate: torch.Tensor, norm: RMSNorm, shift: torch.Tensor, scale: torch.Tensor,
+                                consumers: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | QuantizedRows]:
+    """(x', norm_modulate(norm, x', shift, scale, consumers)) for x' = gated_project(linear, inp, x, gate): the
+    attention branch's residual and the FFN's input. In a block compiled without gradients whose `consumers` take
+    their input as codes, the residual and the codes are one op (`fused_compiled.op_residual_norm_modulate_codes`),
+    so x' is written once and not read back."""
+    group = _codes_group(consumers, x) if _plain_norm(norm) else None
+    if (group is not None and residual_codes_inference_applies(x, gate)
+            and norm_modulate_applies(x, norm.weight, shift, scale)):
+        y = project(linear, inp)
+        if y.shape == x.shape and y.dtype == x.dtype:
+            return op_residual_norm_modulate_codes(x, gate, y, norm.weight, shift, scale, norm.eps, group)
+        x = gated_residual(x, gate, y)
+    else:
+        x = gated_project(linear, inp, x, gate)
+    return x, norm_modulate(norm, x, shift, scale, consumers)
+
+
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x + gate * y, with gate [B, W] broadcast over the tokens; in eager CUDA runs one Triton kernel each way
     (`library.runtime.fused_ops`), where torch's broadcasting addcmul is about half as fast."""
@@ -559,8 +580,8 @@ class MossImageBlock(nn.Module):
         shift1, scale1, gate1, shift2, scale2, gate2 = (mod + self.scale_shift_table.to(mod.dtype)[None]).unbind(1)
         proj = self.proj
         h = norm_modulate(self.norm1, x, shift1, scale1, (proj.q, proj.k, proj.v))
-        x = gated_project(proj.o, self._attention(h, cos, sin, key_mask), x, gate1)
-        h = norm_modulate(self.norm2, x, shift2, scale2, (proj.ffn_up_gate,))
+        x, h = gated_project_norm_modulate(proj.o, self._attention(h, cos, sin, key_mask), x, gate1, self.norm2,
+                                           shift2, scale2, (proj.ffn_up_gate,))
         return gated_project(proj.ffn_down, swiglu(project(proj.ffn_up_gate, h), proj.ffn_down), x, gate2)
 
 

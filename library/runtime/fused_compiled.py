@@ -45,7 +45,10 @@ and `ConvRotInt8Linear.codes_group` decide while tracing, `inference_codes` turn
 - q, k and v as one product (``convrot_int8_linear_codes`` over their stacked weight [3W, W]) where the model stacked
   them (`MossImage.stack_qkv_weights`, which the inference script calls with `--compile`): one 9,216-wide GEMM fills
   the GPU's last wave of tiles where three 3,072-wide ones leave three partial waves (`inference_stacked_qkv`, on
-  by default; `stacked_qkv_inference_applies`).
+  by default; `stacked_qkv_inference_applies`);
+- ``fused_residual_norm_modulate_codes``: the attention branch's gated residual h = x + gate * o(...) and the
+  second norm + modulation's codes of h in one kernel (`op_residual_norm_modulate_codes`), so h is written once
+  and not read back (`inference_residual_codes`, on by default; `residual_codes_inference_applies`).
 
 `op_norm_rope`, `op_swiglu` and `op_norm_modulate` are what `library.moss_image.dit` calls while torch.compile
 traces a block, where `compiled_kernel` and the `*_applies` checks here (shapes, dtypes, no gradient for the
@@ -71,20 +74,22 @@ from library.runtime import fused_ops
 __all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "compiled_kernels",
            "enable_inductor_producer_codes", "epilogues_inference_apply", "fuse_quantize_into_producers",
            "norm_modulate_applies", "norm_rope_applies", "norm_rope_shape_applies", "op_linear_gated_residual",
-           "op_linear_norm_rope", "op_norm_modulate", "op_norm_modulate_codes", "op_norm_rope", "op_swiglu",
-           "op_swiglu_codes", "producer_codes_on", "quantized_rows", "set_compiled_kernels",
-           "stacked_qkv_inference_applies", "swiglu_applies"]
+           "op_linear_norm_rope", "op_norm_modulate", "op_norm_modulate_codes", "op_norm_rope",
+           "op_residual_norm_modulate_codes", "op_swiglu", "op_swiglu_codes", "producer_codes_on", "quantized_rows",
+           "residual_codes_inference_applies", "set_compiled_kernels", "stacked_qkv_inference_applies",
+           "swiglu_applies"]
 
 _SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": True,
                                "inference_codes": True, "inference_epilogues": False, "inference_stacked_qkv": True,
-                               "cpu": False}
+                               "inference_residual_codes": True, "cpu": False}
 
 
 def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
     """Which kernels compiled blocks call (`norm_rope`, `swiglu`, `norm_modulate`; `swiglu_codes`: the inductor pass
     that gives SwiGLU ffn_down's codes; `inference_codes`: the codes-only producers of blocks compiled without
     gradients, and `inference_epilogues` there the int8 products with the step after them; `inference_stacked_qkv`:
-    there one product for q, k and v where the model stacked them, `MossImage.stack_qkv_weights`; see the module
+    there one product for q, k and v where the model stacked them, `MossImage.stack_qkv_weights`;
+    `inference_residual_codes`: there the gated residual and the second norm's codes as one op; see the module
     docstring), and whether CPU tensors take the ops too (`cpu`, for tests); returns the previous settings."""
     unknown = set(settings) - set(_SETTINGS)
     if unknown:
@@ -127,6 +132,16 @@ def stacked_qkv_inference_applies() -> bool:
     (`BlockProjections.qkv_stack`) runs one product for the three: the `inference_stacked_qkv` setting (on by
     default), and not `inference_epilogues` (whose q and k products take their head norm and RoPE each)."""
     return _SETTINGS["inference_stacked_qkv"] and not _SETTINGS["inference_epilogues"]
+
+
+def residual_codes_inference_applies(x: torch.Tensor, gate: torch.Tensor) -> bool:
+    """Whether a block compiled without gradients, whose FFN input is given as codes, runs the attention branch's
+    gated residual x + gate * y and the second norm's codes as one op (`op_residual_norm_modulate_codes`): the
+    `inference_residual_codes` setting (on by default), not `inference_epilogues` (which takes the residual into
+    `o`'s product), and x [B, S, W] with gate [B, W] of its dtype (y: x's shape and dtype, checked by the caller)."""
+    if not _SETTINGS["inference_residual_codes"] or _SETTINGS["inference_epilogues"]:
+        return False
+    return x.dim() == 3 and gate.shape == (x.shape[0], x.shape[-1]) and x.dtype == gate.dtype
 
 
 def codes_inference_applies(x: torch.Tensor) -> bool:
@@ -431,6 +446,31 @@ NORM_MODULATE_CODES = _define(
     lambda x, weight, shift, scale, eps, group_size: _codes_fake(x, x.shape[-1]))
 
 
+def _residual_norm_modulate_codes_math(x, gate, y, weight, shift, scale, eps, group_size):
+    h = x + gate[:, None] * y  # as the plain block's gated residual (`dit.gated_residual`)
+    return (h, *_quantized_rows(_norm_modulate_math(h, weight, shift, scale, eps), group_size))
+
+
+def _residual_norm_modulate_codes_cuda(x, gate, y, weight, shift, scale, eps, group_size):
+    if x.dim() == 3 and _codes_kernel_runs("norm_modulate", x, x.shape[-1], group_size):
+        kernels = fused_ops.kernel_module()
+        if not (gate.stride() == shift.stride() == scale.stride() and scale.stride(-1) == 1):
+            gate, shift, scale = gate.contiguous(), shift.contiguous(), scale.contiguous()
+        h, _, q, s = kernels.residual_norm_modulate_quant_forward(_rows(x, kernels), gate, _rows(y, kernels),
+                                                                  weight.contiguous(), shift, scale, eps, group_size)
+        return h, q, s
+    h = x + gate[:, None] * y
+    return (h, *_norm_modulate_codes_cuda(h, weight, shift, scale, eps, group_size))
+
+
+RESIDUAL_NORM_MODULATE_CODES = _define(
+    "fused_residual_norm_modulate_codes",
+    "(Tensor x, Tensor gate, Tensor y, Tensor weight, Tensor shift, Tensor scale, float eps, int group_size)"
+    " -> (Tensor, Tensor, Tensor)",
+    _residual_norm_modulate_codes_math, _residual_norm_modulate_codes_cuda,
+    lambda x, gate, y, weight, shift, scale, eps, group_size: (x.new_empty(x.shape), *_codes_fake(x, x.shape[-1])))
+
+
 def _swiglu_codes_math(u, group_size):
     return _quantized_rows(_swiglu_math(u), group_size)
 
@@ -673,6 +713,15 @@ def op_norm_modulate_codes(x: torch.Tensor, weight: torch.Tensor, shift: torch.T
     `codes_inference_applies` and `norm_modulate_applies` say so)."""
     q, s = NORM_MODULATE_CODES(x, weight, shift, scale, eps, group_size)
     return QuantizedRows(q, s, tuple(x.shape[:-1]), x.dtype)
+
+
+def op_residual_norm_modulate_codes(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                                   shift: torch.Tensor, scale: torch.Tensor, eps: float, group_size: int
+                                   ) -> tuple[torch.Tensor, QuantizedRows]:
+    """h = x + gate[:, None] * y (the attention branch's gated residual) and the codes of `op_norm_modulate`'s
+    output rows for h, in one pass over h (where `residual_codes_inference_applies` says so)."""
+    h, q, s = RESIDUAL_NORM_MODULATE_CODES(x, gate, y, weight, shift, scale, eps, group_size)
+    return h, QuantizedRows(q, s, tuple(x.shape[:-1]), x.dtype)
 
 
 def op_swiglu_codes(u: torch.Tensor, group_size: int) -> QuantizedRows:

@@ -374,20 +374,60 @@ def _sum_squares(z0, z1, z2, z3):
 
 
 @triton.jit
+def _gated_quarter(z, r, gate_ptr, mod_off, row_ok, col0, i, K, T_CODE: tl.constexpr, NCH: tl.constexpr,
+                   G: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr):
+    """Quarter i of the gated residual z + gate * r (fp32 values rounded to T), gate per sample like shift."""
+    cols = _quarter_cols(col0, i, NCH, G)
+    if EVEN:
+        gate = tl.load(gate_ptr + mod_off[:, None, None] + cols[None, :, :]).to(tl.float32)
+    else:
+        mask = row_ok[:, None, None] & (cols < K)[None, :, :]
+        gate = tl.load(gate_ptr + mod_off[:, None, None] + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    return _qk._round_fast(z + gate * r, T_CODE, GATHER)
+
+
+@triton.jit
+def _gated_quarters(x_ptr, r_ptr, gate_ptr, xo_ptr, rows64, row_ok, mod_off, col0, x_row, r_row, K,
+                    T_CODE: tl.constexpr, BM: tl.constexpr, NCH: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+                    GATHER: tl.constexpr):
+    """NCH groups of the rows' gated residual x + gate * r from column col0, as `_qk._quarters_load` lays them out,
+    rounded to T and written to the contiguous rows of xo."""
+    z0, z1, z2, z3 = _qk._quarters_load(x_ptr, rows64, row_ok, col0, x_row, K, BM, NCH, G, EVEN)
+    r0, r1, r2, r3 = _qk._quarters_load(r_ptr, rows64, row_ok, col0, r_row, K, BM, NCH, G, EVEN)
+    z0 = _gated_quarter(z0, r0, gate_ptr, mod_off, row_ok, col0, 0, K, T_CODE, NCH, G, EVEN, GATHER)
+    z1 = _gated_quarter(z1, r1, gate_ptr, mod_off, row_ok, col0, 1, K, T_CODE, NCH, G, EVEN, GATHER)
+    z2 = _gated_quarter(z2, r2, gate_ptr, mod_off, row_ok, col0, 2, K, T_CODE, NCH, G, EVEN, GATHER)
+    z3 = _gated_quarter(z3, r3, gate_ptr, mod_off, row_ok, col0, 3, K, T_CODE, NCH, G, EVEN, GATHER)
+    _store_quarters(xo_ptr, rows64, row_ok, col0, K, z0, z1, z2, z3, NCH, G, EVEN)
+    return z0, z1, z2, z3
+
+
+@triton.jit
 def _norm_modulate_quant_kernel(
-    x_ptr, w_ptr, shift_ptr, scale_ptr, y_ptr, q_ptr, s_ptr, M, seq, K, x_row, mod_b, eps,
-    T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH_A: tl.constexpr,
+    x_ptr, w_ptr, shift_ptr, scale_ptr, y_ptr, q_ptr, s_ptr, r_ptr, gate_ptr, xo_ptr, M, seq, K, x_row, r_row, mod_b,
+    eps, T_CODE: tl.constexpr, TINY: tl.constexpr, LOG4G: tl.constexpr, BM: tl.constexpr, NCH_A: tl.constexpr,
     NCH_B: tl.constexpr, EVEN: tl.constexpr, FAST_DIV: tl.constexpr, GATHER: tl.constexpr, WRITE_Y: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
+    """The rows' norm + modulation (output y where WRITE_Y) and its ConvRot INT8 codes and scales; with RESIDUAL the
+    rows normed are the gated residual x + gate * r, itself written to xo (gate [B, W] strided like shift)."""
     g: tl.constexpr = 1 << (2 * LOG4G)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
     mod_off = (rows64 // seq) * mod_b
-    a0, a1, a2, a3 = _qk._quarters_load(x_ptr, rows64, row_ok, 0, x_row, K, BM, NCH_A, g, EVEN)
+    if RESIDUAL:
+        a0, a1, a2, a3 = _gated_quarters(x_ptr, r_ptr, gate_ptr, xo_ptr, rows64, row_ok, mod_off, 0, x_row, r_row, K,
+                                         T_CODE, BM, NCH_A, g, EVEN, GATHER)
+    else:
+        a0, a1, a2, a3 = _qk._quarters_load(x_ptr, rows64, row_ok, 0, x_row, K, BM, NCH_A, g, EVEN)
     ss = _sum_squares(a0, a1, a2, a3)
     if NCH_B > 0:
-        b0, b1, b2, b3 = _qk._quarters_load(x_ptr, rows64, row_ok, NCH_A * g, x_row, K, BM, NCH_B, g, EVEN)
+        if RESIDUAL:
+            b0, b1, b2, b3 = _gated_quarters(x_ptr, r_ptr, gate_ptr, xo_ptr, rows64, row_ok, mod_off, NCH_A * g, x_row,
+                                             r_row, K, T_CODE, BM, NCH_B, g, EVEN, GATHER)
+        else:
+            b0, b1, b2, b3 = _qk._quarters_load(x_ptr, rows64, row_ok, NCH_A * g, x_row, K, BM, NCH_B, g, EVEN)
         ss += _sum_squares(b0, b1, b2, b3)
     rstd = tl.rsqrt(ss / K + eps)
     a0 = _modulated_quarter(a0, rstd, w_ptr, shift_ptr, scale_ptr, mod_off, row_ok, 0, 0, K, T_CODE, NCH_A, g, EVEN,
@@ -443,9 +483,30 @@ def norm_modulate_quant_forward(x: torch.Tensor, weight: torch.Tensor, shift: to
     y = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device) if write_y else None
     if m:
         launcher, bm = _codes_launcher(_norm_modulate_quant_kernel, width, group_size, x.dtype, m, write_y)
-        launcher(((m + bm - 1) // bm, 1, 1), (x, weight, shift, scale, y if write_y else x, q, s, m, seq, width,
-                                              row_stride(x), scale.stride(0), float(eps)))
+        launcher(((m + bm - 1) // bm, 1, 1), (x, weight, shift, scale, y if write_y else x, q, s, x, x, x, m, seq,
+                                              width, row_stride(x), 0, scale.stride(0), float(eps)))
     return y, q, s
+
+
+def residual_norm_modulate_quant_forward(x: torch.Tensor, gate: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
+                                         shift: torch.Tensor, scale: torch.Tensor, eps: float, group_size: int,
+                                         write_y: bool = False
+                                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The gated residual h = x + gate * r of x, r [B, S, W] (rows evenly spaced) and gate [B, W] (strided like
+    shift and scale), then `norm_modulate_quant_forward` of h, in one pass: (h, the norm's output or None without
+    `write_y`, the codes [B * S, W] and the fp32 scales [B * S], two allocations). Only for shapes with a
+    `fused_quant_plan`."""
+    bsz, seq, width = x.shape
+    m = bsz * seq
+    q, s = _codes_out(m, width, x.device, one_buffer=False)
+    h = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device)
+    y = torch.empty((bsz, seq, width), dtype=x.dtype, device=x.device) if write_y else None
+    if m:
+        launcher, bm = _codes_launcher(_norm_modulate_quant_kernel, width, group_size, x.dtype, m, write_y,
+                                       residual=True)
+        launcher(((m + bm - 1) // bm, 1, 1), (x, weight, shift, scale, y if write_y else x, q, s, r, gate, h, m, seq,
+                                              width, row_stride(x), row_stride(r), scale.stride(0), float(eps)))
+    return h, y, q, s
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -518,14 +579,14 @@ def swiglu_quant_forward(u: torch.Tensor, group_size: int, one_buffer: bool = Tr
 _CODES_LAUNCHERS: dict[tuple, tuple[DirectLauncher, int]] = {}
 
 
-def _codes_launcher(kernel: object, width: int, group_size: int, dtype: torch.dtype, m: int, write_y: bool = True
-                    ) -> tuple[DirectLauncher, int]:
+def _codes_launcher(kernel: object, width: int, group_size: int, dtype: torch.dtype, m: int, write_y: bool = True,
+                    residual: bool = False) -> tuple[DirectLauncher, int]:
     """The launcher and rows per program of a kernel that writes codes (`norm_modulate_quant_forward`,
     `swiglu_quant_forward`) for m rows of `width` in groups of `group_size`, with or without its output (`write_y`):
     kept per shape, since the compiled blocks call these once per block and pass, where the host time of building the
     plan again would show."""
     # m & 63: whether m is a multiple of BM (<= 64)
-    key = (kernel.__name__, width, group_size, dtype, m & 63, write_y)
+    key = (kernel.__name__, width, group_size, dtype, m & 63, write_y, residual)
     hit = _CODES_LAUNCHERS.get(key)
     if hit is None:
         plan = fused_quant_plan(width, group_size)
@@ -534,6 +595,8 @@ def _codes_launcher(kernel: object, width: int, group_size: int, dtype: torch.dt
         bm, nch_a, nch_b, warps, fills = plan
         const = {**_quant_constexprs(dtype, group_size, bm, nch_a, nch_b), "EVEN": fills and m % bm == 0,
                  "WRITE_Y": write_y}
+        if kernel is _norm_modulate_quant_kernel:
+            const["RESIDUAL"] = residual
         hit = _CODES_LAUNCHERS[key] = (_launcher(kernel, const, warps), bm)
     return hit
 

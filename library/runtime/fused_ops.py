@@ -193,11 +193,20 @@ def _fused_quant_checked(kernels: ModuleType, device: torch.device) -> bool:
     mod = (torch.randn(2, 2, 3072, generator=g) * 0.3).to(device)
     u = torch.randn(32, 2 * 8192, generator=g).to(device)  # the FFN's width (SwiGLU of 8,192)
     value, gate = u.chunk(2, dim=-1)
-    hb, hwb, modb, ub = h.bfloat16(), hw.bfloat16(), mod.bfloat16(), u.bfloat16()
+    r = torch.randn(2, 16, 3072, generator=g).to(device)
+    hb, hwb, modb, ub, rb = h.bfloat16(), hw.bfloat16(), mod.bfloat16(), u.bfloat16(), r.bfloat16()
+    gated = hb.float() + modb[:, 1, None].float() * rb.float()  # the residual's gate: mod[:, 1] again
+
+    def normed(t: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * hw * (1 + mod[:, 1, None]) + mod[:, 0, None]
+
     launches = {
         "norm + modulation": (lambda: kernels.norm_modulate_quant_forward(hb, hwb, modb[:, 0], modb[:, 1], 1e-6, 256),
-                              h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * hw * (1 + mod[:, 1, None])
-                              + mod[:, 0, None]),
+                              normed(h)),
+        "gated residual + norm + modulation": (
+            lambda: kernels.residual_norm_modulate_quant_forward(hb, modb[:, 1], rb, hwb, modb[:, 0], modb[:, 1], 1e-6,
+                                                                 256, write_y=True)[1:],
+            normed(gated)),
         "SwiGLU": (lambda: kernels.swiglu_quant_forward(ub, 256), torch.nn.functional.silu(gate) * value),
     }
     for name, (launch, ref) in launches.items():
