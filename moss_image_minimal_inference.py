@@ -335,7 +335,9 @@ def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], devi
     results = []
     for i, s in enumerate(all_settings, start=first_index):
         t0 = time.perf_counter()
-        latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None, device)
+        # the steps after the first repeat its calls: a compiled DiT checks only the guards between its graphs
+        latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None, device,
+                          unguarded_repeats=True)
         latents = latents.cpu()  # waits for the device: the time below is the real one
         logger.info("prompt %d denoised in %.2f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
         results.append((latents, s, _stem(s, i)))

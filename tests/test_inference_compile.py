@@ -205,3 +205,33 @@ def test_compiled_blocks_with_block_swap_match(tiny_snapshot):
     out = sample(dit, noise, cond, None, uncond, None, steps=2)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
     assert dit.block_offloader.loads > loads and STATS["calls"] == expected_calls(2, TINY_LAYERS, TINY_LAYERS - 1)
+
+
+def test_the_steps_after_the_first_skip_the_guards_that_tell_nothing_apart(tiny_snapshot, tmp_path, monkeypatch):
+    """A compiled DiT's passes after the first step run with dynamo checking only the guards between its graphs
+    (`MossImage.repeated_calls`), to the same latents as the uncompiled run, and the stance is restored after each
+    image; an eager DiT's context changes nothing."""
+    from library.moss_image.dit import MossImage
+
+    entered: list[bool] = []
+    original = MossImage.repeated_calls
+
+    def recording(self):
+        ctx = original(self)
+
+        class Recorded:
+            def __enter__(self_inner):
+                ctx.__enter__()
+                entered.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+
+            def __exit__(self_inner, *exc):
+                return ctx.__exit__(*exc)
+
+        return Recorded()
+
+    monkeypatch.setattr(MossImage, "repeated_calls", recording)
+    args = ("--prompt", "a cat", "--image_size", "32", "32", "--infer_steps", "3")
+    plain, compiled = _pair(tiny_snapshot, tmp_path, *args)
+    _assert_same(plain, compiled)
+    assert entered == [False, False, True, True]  # eager: two later steps, no stance; compiled: the stance
+    assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe

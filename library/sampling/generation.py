@@ -54,9 +54,9 @@ def _batch(out: TextOutputs, device: torch.device, dtype: torch.dtype) -> tuple[
 
 def denoise(
     dit: Any, settings: GenerationSettings, cond: TextOutputs, uncond: TextOutputs | None, device: torch.device,
-    autocast_dtype: torch.dtype | None = None,
+    autocast_dtype: torch.dtype | None = None, unguarded_repeats: bool = False,
 ) -> torch.Tensor:
-    """DiT latents [1, 128, H/16, W/16] (float32) for one prompt."""
+    """DiT latents [1, 128, H/16, W/16] (float32) for one prompt (`unguarded_repeats`: see `sampler.sample`)."""
     if settings.seed is None:
         settings.seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
     noise = initial_noise(settings.height, settings.width, settings.seed, device=device)
@@ -66,7 +66,8 @@ def denoise(
     ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else _null()
     with ctx:
         return sample(dit, noise, ce, cm, ue, um, steps=settings.sample_steps, guidance_scale=settings.scale,
-                      shift=settings.flow_shift, uncond_skip_layers=settings.uncond_skip_layers)
+                      shift=settings.flow_shift, uncond_skip_layers=settings.uncond_skip_layers,
+                      unguarded_repeats=unguarded_repeats)
 
 
 class _null:

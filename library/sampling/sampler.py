@@ -26,6 +26,7 @@ in one warning per file; a bad value of one of ours is an error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -249,6 +250,7 @@ def sample(
     shift: float = DEFAULT_FLOW_SHIFT,
     uncond_skip_layers: Union[str, Iterable[int], None] = DEFAULT_UNCOND_SKIP_LAYERS,
     callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
+    unguarded_repeats: bool = False,
 ) -> torch.Tensor:
     """Denoise ``noise`` [B, 128, h, w] into latents (float32, same shape) with the official sampler.
 
@@ -256,7 +258,10 @@ def sample(
     tokens valid); the unconditional ones (the encoded negative prompt, empty by default) are needed unless
     ``guidance_scale`` is 1.0. ``callback(step, steps, x)`` runs after every step. The model runs in whatever mode it
     is in: put it in eval mode first. A model with ``prepare_text`` / ``forward_with_text`` has its text refiner,
-    RoPE tables and masks computed once per call (per image), not once per pass.
+    RoPE tables and masks computed once per call (per image), not once per pass. With ``unguarded_repeats`` the
+    model's passes after the first step run inside its ``repeated_calls()`` context where it has one (the DiT with
+    compiled regions: only the guards that tell its compiled graphs apart are checked, since every later step repeats
+    the first step's calls with new values in the same tensors' shapes).
     """
     sigmas = sampling_sigmas(steps, shift)
     grid = sampling_grid(steps, shift)
@@ -282,15 +287,17 @@ def sample(
         cond = _Velocity(model, cond_embeds, cond_mask, size)
         uncond = _Velocity(model, uncond_embeds, uncond_mask, size) if use_cfg else None
 
+    repeated = getattr(model, "repeated_calls", None) if unguarded_repeats else None
     for i in range(len(grid) - 1):
         t = torch.full((batch,), float(grid[i]), dtype=torch.float32, device=x.device)
-        if not use_cfg:
-            v = cond(x, t)
-        elif one_batch:
-            v_cond, v_uncond = both(torch.cat([x, x]), torch.cat([t, t])).chunk(2)
-            v = cfg_velocity(v_cond, v_uncond, guidance_scale)
-        else:
-            v = cfg_velocity(cond(x, t), uncond(x, t, skip), guidance_scale)
+        with repeated() if repeated is not None and i > 0 else contextlib.nullcontext():
+            if not use_cfg:
+                v = cond(x, t)
+            elif one_batch:
+                v_cond, v_uncond = both(torch.cat([x, x]), torch.cat([t, t])).chunk(2)
+                v = cfg_velocity(v_cond, v_uncond, guidance_scale)
+            else:
+                v = cfg_velocity(cond(x, t), uncond(x, t, skip), guidance_scale)
         x = x + (sigmas[i + 1] - sigmas[i]).item() * v
         if callback is not None:
             callback(i, len(grid) - 1, x)
