@@ -185,10 +185,10 @@ def test_timings_after_a_run(tiny_snapshot, tmp_path, caplog):
 
 def test_compiled_blocks_with_block_swap_match(tiny_snapshot):
     """The inference order (block swap set up at load, then the blocks compiled) on the CPU test ring."""
+    from library.memory.block_swap import BlockSwapConfig
+    from library.moss_image.loaders import load_moss_image_model
     from library.runtime.compile import compile_blocks
     from library.sampling.sampler import sample
-    from library.moss_image.loaders import load_moss_image_model
-    from library.memory.block_swap import BlockSwapConfig
 
     torch.manual_seed(0)
     noise, cond, uncond = torch.randn(1, 128, 4, 4), torch.randn(1, 5, 64), torch.randn(1, 2, 64)
