@@ -11,11 +11,14 @@ One JSON.
 
 `--settings` changes `library.runtime.fused_compiled.set_compiled_kernels` before the DiT compiles (the same
 switches as `bench.infer_oneshot`'s runs), so two invocations give a ratio; `--no_compile` times the eager forms.
+The steps after the first run as the sampler runs them, inside `MossImage.repeated_calls()` (dynamo checks only the
+guards between its graphs); `--guarded` checks every guard on every step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import statistics
 import sys
@@ -70,13 +73,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prepared = [dit.prepare_text(e.to(device), torch.ones(e.shape[:2], dtype=torch.bool), grid)
                         for e in (cond, uncond)]
 
-            def step() -> torch.Tensor:
-                v = dit.forward_with_text(x, t, prepared[0]).float()
-                return v + dit.forward_with_text(x, t, prepared[1], skip_layers=skip).float()
+            def step(repeat: bool = True) -> torch.Tensor:
+                # as the sampler runs its steps after the first (`MossImage.repeated_calls`), unless --guarded
+                with dit.repeated_calls() if repeat and not args.guarded else contextlib.nullcontext():
+                    v = dit.forward_with_text(x, t, prepared[0]).float()
+                    return v + dit.forward_with_text(x, t, prepared[1], skip_layers=skip).float()
 
             warm = time.perf_counter()
-            for _ in range(args.warmup):
-                step()
+            for i in range(args.warmup):
+                step(repeat=i > 0)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             warmup_s = time.perf_counter() - warm
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out: dict[str, Any] = {
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
                 "torch": torch.__version__, "args": vars(args),
-                "compiled_settings": _settings(args.settings), "load_s": round(load_s, 2),
+                "compiled_settings": _settings(args.settings), "guarded": args.guarded, "load_s": round(load_s, 2),
                 "warmup_s": round(warmup_s, 2), "step_ms_median": round(statistics.median(times), 2),
                 "step_ms": [round(v, 2) for v in times],
                 "tokens": {"image": grid[0] * grid[1], "cond_text": args.text_tokens,
@@ -117,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no_compile", action="store_true", help="the eager forms")
     p.add_argument("--settings", default="", help="set_compiled_kernels switches, e.g. inference_codes=False")
     p.add_argument("--extra", default="", help="more options of the inference script, e.g. --convrot_int8")
+    p.add_argument("--guarded", action="store_true",
+                   help="every guard checked on every step (not only those between the graphs, as the sampler has it)")
     args = p.parse_args(argv)
     write_report(run(args), args.out)
     return 0
