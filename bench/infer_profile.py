@@ -44,6 +44,17 @@ def _settings(text: str) -> dict[str, bool]:
     return out
 
 
+def _tuning(text: str) -> dict[str, int]:
+    """"a=1,b=2" -> {"a": 1, "b": 2} (launch parameters of `library.runtime.fused_kernels.TUNING`)."""
+    out: dict[str, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, value = item.partition("=")
+        if not value.strip().isdigit():
+            raise SystemExit(f"--tuning: {item!r} is not name=integer")
+        out[name.strip()] = int(value)
+    return out
+
+
 def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.device]:
     argv = ["--snapshot", str(args.snapshot), "--prompt", "profile", "--image_size", *map(str, args.image_size)]
     argv += ([] if args.no_compile else ["--compile"]) + shlex.split(args.extra)
@@ -54,9 +65,11 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.device]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from library.runtime import fused_kernels
     from library.runtime.fused_compiled import set_compiled_kernels
 
     previous = set_compiled_kernels(**_settings(args.settings))
+    previous_tuning = fused_kernels.set_tuning(**_tuning(args.tuning))
     try:
         began = time.perf_counter()
         dit, sargs, device = _load(args)
@@ -95,7 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out: dict[str, Any] = {
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
                 "torch": torch.__version__, "args": vars(args),
-                "compiled_settings": _settings(args.settings), "guarded": args.guarded, "load_s": round(load_s, 2),
+                "compiled_settings": _settings(args.settings), "tuning": _tuning(args.tuning),
+                "guarded": args.guarded, "load_s": round(load_s, 2),
                 "warmup_s": round(warmup_s, 2), "step_ms_median": round(statistics.median(times), 2),
                 "step_ms": [round(v, 2) for v in times],
                 "tokens": {"image": grid[0] * grid[1], "cond_text": args.text_tokens,
@@ -106,6 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out["profile"] = kernel_profile(step, steps=3)
     finally:
         set_compiled_kernels(**previous)
+        fused_kernels.set_tuning(**previous_tuning)
     return out
 
 
@@ -122,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no_compile", action="store_true", help="the eager forms")
     p.add_argument("--settings", default="", help="set_compiled_kernels switches, e.g. inference_codes=False")
     p.add_argument("--extra", default="", help="more options of the inference script, e.g. --convrot_int8")
+    p.add_argument("--tuning", default="", help="fused_kernels launch parameters, e.g. codes_rows=2,codes_ept=16"
+                   " (what python -m bench.codes_kernels prints last)")
     p.add_argument("--guarded", action="store_true",
                    help="every guard checked on every step (not only those between the graphs, as the sampler has it)")
     args = p.parse_args(argv)

@@ -71,6 +71,10 @@ TUNING: dict[str, int] = {
     "residual_rows": 16,  # tokens per gated-residual program
     "residual_block": 256,  # columns per gated-residual program
     "residual_warps": 4,
+    # the kernels that write ConvRot INT8 codes (norm + modulation, SwiGLU): rows a program and values a thread;
+    # 0 keeps the activation quantiser's plan (`_qk._quarters_launch`: one row, about 64 values a thread)
+    "codes_rows": 0,
+    "codes_ept": 0,
 }
 _LAUNCHERS: dict[tuple, DirectLauncher] = {}  # (kernel name, constexprs, warps) -> its launcher
 
@@ -586,13 +590,17 @@ def _codes_launcher(kernel: object, width: int, group_size: int, dtype: torch.dt
     kept per shape, since the compiled blocks call these once per block and pass, where the host time of building the
     plan again would show."""
     # m & 63: whether m is a multiple of BM (<= 64)
-    key = (kernel.__name__, width, group_size, dtype, m & 63, write_y, residual)
+    rows, ept = TUNING["codes_rows"], TUNING["codes_ept"]
+    key = (kernel.__name__, width, group_size, dtype, m & 63, write_y, residual, rows, ept)
     hit = _CODES_LAUNCHERS.get(key)
     if hit is None:
         plan = fused_quant_plan(width, group_size)
         if plan is None:
             raise ValueError(f"no fused quantisation for rows of {width} in groups of {group_size}")
         bm, nch_a, nch_b, warps, fills = plan
+        bm = rows or bm
+        if ept:
+            warps = max(1, min(16, _qk._pow2_floor(max(1, bm * width // (32 * ept)))))
         const = {**_quant_constexprs(dtype, group_size, bm, nch_a, nch_b), "EVEN": fills and m % bm == 0,
                  "WRITE_Y": write_y}
         if kernel is _norm_modulate_quant_kernel:
