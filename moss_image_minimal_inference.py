@@ -267,8 +267,7 @@ def compile_for_sampling(args: argparse.Namespace, dit: Any, num_shapes: int) ->
     from library.runtime.compile import compile_blocks
 
     if args.compile:
-        if args.convrot_int8:
-            dit.stack_qkv_weights()
+        dit.stack_qkv_weights()  # ConvRot INT8 blocks only (quantised at load or read from an int8 file)
         compile_blocks(args, dit, num_shapes=num_shapes)
 
 

@@ -126,13 +126,16 @@ def test_compile_aot_eager_matches(tiny_snapshot, tmp_path):
 
 
 @pytest.mark.parametrize("int8", [["--convrot_int8"], ["--dit", INT8_DIT]])
-def test_compile_with_convrot_int8_keeps_each_block_one_graph(tiny_snapshot, tmp_path, int8):
+def test_compile_with_convrot_int8_keeps_each_block_one_graph(tiny_snapshot, tmp_path, int8, caplog):
     """The int8 Linears are registered ops inside the compiled graphs: one graph per block call, as in bf16, and
-    --compile_fullgraph works (quantised at load or a pre-quantised file)."""
+    --compile_fullgraph works (quantised at load or a pre-quantised file); either way q, k and v are stacked before
+    the blocks compile."""
+    caplog.set_level(logging.INFO, logger="library.moss_image.dit")
     int8 = [str(tiny_snapshot / a) if a == INT8_DIT else a for a in int8]
     args = ("--prompt", "a cat", "--image_size", "32", "32", "--infer_steps", "2", *int8)
     plain, compiled = _pair(tiny_snapshot, tmp_path, *args, "--compile_fullgraph")
     _assert_same(plain, compiled)
+    assert f"q, k and v stacked into one int8 weight in {TINY_LAYERS} of {TINY_LAYERS} blocks" in caplog.text
     assert STATS["calls"] == expected_calls(2, TINY_LAYERS, TINY_LAYERS - 1)  # uncond: all blocks but block 22
     # as in bf16: one graph shared by the main blocks, one for the refiner blocks, one per embedder and the final
     # layer, each at most once more for the other text length

@@ -591,6 +591,8 @@ def _codes_launcher(kernel: object, width: int, group_size: int, dtype: torch.dt
     plan again would show."""
     # m & 63: whether m is a multiple of BM (<= 64)
     rows, ept = TUNING["codes_rows"], TUNING["codes_ept"]
+    if rows and (rows & (rows - 1) or rows > 64):
+        raise ValueError(f"codes_rows must be 0 (the plan's) or a power of two up to 64, got {rows}")
     key = (kernel.__name__, width, group_size, dtype, m & 63, write_y, residual, rows, ept)
     hit = _CODES_LAUNCHERS.get(key)
     if hit is None:
