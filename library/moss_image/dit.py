@@ -454,7 +454,7 @@ class BlockProjections(nn.Module):
     def check_qkv_stack(self) -> bool:
         """Whether a stack is held and q, k and v still read from it; one that they no longer read (the module was
         moved, a weight replaced, block swap) is dropped here. Called outside the compiled region, once per
-        forward (`MossImage.forward_with_text`)."""
+        image (`MossImage.prepare_text`; about 7 us a block on a slow host, too much for every pass)."""
         if self.qkv_weight is None:
             return False
         if stack_intact(self.qkv_weight, self.qkv_weight_scale, (self.q, self.k, self.v)):
@@ -853,6 +853,8 @@ class MossImage(nn.Module):
         text lengths are read from the mask on the host (see `text_lengths`), so no device sync happens here."""
         h, w = int(grid[0]), int(grid[1])
         device = self.device
+        if self._qkv_stacked:  # once per image: the sampler's passes then run with what is checked here
+            self._check_qkv_stacks()
         if eager_fused():  # the kernels' one check per device (compiled blocks call them too: fused_compiled), here
             prepare_fused_kernels(device)  # outside any checkpointed or compiled code
             # ConvRot INT8 blocks: the own check of the kernels that write codes (under inference_mode only for
@@ -883,8 +885,6 @@ class MossImage(nn.Module):
         if (h, w) != text.grid:
             raise ValueError(f"the text conditioning was prepared for latents {text.grid}, not {(h, w)}")
         t_pad = text.tokens.shape[1]
-        if self._qkv_stacked:
-            self._check_qkv_stacks()
         seq, t_emb, mod = self._region("_embed_image_and_time")(
             x, timesteps.to(x.device, non_blocking=True), text.tokens)
         skip = set(skip_layers or ())
