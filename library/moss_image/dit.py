@@ -773,7 +773,10 @@ class MossImage(nn.Module):
         images, slow hosts; a 1024x1024 INT8 pass on the H200 no longer is). Without them (eager), nothing."""
         if not self._compiled:
             return contextlib.nullcontext()
-        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        try:
+            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        except TypeError:  # a torch whose set_stance has no such flag: every guard, as before
+            return contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------------------ block swap
     def enable_block_swap(self, num_blocks: int, config: Any) -> None:
