@@ -214,12 +214,15 @@ class MossImageNetworkTrainer(NetworkTrainer):
 
     def prepare_unet(self, run: RunState) -> None:
         from library.runtime.compile import compile_blocks
+        from library.runtime.fused_compiled import stacked_qkv_training_on
 
         if getattr(run.unet, "block_offloader", None) is not None:
             run.unet.move_to_device_except_swap_blocks(run.accelerator.device)
             run.unet.prepare_block_swap_before_forward()
         else:
             run.unet.to(run.accelerator.device)
+            if stacked_qkv_training_on():  # ConvRot INT8 q, k and v as one base product (off by default)
+                run.unet.stack_qkv_weights()
         if run.args.compile:
             buckets = {i.bucket_reso for g in (run.train_group, run.val_group) if g is not None for i in g.image_infos()}
             compile_blocks(run.args, run.unet, num_shapes=len(buckets))

@@ -88,3 +88,33 @@ def test_host_columns_say_where_the_gpu_waited_for_the_host():
     assert cols["process_cpu_ms"] == [250.0, 50.0] and cols["steal_ms"] == [0.0, 10.0]
     assert cols["tma_encodes_per_step"] == [2, 0] and cols["gpu_lag_ms"] == [0.0, 50.0]
     assert "gpu_lag_ms" not in bench.host_columns(host, [100.0, 100.0], cuda=False)
+
+
+def test_the_stacked_qkv_variant_runs_the_trainer_with_one_base_product(tiny_snapshot, tmp_path, monkeypatch):
+    """`_stacked_qkv`: the trainer stacks ConvRot INT8 q, k and v before compiling (`prepare_unet`) and the LoRA group
+    takes their base products as one, to the first loss within float rounding; the setting is off again after its
+    run."""
+    from library.moss_image import dit as dit_module
+    from library.runtime import fused_compiled
+
+    calls = {"n": 0}
+    original = dit_module.stacked_forward
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dit_module, "stacked_forward", counting)
+    out = tmp_path / "tiny.json"
+    names = ["no_gc_compile_int8", "no_gc_compile_int8_stacked_qkv"]
+    argv = ["--tiny", "--snapshot", str(tiny_snapshot), "--configs", ",".join(names), "--steps", "2", "--warmup", "1"]
+    assert bench.main([*argv, "--out", str(out)]) == 0
+    results = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    assert all(results[n]["ok"] for n in names), results
+    assert calls["n"] > 0 and not fused_compiled.stacked_qkv_training_on()
+    base, stacked = results[names[0]]["losses"], results[names[1]]["losses"]
+    assert len(base) == len(stacked) == 3
+    # the first step's loss agrees to float rounding; later ones follow updates from input gradients summed in
+    # another order (one product's sums where three products' were added), which later steps' int8 codes amplify
+    assert abs(base[0] - stacked[0]) <= 1e-6 * abs(base[0]), (base, stacked)
+    assert all(abs(a - b) <= 1e-3 * abs(a) for a, b in zip(base, stacked)), (base, stacked)

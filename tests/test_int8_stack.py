@@ -93,3 +93,74 @@ def test_the_dit_stacks_q_k_and_v_and_drops_stacks_it_no_longer_reads(tiny_snaps
 def test_a_bf16_dit_stacks_nothing(tiny_snapshot):
     dit = load_moss_image_model("cpu", tiny_snapshot, dtype=torch.float32)
     assert dit.stack_qkv_weights() == 0 and not dit._qkv_stacked
+
+
+def _dit_with_lora(snapshot):
+    from networks import lora_generic
+
+    dit = load_moss_image_model("cpu", snapshot, dtype=torch.float32, convrot_int8=True)
+    net = lora_generic.create_network(1.0, 4, 4.0, None, [], dit)
+    net.apply_to(None, dit, apply_text_encoder=False, apply_unet=True)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0, 0.1)
+    net.requires_grad_(True)
+    return dit, net
+
+
+def _lora_step(dit, net, compiled: bool):
+    """One forward + backward of the DiT's first main block (compiled with aot_eager and fullgraph=True, or the eager
+    plain forms that a compiled block computes): output, input gradient and LoRA gradients."""
+    from library.moss_image.dit import RopeTables
+    from library.runtime.eager_fusion import plain_forms
+
+    blk = dit.layers[0]
+    g = torch.Generator().manual_seed(3)
+    cfg = dit.config
+    cos, sin = RopeTables(cfg.rope_axes_dims, cfg.rope_theta).cos_sin([5], 8, 4, 4, torch.device("cpu"))
+    x = torch.randn(1, 24, cfg.hidden_size, generator=g).requires_grad_(True)
+    mod = torch.randn(1, 6, cfg.hidden_size, generator=g) * 0.3
+    torch._dynamo.reset()
+    try:
+        with plain_forms():
+            fn = torch.compile(blk, backend="aot_eager", fullgraph=True) if compiled else blk
+            out = fn(x, cos, sin, None, mod)
+            out.square().sum().backward()
+    finally:
+        torch._dynamo.reset()
+    grads = [p.grad.clone() for p in net.parameters() if p.grad is not None]
+    net.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain_forms", "compiled"])
+def test_training_with_stacked_q_k_and_v_gives_the_lora_gradients_of_three_products(tiny_snapshot, compiled,
+                                                                                     monkeypatch):
+    """`training_stacked_qkv` on: the LoRA group's base products of stacked q, k and v as one, with the same output,
+    input gradient and LoRA gradients as three products (to float tolerance: the input gradient's three sums are one
+    product's now); off (the default), or without a stack, three products."""
+    from library.moss_image import dit as dit_module
+    from library.runtime.fused_compiled import compiled_kernels
+
+    calls = {"n": 0}
+    original = dit_module.stacked_forward
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dit_module, "stacked_forward", counting)
+    dit, net = _dit_with_lora(tiny_snapshot)
+    with compiled_kernels(training_stacked_qkv=True):
+        three = _lora_step(dit, net, compiled)  # no stack yet
+    assert dit.stack_qkv_weights() == len(dit.layers)
+    assert torch.equal(_lora_step(dit, net, compiled)[0], three[0]) and calls["n"] == 0  # the setting off
+    with compiled_kernels(training_stacked_qkv=True):
+        one = _lora_step(dit, net, compiled)
+    assert calls["n"] == 1
+    assert torch.equal(one[0], three[0])
+    torch.testing.assert_close(one[1], three[1], rtol=1e-5, atol=1e-6)
+    assert len(one[2]) == len(three[2]) > 0
+    for a, b in zip(one[2], three[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -49,14 +49,16 @@ def plain_group_parts(linears: Sequence[nn.Module], x: torch.Tensor) -> list[Pla
     return adapter_parts(linears, x, "plain_part") if grouped() else None
 
 
-def plain_group(x: torch.Tensor, parts: Sequence[PlainPart]) -> tuple[torch.Tensor, ...]:
+def plain_group(x: torch.Tensor, parts: Sequence[PlainPart],
+                bases: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """Each part's base(x) + alpha * (x @ down^T) @ up^T, in the base output's dtype, the down-projections as one
-    product (alpha on the rank activations, as `LoRAModule.delta_output` has it)."""
+    product (alpha on the rank activations, as `LoRAModule.delta_output` has it). `bases`: the parts' base(x) where
+    the caller computed them together (ConvRot INT8 q, k and v stacked: `MossImageBlock._stacked_bases`)."""
     lx = F.linear(x, torch.cat([p.down for p in parts]))
     outs, start = [], 0
-    for p in parts:
+    for i, p in enumerate(parts):
         rank = p.up.shape[1]
-        out = p.base(x)
+        out = p.base(x) if bases is None else bases[i]
         delta = up_projection(lx[..., start:start + rank], lambda t, u=p.up: F.linear(t, u), p.alpha)
         outs.append(out + delta.to(out.dtype))
         start += rank

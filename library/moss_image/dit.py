@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from library.lora.compiled_group import plain_group, plain_group_parts
 from library.lora.eager_node import lora_group, lora_group_parts
 from library.quant.convrot_ops import QuantizedRows, linear_from_codes
-from library.quant.int8_stack import stack_int8_linears, stack_intact
+from library.quant.int8_stack import stack_int8_linears, stack_intact, stacked_forward
+from library.quant.linear_plan import LinearPlans
 from library.runtime.attention import Attention
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
 from library.runtime.eager_fusion import eager_fused
@@ -50,6 +51,7 @@ from library.runtime.fused_compiled import (
     quantized_rows,
     residual_codes_inference_applies,
     stacked_qkv_inference_applies,
+    stacked_qkv_training_on,
     swiglu_applies,
 )
 from library.runtime.fused_ops import (
@@ -437,6 +439,7 @@ class BlockProjections(nn.Module):
         self.ffn_down = nn.Linear(f, h, bias=False)
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_weight_scale", None, persistent=False)
+        self.stack_plans: LinearPlans | None = None
 
     def stack_qkv(self) -> bool:
         """Stack q, k and v (ConvRot int8, no bias, one device; `int8_stack.stack_int8_linears`); False where they
@@ -445,6 +448,7 @@ class BlockProjections(nn.Module):
         if stacked is None:
             return False
         self.qkv_weight, self.qkv_weight_scale = stacked
+        self.stack_plans = LinearPlans()  # the eager stacked product's launch plans (`_stacked_bases`)
         return True
 
     def unstack_qkv(self) -> None:
@@ -507,9 +511,23 @@ class MossImageBlock(nn.Module):
         else:  # compiled, or the plain forms in eager mode (what a compiled block computes)
             plain = plain_group_parts(linears, h)
             if plain is not None:
-                q, k, v = plain_group(h, plain)
+                q, k, v = plain_group(h, plain, self._stacked_bases(plain, h))
                 return q, k, v
         return self.proj.q(h), self.proj.k(h), self.proj.v(h)
+
+    def _stacked_bases(self, parts: Sequence[Any], h: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The base products of q, k and v's LoRA group as one int8 product over their stacked weight
+        (`int8_stack.stacked_forward`), where `training_stacked_qkv` is on, they are stacked and each part's base is
+        its Linear's own forward; None: each part runs its base."""
+        stack = self.proj.qkv_stack()
+        if stack is None or not stacked_qkv_training_on():
+            return None
+        linears = (self.proj.q, self.proj.k, self.proj.v)
+        for part, linear in zip(parts, linears):
+            if getattr(part.base, "__self__", None) is not linear or getattr(part.base, "__func__", None) is not type(
+                    linear).forward:
+                return None
+        return stacked_forward(h, *stack, linears[0], self.proj.stack_plans).chunk(3, dim=-1)
 
     def _attention(self, h: torch.Tensor | QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
                    key_mask: torch.Tensor | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["stack_int8_linears", "stack_intact", "stackable"]
+__all__ = ["stack_int8_linears", "stack_intact", "stackable", "stacked_forward"]
 
 
 def _plain_int8(linear: nn.Module) -> bool:
@@ -80,3 +80,18 @@ def stack_intact(weight: torch.Tensor, scale: torch.Tensor, linears: Sequence[nn
             return False
         start += n
     return start == weight.shape[0]
+
+
+def stacked_forward(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, like: nn.Module,
+                    plans: object | None = None) -> torch.Tensor:
+    """What the stacked Linears' own forwards give for x, side by side ([..., sum N]), from one product over the
+    stacked `weight` and `scale`, with `like`'s (any member's) group and backward: the registered op while compiling,
+    the eager product otherwise (`plans`: its launch plans, `library.quant.linear_plan.LinearPlans`). Differentiable in
+    x, as `ConvRotInt8Linear.forward` is."""
+    from library.quant import convrot_ops as ops
+    from library.quant.convrot import _input_for
+
+    x = _input_for(x)
+    if torch.compiler.is_compiling():
+        return ops.linear(x, weight, scale, None, like.group_size, like.bwd)
+    return ops.linear_eager(x, weight, scale, None, like.group_size, like.bwd, plans)

@@ -77,11 +77,11 @@ __all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "c
            "op_linear_norm_rope", "op_norm_modulate", "op_norm_modulate_codes", "op_norm_rope",
            "op_residual_norm_modulate_codes", "op_swiglu", "op_swiglu_codes", "producer_codes_on", "quantized_rows",
            "residual_codes_inference_applies", "set_compiled_kernels", "stacked_qkv_inference_applies",
-           "swiglu_applies"]
+           "stacked_qkv_training_on", "swiglu_applies"]
 
 _SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": True,
                                "inference_codes": True, "inference_epilogues": False, "inference_stacked_qkv": True,
-                               "inference_residual_codes": True, "cpu": False}
+                               "inference_residual_codes": True, "training_stacked_qkv": False, "cpu": False}
 
 
 def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
@@ -89,8 +89,9 @@ def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
     that gives SwiGLU ffn_down's codes; `inference_codes`: the codes-only producers of blocks compiled without
     gradients, and `inference_epilogues` there the int8 products with the step after them; `inference_stacked_qkv`:
     there one product for q, k and v where the model stacked them, `MossImage.stack_qkv_weights`;
-    `inference_residual_codes`: there the gated residual and the second norm's codes as one op; see the module
-    docstring), and whether CPU tensors take the ops too (`cpu`, for tests); returns the previous settings."""
+    `inference_residual_codes`: there the gated residual and the second norm's codes as one op;
+    `training_stacked_qkv`: blocks with a LoRA on q, k and v, stacked, run the three base products as one, off by
+    default, not measured yet; see the module docstring), and whether CPU tensors take the ops too (`cpu`, for tests); returns the previous settings."""
     unknown = set(settings) - set(_SETTINGS)
     if unknown:
         raise ValueError(f"unknown compiled-kernel settings {sorted(unknown)}; known: {sorted(_SETTINGS)}")
@@ -132,6 +133,15 @@ def stacked_qkv_inference_applies() -> bool:
     (`BlockProjections.qkv_stack`) runs one product for the three: the `inference_stacked_qkv` setting (on by
     default), and not `inference_epilogues` (whose q and k products take their head norm and RoPE each)."""
     return _SETTINGS["inference_stacked_qkv"] and not _SETTINGS["inference_epilogues"]
+
+
+def stacked_qkv_training_on() -> bool:
+    """Whether the LoRA group of stacked ConvRot INT8 q, k and v takes their base products as one
+    (`MossImageBlock._stacked_bases`, in compiled blocks and the eager plain forms): the `training_stacked_qkv`
+    setting, off by default until an H200 measures it (`bench/checkpointing.py`'s `no_gc_compile_int8_stacked_qkv`).
+    Inside a compiled checkpoint the LoRA group, and so this, does not apply: dynamo gives no adapter behind a
+    Linear's replaced forward there."""
+    return _SETTINGS["training_stacked_qkv"]
 
 
 def residual_codes_inference_applies(x: torch.Tensor, gate: torch.Tensor) -> bool:
