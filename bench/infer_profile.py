@@ -18,7 +18,6 @@ guards between its graphs); `--guarded` checks every guard on every step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shlex
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch
 
 import moss_image_minimal_inference as script
 from bench.report import write_report
-from library.sampling.sampler import DEFAULT_UNCOND_SKIP_LAYERS, initial_noise
+from library.sampling.sampler import DEFAULT_UNCOND_SKIP_LAYERS, _repeated_velocity, initial_noise
 
 
 def _settings(text: str) -> dict[str, bool]:
@@ -86,11 +85,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prepared = [dit.prepare_text(e.to(device), torch.ones(e.shape[:2], dtype=torch.bool), grid)
                         for e in (cond, uncond)]
 
+            def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                v = dit.forward_with_text(x, t, prepared[0]).float()
+                return v + dit.forward_with_text(x, t, prepared[1], skip_layers=skip).float()
+
+            repeated: list[Any] = [None if args.guarded else dit.repeated_calls]
+
             def step(repeat: bool = True) -> torch.Tensor:
                 # as the sampler runs its steps after the first (`MossImage.repeated_calls`), unless --guarded
-                with dit.repeated_calls() if repeat and not args.guarded else contextlib.nullcontext():
-                    v = dit.forward_with_text(x, t, prepared[0]).float()
-                    return v + dit.forward_with_text(x, t, prepared[1], skip_layers=skip).float()
+                if not repeat or repeated[0] is None:
+                    return velocity(x, t)
+                v, repeated[0] = _repeated_velocity(velocity, x, t, repeated[0])
+                return v
 
             warm = time.perf_counter()
             for i in range(args.warmup):

@@ -90,6 +90,56 @@ def test_sampler_matches_hand_written_euler_with_cfg_and_skip():
     assert torch.allclose(out, ref, atol=1e-5)
 
 
+class RepeatingFakeDiT(FakeDiT):
+    """FakeDiT with `repeated_calls`: counts the contexts entered, and its first call inside one fails the way torch
+    fails a compile under `skip_guard_eval_unsafe`."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside = False
+        self.entered = 0
+        self.fail_once = True
+
+    def repeated_calls(self):
+        fake = self
+
+        class Context:
+            def __enter__(self):
+                fake.entered += 1
+                fake.inside = True
+
+            def __exit__(self, *exc):
+                fake.inside = False
+
+        return Context()
+
+    def forward(self, *args, **kwargs):
+        if self.inside and self.fail_once:
+            self.fail_once = False
+            raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance.")
+        return super().forward(*args, **kwargs)
+
+
+def test_unguarded_repeats_fall_back_to_every_guard_when_a_graph_is_missing():
+    """With `unguarded_repeats`, the steps after the first run inside the model's `repeated_calls()`; a step that
+    needs a new compiled graph there runs again without it, and so do the rest of the image's steps: the same
+    latents as without it."""
+    noise = torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(3))
+    cond, cmask = embeds(1, 5)
+    uncond, umask = embeds(1, 2, seed=2)
+    args = (noise, cond, cmask, uncond, umask)
+    ref = ms.sample(RepeatingFakeDiT(), *args, steps=4)
+    model = RepeatingFakeDiT()
+    out = ms.sample(model, *args, steps=4, unguarded_repeats=True)
+    assert torch.equal(out, ref) and model.entered == 1 and not model.fail_once
+    model = RepeatingFakeDiT()
+    model.fail_once = False
+    assert torch.equal(ms.sample(model, *args, steps=4, unguarded_repeats=True), ref) and model.entered == 3
+    with pytest.raises(RuntimeError, match="other"):
+        ms._repeated_velocity(lambda x, t: (_ for _ in ()).throw(RuntimeError("other")), noise, noise,
+                              model.repeated_calls)
+
+
 def test_uncond_skip_layers_only_on_the_uncond_pass():
     model = FakeDiT()
     noise = torch.randn(1, 128, 2, 2)

@@ -26,7 +26,6 @@ in one warning per file; a bad value of one of ours is an error.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -238,6 +237,22 @@ def cfg_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: f
 
 
 @torch.no_grad()
+def _repeated_velocity(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+                       t: torch.Tensor, repeated: Callable[[], Any]) -> tuple[torch.Tensor, Any]:
+    """velocity(x, t) inside the model's `repeated_calls()`; where a compiled graph turns out to be missing there
+    (torch refuses to compile one while it skips guards: the step did not repeat the first one's calls, which a
+    process that compiled other models' blocks before can cause), the step again with every guard checked, and no
+    `repeated_calls` for the rest of the image. Returns the velocity and the context to use next."""
+    try:
+        with repeated():
+            return velocity(x, t), repeated
+    except RuntimeError as e:
+        if "skip_guard_eval_unsafe" not in str(e):
+            raise
+    logger.info("a sampling step needed a new compiled graph: every guard is checked for the rest of this image")
+    return velocity(x, t), None
+
+
 def sample(
     model: VelocityModel,
     noise: torch.Tensor,
@@ -287,17 +302,21 @@ def sample(
         cond = _Velocity(model, cond_embeds, cond_mask, size)
         uncond = _Velocity(model, uncond_embeds, uncond_mask, size) if use_cfg else None
 
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if not use_cfg:
+            return cond(x, t)
+        if one_batch:
+            v_cond, v_uncond = both(torch.cat([x, x]), torch.cat([t, t])).chunk(2)
+            return cfg_velocity(v_cond, v_uncond, guidance_scale)
+        return cfg_velocity(cond(x, t), uncond(x, t, skip), guidance_scale)
+
     repeated = getattr(model, "repeated_calls", None) if unguarded_repeats else None
     for i in range(len(grid) - 1):
         t = torch.full((batch,), float(grid[i]), dtype=torch.float32, device=x.device)
-        with repeated() if repeated is not None and i > 0 else contextlib.nullcontext():
-            if not use_cfg:
-                v = cond(x, t)
-            elif one_batch:
-                v_cond, v_uncond = both(torch.cat([x, x]), torch.cat([t, t])).chunk(2)
-                v = cfg_velocity(v_cond, v_uncond, guidance_scale)
-            else:
-                v = cfg_velocity(cond(x, t), uncond(x, t, skip), guidance_scale)
+        if repeated is not None and i > 0:
+            v, repeated = _repeated_velocity(velocity, x, t, repeated)
+        else:
+            v = velocity(x, t)
         x = x + (sigmas[i + 1] - sigmas[i]).item() * v
         if callback is not None:
             callback(i, len(grid) - 1, x)
