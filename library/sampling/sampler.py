@@ -236,7 +236,6 @@ def cfg_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: f
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
-@torch.no_grad()
 def _repeated_velocity(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
                        t: torch.Tensor, repeated: Callable[[], Any]) -> tuple[torch.Tensor, Any]:
     """velocity(x, t) inside the model's `repeated_calls()`; where a compiled graph turns out to be missing there
@@ -253,6 +252,7 @@ def _repeated_velocity(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Te
     return velocity(x, t), None
 
 
+@torch.no_grad()
 def sample(
     model: VelocityModel,
     noise: torch.Tensor,
