@@ -55,7 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.gpu_profile import kernel_profile
 from bench.host_profile import host_profile
-from library.moss_image.dit import MossImage, MossImageConfig, rope_cos_sin
+from library.moss_image.dit import MossImage, MossImageConfig
+from library.moss_image.rope import rope_cos_sin
 from library.moss_image.loaders import quantize_dit
 from library.quant import convrot as U
 from library.quant import convrot_kernels as K

@@ -29,7 +29,7 @@ import torch
 
 import moss_image_minimal_inference as script
 from bench.report import write_report
-from library.sampling.sampler import DEFAULT_UNCOND_SKIP_LAYERS, _repeated_velocity, initial_noise
+from library.sampling.sampler import DEFAULT_UNCOND_SKIP_LAYERS, initial_noise, repeated_velocity
 
 
 def _settings(text: str) -> dict[str, bool]:
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # as the sampler runs its steps after the first (`MossImage.repeated_calls`), unless --guarded
                 if not repeat or repeated[0] is None:
                     return velocity(x, t)
-                v, repeated[0] = _repeated_velocity(velocity, x, t, repeated[0])
+                v, repeated[0] = repeated_velocity(velocity, x, t, repeated[0])
                 return v
 
             warm = time.perf_counter()

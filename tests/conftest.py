@@ -99,3 +99,20 @@ def e2e_background(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     run = BackgroundE2E.start(tmp_path_factory)
     yield run
     run.stop()
+
+
+@pytest.fixture
+def stacked_forward_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the DiT's stacked q/k/v products (`library.moss_image.dit.stacked_forward`, which compiled blocks
+    inline, so the count is of traces there and of calls in eager code)."""
+    from library.moss_image import dit
+
+    calls = {"n": 0}
+    original = dit.stacked_forward
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dit, "stacked_forward", counting)
+    return calls

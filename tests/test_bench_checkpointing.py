@@ -90,21 +90,14 @@ def test_host_columns_say_where_the_gpu_waited_for_the_host():
     assert "gpu_lag_ms" not in bench.host_columns(host, [100.0, 100.0], cuda=False)
 
 
-def test_the_stacked_qkv_variant_runs_the_trainer_with_one_base_product(tiny_snapshot, tmp_path, monkeypatch):
+def test_the_stacked_qkv_variant_runs_the_trainer_with_one_base_product(tiny_snapshot, tmp_path,
+                                                                        stacked_forward_calls):
     """`_stacked_qkv`: the trainer stacks ConvRot INT8 q, k and v before compiling (`prepare_unet`) and the LoRA group
     takes their base products as one, to the first loss within float rounding; the setting is off again after its
     run."""
-    from library.moss_image import dit as dit_module
     from library.runtime import fused_compiled
 
-    calls = {"n": 0}
-    original = dit_module.stacked_forward
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(dit_module, "stacked_forward", counting)
+    calls = stacked_forward_calls
     out = tmp_path / "tiny.json"
     names = ["no_gc_compile_int8", "no_gc_compile_int8_stacked_qkv"]
     argv = ["--tiny", "--snapshot", str(tiny_snapshot), "--configs", ",".join(names), "--steps", "2", "--warmup", "1"]

@@ -15,12 +15,11 @@ from torch._dynamo import register_backend
 from torch._dynamo.backends.registry import lookup_backend
 
 from library.moss_image.dit import MossImage
-from library.moss_image.loaders import load_moss_image_model
 from library.quant import convrot_kernels as K
 from library.quant import convrot_ops as ops
 from library.runtime.compile import compile_blocks
 from library.runtime.eager_fusion import plain_forms
-from networks import lora_generic
+from tests.int8_lora import dit_with_lora
 
 TINY_LAYERS = 24
 QUANTISATIONS_PER_BLOCK = 4  # h -> q, k, v (shared); attention output -> o; h -> ffn_up_gate; SwiGLU -> ffn_down
@@ -59,18 +58,6 @@ def quant_calls(monkeypatch):
     return calls
 
 
-def _dit_with_lora(snapshot):
-    dit = load_moss_image_model("cpu", snapshot, dtype=torch.float32, convrot_int8=True)
-    net = lora_generic.create_network(1.0, 4, 4.0, None, [], dit)
-    net.apply_to(None, dit, apply_text_encoder=False, apply_unet=True)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0, 0.1)
-    net.requires_grad_(True)
-    return dit, net
-
-
 def _inputs(dit):
     g = torch.Generator().manual_seed(1)
     latent = torch.randn(1, dit.config.in_channels, 4, 4, generator=g)
@@ -107,7 +94,7 @@ def test_fullgraph_trace_through_the_registered_ops_equals_eager(tiny_snapshot, 
     2.13; older ones round the q/k/v LoRA group's traced graph differently in the last bits), also
     under bf16 autocast (autocast is applied when tracing; the ops' own numerics must not depend on it). The eager
     reference computes the plain forms of the element-wise code, as the compiled blocks do."""
-    dit, net = _dit_with_lora(tiny_snapshot)
+    dit, net = dit_with_lora(tiny_snapshot)
     inputs = _inputs(dit)
     with plain_forms():
         ref = _step(dit, net, *inputs, autocast=autocast)
@@ -140,7 +127,7 @@ def test_inductor_fullgraph_matches_eager(tiny_snapshot, quant_calls):
         get_cpp_compiler()
     except Exception as e:  # noqa: BLE001 - inductor raises various errors for a missing compiler
         pytest.skip(f"inductor on the CPU needs a C++ compiler ({e})")
-    dit, net = _dit_with_lora(tiny_snapshot)
+    dit, net = dit_with_lora(tiny_snapshot)
     inputs = _inputs(dit)
     ref = _step(dit, net, *inputs)
     _compile(dit, "inductor")

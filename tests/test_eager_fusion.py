@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from library.lora import eager_node
-from library.moss_image.dit import MossImageBlock, MossImageConfig, RMSNorm, RopeTables, apply_rope
+from library.moss_image.dit import MossImageBlock, MossImageConfig, RMSNorm
+from library.moss_image.rope import RopeTables, apply_rope
 from library.runtime.attention import Attention
 from library.runtime.eager_fusion import eager_fused, plain_forms, set_eager_fusion
 from networks.lora_generic import LoRAModule

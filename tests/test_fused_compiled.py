@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from library.moss_image.dit import MossImageBlock, MossImageConfig, RopeTables, apply_rope
+from library.moss_image.dit import MossImageBlock, MossImageConfig
+from library.moss_image.rope import RopeTables, apply_rope
 from library.runtime.attention import Attention
 from library.runtime.eager_fusion import plain_forms
 from library.runtime.fused_compiled import compiled_kernel, compiled_kernels, set_compiled_kernels

@@ -38,7 +38,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from library.moss_image.dit import MossImageBlock, MossImageConfig, RopeTables, apply_rope
+from library.moss_image.dit import MossImageBlock, MossImageConfig
+from library.moss_image.rope import RopeTables, apply_rope
 from library.runtime import fused_ops
 from library.runtime.attention import Attention
 

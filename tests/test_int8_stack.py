@@ -13,6 +13,7 @@ import torch.nn as nn
 from library.moss_image.loaders import load_moss_image_model
 from library.quant.convrot import ConvRotInt8Linear
 from library.quant.int8_stack import stack_int8_linears, stack_intact, stackable
+from tests.int8_lora import dit_with_lora
 
 
 def _int8(n: int, k: int = 64, seed: int = 0, bias: bool = False) -> ConvRotInt8Linear:
@@ -95,24 +96,10 @@ def test_a_bf16_dit_stacks_nothing(tiny_snapshot):
     assert dit.stack_qkv_weights() == 0 and not dit._qkv_stacked
 
 
-def _dit_with_lora(snapshot):
-    from networks import lora_generic
-
-    dit = load_moss_image_model("cpu", snapshot, dtype=torch.float32, convrot_int8=True)
-    net = lora_generic.create_network(1.0, 4, 4.0, None, [], dit)
-    net.apply_to(None, dit, apply_text_encoder=False, apply_unet=True)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0, 0.1)
-    net.requires_grad_(True)
-    return dit, net
-
-
 def _lora_step(dit, net, compiled: bool):
     """One forward + backward of the DiT's first main block (compiled with aot_eager and fullgraph=True, or the eager
     plain forms that a compiled block computes): output, input gradient and LoRA gradients."""
-    from library.moss_image.dit import RopeTables
+    from library.moss_image.rope import RopeTables
     from library.runtime.eager_fusion import plain_forms
 
     blk = dit.layers[0]
@@ -136,22 +123,14 @@ def _lora_step(dit, net, compiled: bool):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["plain_forms", "compiled"])
 def test_training_with_stacked_q_k_and_v_gives_the_lora_gradients_of_three_products(tiny_snapshot, compiled,
-                                                                                     monkeypatch):
+                                                                                     stacked_forward_calls):
     """`training_stacked_qkv` on: the LoRA group's base products of stacked q, k and v as one, with the same output,
     input gradient and LoRA gradients as three products (to float tolerance: the input gradient's three sums are one
     product's now); off (the default), or without a stack, three products."""
-    from library.moss_image import dit as dit_module
     from library.runtime.fused_compiled import compiled_kernels
 
-    calls = {"n": 0}
-    original = dit_module.stacked_forward
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(dit_module, "stacked_forward", counting)
-    dit, net = _dit_with_lora(tiny_snapshot)
+    calls = stacked_forward_calls
+    dit, net = dit_with_lora(tiny_snapshot)
     with compiled_kernels(training_stacked_qkv=True):
         three = _lora_step(dit, net, compiled)  # no stack yet
     assert dit.stack_qkv_weights() == len(dit.layers)

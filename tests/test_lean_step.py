@@ -14,8 +14,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moss_image_train_network as m
-from library.moss_image.dit import RopeTables, rope_cos_sin, text_lengths
+from library.moss_image.dit import text_lengths
 from library.moss_image.loaders import load_moss_image_model
+from library.moss_image.rope import RopeTables, rope_cos_sin
 from library.moss_image.tiny_snapshot import TINY_DIT_CONFIG
 from library.training import optimizers
 from networks.lora_generic import create_network

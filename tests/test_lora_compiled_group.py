@@ -12,7 +12,8 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from library.lora import eager_node
-from library.moss_image.dit import MossImageBlock, MossImageConfig, RopeTables
+from library.moss_image.dit import MossImageBlock, MossImageConfig
+from library.moss_image.rope import RopeTables
 from library.runtime.attention import Attention
 from networks.lora_generic import LoRAModule
 

@@ -136,7 +136,7 @@ def test_unguarded_repeats_fall_back_to_every_guard_when_a_graph_is_missing():
     model.fail_once = False
     assert torch.equal(ms.sample(model, *args, steps=4, unguarded_repeats=True), ref) and model.entered == 3
     with pytest.raises(RuntimeError, match="other"):
-        ms._repeated_velocity(lambda x, t: (_ for _ in ()).throw(RuntimeError("other")), noise, noise,
+        ms.repeated_velocity(lambda x, t: (_ for _ in ()).throw(RuntimeError("other")), noise, noise,
                               model.repeated_calls)
 
 

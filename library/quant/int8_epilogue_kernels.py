@@ -10,7 +10,7 @@ epilogue does that step on the tile it holds and writes only its result:
   [B, N] of each row's sample (row m belongs to sample m // seq);
 - ``EPILOGUE == 2`` (`gemm_norm_rope`): the tile is one head (BLOCK_N = head_dim): ``rope(y * rstd * w)`` with
   rstd = 1 / sqrt(mean(y^2) + eps) over the head and the cos/sin tables [B or 1, S, head_dim / 2] of each row's
-  token, the rotation over adjacent pairs (as `library.moss_image.dit.apply_rope`).
+  token, the rotation over adjacent pairs (as `library.moss_image.rope.apply_rope`).
 
 y is the Linear's output as the plain GEMM rounds it (``T(fp32(acc) * sa[m] * sb[n])``), so these are the plain
 kernels' steps on the same values; only where the fp32 arithmetic is contracted or summed in another order may the

@@ -17,12 +17,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from library.quant import convrot_ops as ops
+from library.quant.convrot import ConvRotInt8Linear, _input_for
+
 __all__ = ["stack_int8_linears", "stack_intact", "stackable", "stacked_forward"]
 
 
 def _plain_int8(linear: nn.Module) -> bool:
-    from library.quant.convrot import ConvRotInt8Linear
-
     return type(linear) is ConvRotInt8Linear and not linear.full_precision and linear.bias is None
 
 
@@ -88,9 +89,6 @@ def stacked_forward(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     stacked `weight` and `scale`, with `like`'s (any member's) group and backward: the registered op while compiling,
     the eager product otherwise (`plans`: its launch plans, `library.quant.linear_plan.LinearPlans`). Differentiable in
     x, as `ConvRotInt8Linear.forward` is."""
-    from library.quant import convrot_ops as ops
-    from library.quant.convrot import _input_for
-
     x = _input_for(x)
     if torch.compiler.is_compiling():
         return ops.linear(x, weight, scale, None, like.group_size, like.bwd)

@@ -236,7 +236,7 @@ def cfg_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: f
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
-def _repeated_velocity(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+def repeated_velocity(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
                        t: torch.Tensor, repeated: Callable[[], Any]) -> tuple[torch.Tensor, Any]:
     """velocity(x, t) inside the model's `repeated_calls()`; where a compiled graph turns out to be missing there
     (torch refuses to compile one while it skips guards: the step did not repeat the first one's calls, which a
@@ -314,7 +314,7 @@ def sample(
     for i in range(len(grid) - 1):
         t = torch.full((batch,), float(grid[i]), dtype=torch.float32, device=x.device)
         if repeated is not None and i > 0:
-            v, repeated = _repeated_velocity(velocity, x, t, repeated)
+            v, repeated = repeated_velocity(velocity, x, t, repeated)
         else:
             v = velocity(x, t)
         x = x + (sigmas[i + 1] - sigmas[i]).item() * v
