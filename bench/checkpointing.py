@@ -208,11 +208,11 @@ NO_COMPILED_CODES = "_no_compiled_codes"
 for _name in ("gc_full_compile_int8", "no_gc_compile_int8"):
     CONFIGS[_name + NO_COMPILED_CODES] = CONFIGS[_name]
 # bench-only: ConvRot INT8 q, k and v stacked and their LoRA group's base products as one
-# (set_compiled_kernels(training_stacked_qkv=True), off by default), for the ratio in one run. Without checkpointing
-# only: inside a compiled checkpoint the q/k/v LoRA group does not form (dynamo gives no adapter behind a Linear's
-# replaced forward there), and eager blocks run q, k and v as one LoRA node
+# (set_compiled_kernels(training_stacked_qkv=True), off by default), for the ratio in one run; compiled blocks only
+# (eager blocks run q, k and v as one LoRA node), with their checkpoint or without
 STACKED_QKV = "_stacked_qkv"
-CONFIGS["no_gc_compile_int8" + STACKED_QKV] = CONFIGS["no_gc_compile_int8"]
+for _name in ("no_gc_compile_int8", "gc_full_compile_int8"):
+    CONFIGS[_name + STACKED_QKV] = CONFIGS[_name]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30

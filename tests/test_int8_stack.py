@@ -143,3 +143,47 @@ def test_training_with_stacked_q_k_and_v_gives_the_lora_gradients_of_three_produ
     assert len(one[2]) == len(three[2]) > 0
     for a, b in zip(one[2], three[2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("checkpointing", [None, "full", "selective"])
+def test_a_checkpointed_compiled_block_takes_the_stacked_product_too(tiny_snapshot, checkpointing):
+    """`training_stacked_qkv` inside a compiled block's checkpoint (`--gradient_checkpointing --compile`): the traced
+    forward has one int8 product over the stacked [3W, W] weight where it had q, k and v's three, checkpointed or
+    not, with the LoRA group in front of it."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from library.moss_image.rope import RopeTables
+    from library.runtime.fused_compiled import compiled_kernels
+
+    dit, _net = dit_with_lora(tiny_snapshot)
+    assert dit.stack_qkv_weights() == len(dit.layers)
+    blk, cfg = dit.layers[0], dit.config
+    blk.checkpointing = checkpointing
+    width = cfg.hidden_size
+    cos, sin = RopeTables(cfg.rope_axes_dims, cfg.rope_theta).cos_sin([5], 8, 4, 4, torch.device("cpu"))
+    x = torch.randn(1, 24, width).requires_grad_(True)
+    mod = torch.randn(1, 6, width) * 0.3
+
+    def weight_rows(on: bool) -> list[int]:
+        rows: list[int] = []
+
+        def forward(gm: torch.fx.GraphModule, _inputs: list) -> object:
+            rows.extend(n.args[3].meta["val"].shape[0] for n in gm.graph.nodes
+                        if n.op == "call_function" and "convrot_int8_linear.default" in str(n.target))
+            return make_boxed_func(gm.forward)
+
+        backend = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, _inputs: make_boxed_func(gm.forward))
+        torch._dynamo.reset()
+        try:
+            with compiled_kernels(training_stacked_qkv=on):
+                torch.compile(blk, backend=backend, fullgraph=True)(x, cos, sin, None, mod).sum().backward()
+        finally:
+            torch._dynamo.reset()
+        return sorted(rows)
+
+    three = weight_rows(False)
+    assert three.count(width) == 5 and 3 * width not in three  # q, k, v, o and ffn_down
+    one = weight_rows(True)
+    assert one.count(3 * width) == 1 and one.count(width) == 2  # the stack, o and ffn_down
+    assert len(one) == len(three) - 2
