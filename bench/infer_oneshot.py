@@ -14,8 +14,9 @@ norms and SwiGLU write their outputs for the int8 Linears to quantise (`set_comp
 the same as `compile` in bf16), and `compile_epilogues` is `compile` with those blocks' int8 products taking the
 gated residual and the q/k head norm + RoPE into the GEMM's epilogue (`set_compiled_kernels(inference_epilogues=True)`,
 off by default), and `compile_no_stack` is `compile` with ConvRot INT8 q, k and v as three products, not one over
-their stacked weight (`set_compiled_kernels(inference_stacked_qkv=False)`), each for the ratio of the two in one
-run. Before the first run the
+their stacked weight (`set_compiled_kernels(inference_stacked_qkv=False)`), and `compile_unpacked` is `compile` with
+each CFG step's two passes run one after the other rather than packed into one (`library.moss_image.cfg_packing`),
+each for the ratio of the two in one run. Before the first run the
 repository's Python files are compiled to bytecode (`compileall`, as pip does when it installs a package), so the
 runs measure the imports a user's installed copy pays.
 
@@ -43,7 +44,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "moss_image_minimal_inference.py"
 PROMPTS = ("a red fox in the snow, morning light", "a lighthouse on a cliff at dusk, long exposure")
-RUNS = ("eager", "compile", "compile_plain_kernels", "compile_no_codes", "compile_epilogues", "compile_no_stack")
+RUNS = ("eager", "compile", "compile_plain_kernels", "compile_no_codes", "compile_epilogues", "compile_no_stack",
+        "compile_unpacked")
 # bench-only: `compile` with settings of library.runtime.fused_compiled changed in the script's process, the forms
 # before them, for a ratio measured in one run: the compiled blocks' element-wise code left to inductor (no fused
 # kernels as ops), or ConvRot INT8 blocks whose producers write their outputs and the int8 Linears quantise them
@@ -51,12 +53,19 @@ _COMPILED_SETTINGS = {"compile_plain_kernels": "norm_rope=False, swiglu=False",
                       "compile_no_codes": "inference_codes=False",
                       "compile_epilogues": "inference_epilogues=True",
                       "compile_no_stack": "inference_stacked_qkv=False"}
+# bench-only: `compile` with a CFG step's two passes run one after the other, not packed into one pass
+# (library.moss_image.cfg_packing.set_cfg_packing(False))
+_PROCESS_SETUP = {"compile_unpacked": "from library.moss_image.cfg_packing import set_cfg_packing; "
+                                      "set_cfg_packing(False)"}
 
 
-def _launcher(settings: str) -> str:
-    return ("import runpy, sys; from library.runtime.fused_compiled import set_compiled_kernels; "
-            f"set_compiled_kernels({settings}); sys.argv = sys.argv[1:]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
+def _launcher(settings: str | None, setup: str | None = None) -> str:
+    code = "import runpy, sys; "
+    if settings:
+        code += f"from library.runtime.fused_compiled import set_compiled_kernels; set_compiled_kernels({settings}); "
+    if setup:
+        code += setup + "; "
+    return code + "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 _NUM = r"([0-9]+(?:\.[0-9]+)?)"
 _TIMINGS_RE = re.compile(
@@ -102,8 +111,8 @@ def compile_bytecode() -> float:
 
 
 def run_command(args: argparse.Namespace, run: str, save: Path, prompts_file: Path) -> list[str]:
-    settings = _COMPILED_SETTINGS.get(run)
-    launcher = [sys.executable, "-c", _launcher(settings)] if settings else [sys.executable]
+    settings, setup = _COMPILED_SETTINGS.get(run), _PROCESS_SETUP.get(run)
+    launcher = [sys.executable, "-c", _launcher(settings, setup)] if settings or setup else [sys.executable]
     cmd = [*launcher, SCRIPT, "--snapshot", str(args.snapshot), "--image_size", *map(str, args.image_size),
            "--infer_steps", str(args.steps), "--seed", "42", "--save_path", str(save)]
     if args.device:

@@ -12,7 +12,8 @@ One JSON.
 `--settings` changes `library.runtime.fused_compiled.set_compiled_kernels` before the DiT compiles (the same
 switches as `bench.infer_oneshot`'s runs), so two invocations give a ratio; `--no_compile` times the eager forms.
 The steps after the first run as the sampler runs them, inside `MossImage.repeated_calls()` (dynamo checks only the
-guards between its graphs); `--guarded` checks every guard on every step.
+guards between its graphs); `--guarded` checks every guard on every step. A step is one pass over both texts packed
+side by side, as the sampler runs it (`library.moss_image.cfg_packing`); `--unpacked` runs the two passes.
 """
 
 from __future__ import annotations
@@ -85,7 +86,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prepared = [dit.prepare_text(e.to(device), torch.ones(e.shape[:2], dtype=torch.bool), grid)
                         for e in (cond, uncond)]
 
+            # as the sampler runs a CFG step: one packed pass over both texts (`MossImage.pack_texts`), unless
+            # --unpacked, then the two passes
+            packed = None if args.unpacked else dit.pack_texts(prepared)
+
             def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                if packed is not None:
+                    v_cond, v_uncond = dit.forward_packed(x, t, packed, ((), skip))
+                    return v_cond.float() + v_uncond.float()
                 v = dit.forward_with_text(x, t, prepared[0]).float()
                 return v + dit.forward_with_text(x, t, prepared[1], skip_layers=skip).float()
 
@@ -115,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
                 "torch": torch.__version__, "args": vars(args),
                 "compiled_settings": _settings(args.settings), "tuning": _tuning(args.tuning),
-                "guarded": args.guarded, "load_s": round(load_s, 2),
+                "guarded": args.guarded, "packed": packed is not None, "load_s": round(load_s, 2),
                 "warmup_s": round(warmup_s, 2), "step_ms_median": round(statistics.median(times), 2),
                 "step_ms": [round(v, 2) for v in times],
                 "tokens": {"image": grid[0] * grid[1], "cond_text": args.text_tokens,
@@ -145,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", default="", help="more options of the inference script, e.g. --convrot_int8")
     p.add_argument("--tuning", default="", help="fused_kernels launch parameters, e.g. codes_rows=2,codes_ept=16"
                    " (what python -m bench.codes_kernels prints last)")
+    p.add_argument("--unpacked", action="store_true",
+                   help="run a CFG step as two passes, not one pass over both texts packed (library.moss_image."
+                        "cfg_packing)")
     p.add_argument("--guarded", action="store_true",
                    help="every guard checked on every step (not only those between the graphs, as the sampler has it)")
     args = p.parse_args(argv)

@@ -22,7 +22,16 @@ def test_infer_profile_times_cfg_steps_on_the_tiny_snapshot(tiny_snapshot, tmp_p
     assert res["device"] == "cpu" and len(res["step_ms"]) == 2 and res["step_ms_median"] > 0
     assert res["tokens"] == {"image": 16, "cond_text": 32, "uncond_text": 8}
     assert res["compiled_settings"] == {"inference_codes": False} and "profile" not in res
+    assert res["packed"]  # a CFG step as the sampler runs it: one pass over both texts
     assert fused_compiled._SETTINGS == before
+
+
+def test_infer_profile_runs_the_two_passes_when_asked(tiny_snapshot, tmp_path):
+    out = tmp_path / "p.json"
+    argv = ["--snapshot", str(tiny_snapshot), "--out", str(out), "--image_size", "64", "64", "--steps", "1",
+            "--warmup", "1", "--no_compile", "--unpacked", "--extra=--device cpu"]
+    assert infer_profile.main(argv) == 0
+    assert not json.loads(out.read_text())["packed"]
 
 
 def test_settings_are_name_equals_true_or_false():

@@ -45,6 +45,8 @@ def run_checks(device: str) -> dict:
                         K._quantize_rows_triton(x.reshape(-1, k), g, kernel="rows"))
             q_mm, s_mm = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="rows_mma")  # tensor-core rotation
             q_tm, s_tm = K._quantize_rows_triton(x.reshape(-1, k), g, kernel="tiles_mma")  # two passes, 64-blocks
+            rows = x.reshape(-1, k)  # two packed sequences' rows, each's codes written in place in one buffer
+            q_sg, s_sg = K.quantize_segments([rows[:m // 2 + 1], rows[m // 2 + 1:]], g)
             q_e, s_e = K.quantize_rowwise(K.rotate_activation(x, g).reshape(-1, k) if g else x.reshape(-1, k))
             y_t = K.int8_linear(x, q, s, bias, g, backend="triton")
             y_e = K.int8_linear(x, q, s, bias, g, backend="eager")
@@ -58,6 +60,7 @@ def run_checks(device: str) -> dict:
                 "mma_q_mismatch": int((q_mm != q_e).sum()), "mma_s_mismatch": int((s_mm != s_e.reshape(-1)).sum()),
                 "tiles_mma_q_mismatch": int((q_tm != q_e).sum()),
                 "tiles_mma_s_mismatch": int((s_tm != s_e.reshape(-1)).sum()),
+                "segments_q_mismatch": int((q_sg != q_t).sum()), "segments_s_mismatch": int((s_sg != s_t).sum()),
                 "y_mismatch": int((y_t != y_e).sum()), "y_dtype_ok": y_t.dtype == dt and y_t.shape == (2, m, n),
                 "y_relerr": float((y_t.float() - y_e.float()).norm() / y_e.float().norm()),
             }
@@ -307,6 +310,7 @@ def _assert_checks(res: dict, on_cuda: bool = False) -> None:
         # binades, which 1024 fp16 terms can); without rotation every dtype is exact
         exact = (c["dtype"] != "torch.float32" and c["shape"][3] <= 256) or c["shape"][3] == 0
         assert c["y_dtype_ok"], c
+        assert c["segments_q_mismatch"] == 0 and c["segments_s_mismatch"] == 0, c  # the same launches, in place
         # the one-pass and the streaming quantiser run the same arithmetic per group: identical codes and scales
         # (compiled, inexact fp32 sums may be reduced in another order: then within the tolerance against eager)
         # ("quarters", the default, holds a row in another layout: the same sums per group, the same codes)

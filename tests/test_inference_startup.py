@@ -189,3 +189,10 @@ def test_infer_oneshot_runs_the_script_with_the_compiled_kernels_off_for_its_pla
     out = subprocess.run([sys.executable, "-c", cmd[2], str(probe)], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parent.parent).stdout
     assert out.strip() == "False True"
+    # `compile_unpacked`: a CFG step's two passes one after the other (the compiled kernels as they are)
+    cmd = infer_oneshot.run_command(args, "compile_unpacked", tmp_path / "out", tmp_path / "p.txt")
+    probe.write_text("from library.moss_image import cfg_packing as c\nfrom library.runtime import fused_compiled as f\n"
+                     "print(c.cfg_packing_on(), f._SETTINGS['inference_codes'])\n")
+    out = subprocess.run([sys.executable, "-c", cmd[2], str(probe)], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    assert out.strip() == "False True"

@@ -25,11 +25,12 @@ import torch.nn.functional as F
 
 from library.lora.compiled_group import plain_group, plain_group_parts
 from library.lora.eager_node import lora_group, lora_group_parts
+from library.moss_image.cfg_packing import PackedText, pack_texts, packed_forward
 from library.moss_image.rope import RopeTables, apply_rope
 from library.quant.convrot_ops import QuantizedRows, linear_from_codes
 from library.quant.int8_stack import stack_int8_linears, stack_intact, stacked_forward
 from library.quant.linear_plan import LinearPlans
-from library.runtime.attention import Attention
+from library.runtime.attention import Attention, Segments
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
 from library.runtime.eager_fusion import eager_fused
 from library.runtime.fused_compiled import (
@@ -49,6 +50,7 @@ from library.runtime.fused_compiled import (
     op_swiglu,
     op_swiglu_codes,
     quantized_rows,
+    quantized_segments,
     residual_codes_inference_applies,
     stacked_qkv_inference_applies,
     stacked_qkv_training_on,
@@ -431,8 +433,8 @@ class MossImageBlock(nn.Module):
         return stacked_forward(h, *stack, linears[0], self.proj.stack_plans).chunk(3, dim=-1)
 
     def _attention(self, h: torch.Tensor | QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
-                   key_mask: torch.Tensor | None) -> torch.Tensor:
-        """The attention branch up to `o` (its input, [B, S, W])."""
+                   key_mask: torch.Tensor | Segments | None) -> torch.Tensor | QuantizedRows:
+        """The attention branch up to `o` (its input, [B, S, W], or its codes: `_attend`)."""
         if isinstance(h, QuantizedRows):
             shape = (*h.lead_shape[:2], self.cfg.num_heads, self.cfg.head_dim)
             stack = self.proj.qkv_stack()
@@ -440,7 +442,7 @@ class MossImageBlock(nn.Module):
                 q, k, v = (t.view(shape) for t in linear_from_codes(h, *stack, None).chunk(3, dim=-1))
                 q = norm_rope(self.q_norm, q, cos, sin)
                 k = norm_rope(self.k_norm, k, cos, sin)
-                return self.attention(q, k, v, key_mask).flatten(2)
+                return self._attend(q, k, v, key_mask)
             q = self._head_codes(self.proj.q, self.q_norm, h, cos, sin, shape)
             k = self._head_codes(self.proj.k, self.k_norm, h, cos, sin, shape)
             v = project(self.proj.v, h).view(shape)
@@ -450,6 +452,18 @@ class MossImageBlock(nn.Module):
             q = norm_rope(self.q_norm, q.view(shape), cos, sin)
             k = norm_rope(self.k_norm, k.view(shape), cos, sin)
             v = v.view(shape)
+        return self._attend(q, k, v, key_mask)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | Segments | None
+                ) -> torch.Tensor | QuantizedRows:
+        """Attention of [B, S, H, D] q, k and v as [B, S, W]; of packed sequences (`Segments`) in a block compiled
+        without gradients whose `o` takes its input as codes, those codes, each sequence's written in place (no
+        concatenation of the outputs)."""
+        if isinstance(key_mask, tuple) and q.shape[0] == 1:
+            group = _codes_group((self.proj.o,), q)
+            if group is not None:
+                outs = self.attention.segment_outputs(q, k, v, key_mask)
+                return quantized_segments([o.flatten(2) for o in outs], group)
         return self.attention(q, k, v, key_mask).flatten(2)
 
     @staticmethod
@@ -464,9 +478,9 @@ class MossImageBlock(nn.Module):
             return op_linear_norm_rope(linear, h, norm.weight, cos, sin, norm.eps)
         return norm_rope(norm, project(linear, h).view(shape), cos, sin)
 
-    def _attn(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None
+    def _attn(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | Segments | None
               ) -> torch.Tensor:
-        return self.proj.o(self._attention(h, cos, sin, key_mask))
+        return project(self.proj.o, self._attention(h, cos, sin, key_mask))
 
     def _ffn(self, h: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return project(self.proj.ffn_down, swiglu(project(self.proj.ffn_up_gate, h), self.proj.ffn_down))
@@ -476,7 +490,7 @@ class MossImageBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        key_mask: torch.Tensor | None,
+        key_mask: torch.Tensor | Segments | None,
         mod: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # only a block that takes part in backward is checkpointed (a compiled graph with nothing to differentiate
@@ -490,7 +504,7 @@ class MossImageBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        key_mask: torch.Tensor | None,
+        key_mask: torch.Tensor | Segments | None,
         mod: torch.Tensor | None,
     ) -> torch.Tensor:
         if not self.modulated:
@@ -756,14 +770,17 @@ class MossImage(nn.Module):
     def _embed_text(self, prompt_embeds: torch.Tensor) -> torch.Tensor:
         return self.text_embedder.proj(self.text_embedder.norm(prompt_embeds))
 
-    def _embed_image_and_time(self, x: torch.Tensor, timesteps: torch.Tensor, text_tokens: torch.Tensor
+    def _embed_image_and_time(self, x: torch.Tensor, timesteps: torch.Tensor,
+                              text_tokens: torch.Tensor | tuple[torch.Tensor, ...]
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sequence [text ; image tokens], timestep embedding, shared modulation [B, 6, hidden])."""
+        """(sequence [text ; image tokens], timestep embedding, shared modulation [B, 6, hidden]); for several texts
+        (`cfg_packing`), the packed sequence [text_1 ; image ; text_2 ; image ...]."""
         dtype = self.dtype
         img = self.video_embedder(x.to(dtype).flatten(2).transpose(1, 2))
         t_emb = self.t_embedder(timesteps, dtype)
         mod = self.modulation(F.silu(t_emb)).unflatten(-1, (6, self.config.hidden_size))
-        return torch.cat([text_tokens, img], dim=1), t_emb, mod
+        texts = (text_tokens,) if isinstance(text_tokens, torch.Tensor) else text_tokens
+        return torch.cat([part for text in texts for part in (text, img)], dim=1), t_emb, mod
 
     def _final(self, seq: torch.Tensor, t_emb: torch.Tensor, t_pad: int, h: int, w: int) -> torch.Tensor:
         out = self.final_layer(seq[:, t_pad:], t_emb)
@@ -821,6 +838,17 @@ class MossImage(nn.Module):
             if swap is not None:
                 seq = swap.block_done(i, seq)
         return self._region("_final")(seq, t_emb, t_pad, h, w)
+
+    def pack_texts(self, texts: Sequence[TextConditioning]) -> PackedText | None:
+        """The prepared texts of one step's passes (the sampler's conditional and unconditional) as one packed pass
+        (`library.moss_image.cfg_packing`), or None where packing does not apply."""
+        return pack_texts(texts)
+
+    def forward_packed(self, x: torch.Tensor, timesteps: torch.Tensor, packed: PackedText,
+                       skip_layers: Sequence[Iterable[int] | None]) -> tuple[torch.Tensor, ...]:
+        """The velocity for latents `x` at `timesteps` given each packed text, in one pass (`skip_layers[i]`: the
+        main blocks that text i's pass skips)."""
+        return packed_forward(self, x, timesteps, packed, skip_layers)
 
     def forward(
         self,

@@ -398,6 +398,25 @@ def quantize_activation(x2: torch.Tensor, group_size: int, backend: str = "auto"
     return q, s.view(-1)
 
 
+def quantize_segments(xs: list[torch.Tensor], group_size: int, backend: str = "auto"
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activation` of the rows of several inputs [M_i, K] (one K, one dtype) stacked in order: (q int8
+    [sum M_i, K], scale fp32 [sum M_i]). With the Triton quantiser each input's codes are written in place in the
+    stacked buffer (where every start is at a 16-byte boundary), so nothing is concatenated but the scales."""
+    k = xs[0].shape[1]
+    if any(x.shape[1] != k or x.dtype != xs[0].dtype for x in xs):
+        raise ValueError("quantize_segments needs inputs of one width and dtype")
+    if not all(_use_triton(x, backend) for x in xs) or k % 16:
+        parts = [quantize_activation(x, group_size, backend) for x in xs]
+        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+    q = torch.empty((sum(x.shape[0] for x in xs), k), dtype=torch.int8, device=xs[0].device)
+    scales, start = [], 0
+    for x in xs:
+        scales.append(_quantize_rows_triton(x, group_size, out_codes=q[start:start + x.shape[0]])[1])
+        start += x.shape[0]
+    return q, torch.cat(scales)
+
+
 def int8_gemm(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,

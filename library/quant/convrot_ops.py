@@ -5,6 +5,8 @@ Ops (namespace ``moss_image``), each with a fake (meta) implementation for traci
 eager torch numerics, any device) and a CUDA one (the Triton kernels where usable, else the same eager code):
 
 - ``convrot_int8_quantize(x2, group_size) -> (x_q int8 [M, K], x_scale fp32 [M])``: rotate + quantise rows;
+- ``convrot_int8_quantize_segments(xs, group_size) -> (x_q, x_scale)``: the same of several inputs' rows stacked,
+  each written in place in the stacked codes (packed sequences' attention outputs, `library.moss_image.cfg_packing`);
 - ``convrot_int8_linear(x, x_q, x_scale, weight, weight_scale, bias, group_size, bwd) -> y [..., N]``: the int32
   GEMM and the dequantisation epilogue of `x`'s quantised rows (output dtype x.dtype). `linear` makes it
   differentiable in `x` (and `bias`) with an autograd.Function: the gradient goes through the frozen int8 weight,
@@ -35,8 +37,8 @@ from library.quant import convrot_kernels as kernels
 from library.quant.linear_plan import LinearPlans
 
 __all__ = [
-    "DEQUANTIZE", "LINEAR", "LINEAR_CODES", "LINEAR_GRAD_INPUT", "QUANTIZE", "QuantizedRows", "VIEW_OPS",
-    "dedupe_quantize", "dequantize", "eager_forward", "enable_inductor_quantize_dedupe", "input_key", "linear",
+    "DEQUANTIZE", "LINEAR", "LINEAR_CODES", "LINEAR_GRAD_INPUT", "QUANTIZE", "QUANTIZE_SEGMENTS", "QuantizedRows",
+    "VIEW_OPS", "dedupe_quantize", "dequantize", "eager_forward", "enable_inductor_quantize_dedupe", "input_key", "linear",
     "linear_eager", "linear_from_codes",
 ]
 
@@ -74,6 +76,26 @@ def _quantize_cuda(x2: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
 
 _define("convrot_int8_quantize", "(Tensor x2, int group_size) -> (Tensor, Tensor)", _quantize, _quantize_cuda,
         _quantize_fake)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# convrot_int8_quantize_segments (no autograd: compiled inference blocks of packed sequences)
+# --------------------------------------------------------------------------------------------------------------------
+def _quantize_segments(xs: list[torch.Tensor], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.quantize_segments(xs, group_size, "eager")
+
+
+def _quantize_segments_fake(xs: list[torch.Tensor], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m = sum(x.shape[0] for x in xs)
+    return xs[0].new_empty((m, xs[0].shape[1]), dtype=torch.int8), xs[0].new_empty((m,), dtype=torch.float32)
+
+
+def _quantize_segments_cuda(xs: list[torch.Tensor], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.quantize_segments(xs, group_size, "auto")
+
+
+_define("convrot_int8_quantize_segments", "(Tensor[] xs, int group_size) -> (Tensor, Tensor)", _quantize_segments,
+        _quantize_segments_cuda, _quantize_segments_fake)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -166,6 +188,7 @@ _define("convrot_int8_linear_codes",
 
 
 QUANTIZE = torch.ops.moss_image.convrot_int8_quantize.default
+QUANTIZE_SEGMENTS = torch.ops.moss_image.convrot_int8_quantize_segments.default
 LINEAR = torch.ops.moss_image.convrot_int8_linear.default
 LINEAR_CODES = torch.ops.moss_image.convrot_int8_linear_codes.default
 LINEAR_GRAD_INPUT = torch.ops.moss_image.convrot_int8_linear_grad_input.default

@@ -607,19 +607,24 @@ def _codes_and_scales(m: int, k: int, device: torch.device) -> tuple[torch.Tenso
 
 def _quantize_rows_triton(
     x2: torch.Tensor, group_size: int, col_scale: torch.Tensor | None = None, kernel: str | None = None,
-    one_buffer: bool = False,
+    one_buffer: bool = False, out_codes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused rotate (group_size > 0) + per-row int8 quantisation of x2 [M, K]; with col_scale the rows are scaled
     per column first and quantised in fp32. `kernel` overrides `set_quantiser`'s choice (the benchmark compares).
     `one_buffer`: codes and scales share one allocation (`_codes_and_scales`; eager callers only: the registered
-    ops return them as two outputs, which must not share storage)."""
+    ops return them as two outputs, which must not share storage). `out_codes`: where the codes go (contiguous
+    [M, K], 16-byte aligned: rows of a larger buffer, `quantize_segments`), the scales being new."""
     m, k = x2.shape
     stride_xm, stride_xk = x2.stride()
     if stride_xk != 1:
         x2 = x2.contiguous()
         stride_xm = k
     dtype = torch.float32 if col_scale is not None else x2.dtype
-    if one_buffer:
+    if out_codes is not None:
+        if out_codes.shape != (m, k) or not out_codes.is_contiguous() or out_codes.data_ptr() % 16:
+            raise ValueError("out_codes must be contiguous int8 [M, K] at a 16-byte boundary")
+        q, s = out_codes, torch.empty((m,), dtype=torch.float32, device=x2.device)
+    elif one_buffer:
         q, s = _codes_and_scales(m, k, x2.device)
     else:
         q = torch.empty((m, k), dtype=torch.int8, device=x2.device)

@@ -3,6 +3,10 @@
 Tensors are [B, S, H, D]. A key mask `key_mask` [B, S] (True = attend) marks padded text tokens. Backends that take
 no mask (xformers, flash, sageattn) need `split_attn`: each sample then runs alone on its valid tokens only, which is
 exact. Packages are imported only when their mode is used, and a missing one is a clear error.
+
+A tuple of ints in place of the mask (`Segments`) says that the sequence is several sequences side by side (the
+sampler's conditional and unconditional passes packed into one, `library.moss_image.cfg_packing`): each attends only
+within itself, as one call per segment, with no mask.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from library.errors import UserError
 logger = logging.getLogger(__name__)
 
 ATTN_MODES = ("torch", "xformers", "flash", "sageattn")
+
+# lengths of the sequences packed side by side along S (they add up to S)
+Segments = tuple[int, ...]
 
 _PACKAGES = {"xformers": "xformers", "flash": "flash-attn", "sageattn": "sageattention"}
 
@@ -67,8 +74,29 @@ class Attention:
             self._fn = _import_backend(self.mode)
         return self._fn
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """`key_mask` None means every key is valid (the caller drops an all-true mask once per forward)."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 key_mask: torch.Tensor | Segments | None) -> torch.Tensor:
+        """`key_mask` None means every key is valid (the caller drops an all-true mask once per forward); `Segments`:
+        packed sequences, each attending within itself (see `segment_outputs`)."""
+        if isinstance(key_mask, tuple):
+            return torch.cat(self.segment_outputs(q, k, v, key_mask), dim=1)
+        return self._attend(q, k, v, key_mask)
+
+    def segment_outputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        segments: Segments) -> list[torch.Tensor]:
+        """Each packed sequence's attention over itself, [B, length, H, D] in order: the same call, on views of q, k
+        and v, that the sequence alone would make."""
+        if sum(segments) != q.shape[1]:
+            raise ValueError(f"segments {segments} do not add up to the sequence length {q.shape[1]}")
+        outs, start = [], 0
+        for n in segments:
+            part = slice(start, start + n)
+            outs.append(self._attend(q[:, part], k[:, part], v[:, part], None))
+            start += n
+        return outs
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+                ) -> torch.Tensor:
         fn = self._backend()
         if not self.split_attn:
             return fn(q, k, v, key_mask)

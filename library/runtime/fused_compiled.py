@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from library.quant import convrot_kernels
-from library.quant.convrot_ops import QUANTIZE, VIEW_OPS, QuantizedRows, input_key
+from library.quant.convrot_ops import QUANTIZE, QUANTIZE_SEGMENTS, VIEW_OPS, QuantizedRows, input_key
 from library.runtime import fused_ops
 
 __all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "compiled_kernels",
@@ -76,6 +76,7 @@ __all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "c
            "norm_modulate_applies", "norm_rope_applies", "norm_rope_shape_applies", "op_linear_gated_residual",
            "op_linear_norm_rope", "op_norm_modulate", "op_norm_modulate_codes", "op_norm_rope",
            "op_residual_norm_modulate_codes", "op_swiglu", "op_swiglu_codes", "producer_codes_on", "quantized_rows",
+           "quantized_segments",
            "residual_codes_inference_applies", "set_compiled_kernels", "stacked_qkv_inference_applies",
            "stacked_qkv_training_on", "swiglu_applies"]
 
@@ -138,9 +139,8 @@ def stacked_qkv_inference_applies() -> bool:
 def stacked_qkv_training_on() -> bool:
     """Whether the LoRA group of stacked ConvRot INT8 q, k and v takes their base products as one
     (`MossImageBlock._stacked_bases`, in compiled blocks and the eager plain forms): the `training_stacked_qkv`
-    setting, off by default until an H200 measures it (`bench/checkpointing.py`'s `no_gc_compile_int8_stacked_qkv`).
-    Inside a compiled checkpoint the LoRA group, and so this, does not apply: dynamo gives no adapter behind a
-    Linear's replaced forward there."""
+    setting, off by default until an H200 measures it (`bench/checkpointing.py`'s `_stacked_qkv` configurations).
+    It applies inside a compiled checkpoint too (tests/test_int8_stack.py)."""
     return _SETTINGS["training_stacked_qkv"]
 
 
@@ -761,3 +761,12 @@ def quantized_rows(x: torch.Tensor, group_size: int) -> QuantizedRows:
     """x [..., K] as the codes and scales of its rows (``convrot_int8_quantize``)."""
     q, s = _quantized_rows(x, group_size)
     return QuantizedRows(q, s, tuple(x.shape[:-1]), x.dtype)
+
+
+def quantized_segments(xs: list[torch.Tensor], group_size: int) -> QuantizedRows:
+    """torch.cat(xs, dim=1) ([B, S_i, K] each, B = 1) as the codes and scales of its rows, without the
+    concatenation: each input's codes are written in place in the stacked buffer
+    (``convrot_int8_quantize_segments``; packed sequences' attention outputs)."""
+    q, s = QUANTIZE_SEGMENTS([x.reshape(-1, x.shape[-1]) for x in xs], group_size)
+    lead = (xs[0].shape[0], sum(x.shape[1] for x in xs))
+    return QuantizedRows(q, s, lead, xs[0].dtype)

@@ -9,7 +9,8 @@ Sampler (the official pipeline's, as docs/architecture.md describes it):
   are the grid integers ``round(s * 1000)`` as float32 (identical to ``s * 1000`` up to float rounding).
 * CFG: ``v = v_uncond + scale * (v_cond - v_uncond)`` (scale 3.0); the DiT blocks in ``uncond_skip_layers`` (default
   22) are skipped in the unconditional pass only. Scale 1.0 skips the unconditional pass. Without skipped layers and
-  with equal shapes, the two passes run as one batch.
+  with equal shapes, the two passes run as one batch; otherwise a model that packs texts (the MossImage DiT,
+  `library.moss_image.cfg_packing`) runs them as one pass over both sequences side by side.
 
 The model interface: ``model(x [B, 128, h, w], timesteps float32 [B], prompt_embeds [B, T, D], attn_mask [B, T],
 skip_layers=None) -> velocity [B, 128, h, w]`` with ``h, w = H/16, W/16``. A model that also has
@@ -231,6 +232,14 @@ class _Velocity:
         return self.model(x, t, *self.cond).float()
 
 
+def _packed(model: VelocityModel, cond: _Velocity, uncond: _Velocity | None) -> Any:
+    """The two passes of a CFG step as one pass over both texts side by side, where the model packs them
+    (`MossImage.pack_texts`, `library.moss_image.cfg_packing`); None: two passes."""
+    if uncond is None or not (cond.prepared and uncond.prepared) or not hasattr(model, "pack_texts"):
+        return None
+    return model.pack_texts([cond.cond, uncond.cond])
+
+
 def cfg_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
     """Classifier-free guidance: ``v_uncond + scale * (v_cond - v_uncond)``."""
     return v_uncond + guidance_scale * (v_cond - v_uncond)
@@ -295,12 +304,14 @@ def sample(
         uncond_embeds = _batched(uncond_embeds, batch, "uncond_embeds")
         uncond_mask = _batched(_host_mask(uncond_embeds, uncond_mask), batch, "uncond_mask")
         one_batch = not skip and cond_embeds.shape == uncond_embeds.shape and cond_mask.shape == uncond_mask.shape
+    packed = None
     if one_batch:
         both = _Velocity(model, torch.cat([cond_embeds, uncond_embeds]),
                          torch.cat([cond_mask, uncond_mask.to(cond_mask.dtype)]), size)
     else:
         cond = _Velocity(model, cond_embeds, cond_mask, size)
         uncond = _Velocity(model, uncond_embeds, uncond_mask, size) if use_cfg else None
+        packed = _packed(model, cond, uncond)
 
     def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         if not use_cfg:
@@ -308,6 +319,9 @@ def sample(
         if one_batch:
             v_cond, v_uncond = both(torch.cat([x, x]), torch.cat([t, t])).chunk(2)
             return cfg_velocity(v_cond, v_uncond, guidance_scale)
+        if packed is not None:
+            v_cond, v_uncond = model.forward_packed(x, t, packed, ((), skip))
+            return cfg_velocity(v_cond.float(), v_uncond.float(), guidance_scale)
         return cfg_velocity(cond(x, t), uncond(x, t, skip), guidance_scale)
 
     repeated = getattr(model, "repeated_calls", None) if unguarded_repeats else None
