@@ -137,7 +137,8 @@ class LoRAModule(AdapterModule):
         down, up = self.lora_down.weight, self.lora_up.weight
         if not torch.is_autocast_enabled(x.device.type) and not (down.dtype == up.dtype == x.dtype):
             return None
-        return PlainPart(down, up, self.scale * self.multiplier, self._org_forward)
+        return PlainPart(down, up, self.scale * self.multiplier, self._org_forward,
+                         self.org_module if self.org_forward_is_own else None)
 
     def _node_product(self, x: torch.Tensor, args: tuple, kwargs: dict) -> type | None:
         """The frozen product that `LoRALinear` (`library.lora.eager_node`) can run for this call, or None: the one
@@ -156,11 +157,11 @@ class LoRAModule(AdapterModule):
             return None
         org = self.org_module
         if type(org) is nn.Linear:
-            if getattr(self._org_forward, "__func__", None) is not nn.Linear.forward:
+            if not self.org_forward_is_own:
                 return None  # another wrapper's forward, which must run
             return DenseProduct if _frozen(org.weight, x.dtype) and _frozen(org.bias, x.dtype) else None
         frozen_product = getattr(org, "frozen_product", None)
-        if frozen_product is None or getattr(self._org_forward, "__func__", None) is not type(org).forward:
+        if frozen_product is None or not self.org_forward_is_own:
             return None
         return frozen_product()
 

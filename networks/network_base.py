@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from library.errors import UserError
+from library.lora.eager_node import ADAPTER_ATTR
 from library.files.model_spec import add_hashes, stringify
 from library.files.safetensors_io import load_safetensors, save_file_atomic
 from library.lora.conventions import (
@@ -182,6 +183,7 @@ class AdapterModule(nn.Module, ABC):
         self.enabled = True
         self._org_module = [org_module]  # a list keeps it out of this module's children and state_dict
         self._org_forward = None
+        self.org_forward_is_own = False  # set by apply_to: the replaced forward was the module's own
 
     def _scale(self) -> float:
         """alpha / rank (the alpha rule of library.lora.conventions)."""
@@ -196,11 +198,17 @@ class AdapterModule(nn.Module, ABC):
         return self._org_forward is not None
 
     def apply_to(self) -> None:
-        """Route the original module's forward through this module (idempotent)."""
+        """Route the original module's forward through this module (idempotent). The original module also keeps a
+        plain reference to this adapter (`ADAPTER_ATTR`, outside its submodules and state dict), and whether the
+        forward it replaced was the module's own is noted here: code that torch.compile traces asks those, since
+        some torch versions trace no `__self__` or `__func__` of a bound method (library.lora.eager_node)."""
         if self.applied:
             return
-        self._org_forward = self.org_module.forward
-        self.org_module.forward = self.forward
+        org = self.org_module
+        self._org_forward = org.forward
+        self.org_forward_is_own = getattr(self._org_forward, "__func__", None) is type(org).forward
+        org.forward = self.forward
+        object.__setattr__(org, ADAPTER_ATTR, self)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -156,3 +156,18 @@ def test_the_lora_adds_no_full_width_multiplication_to_the_compiled_backward(gro
             eager_node.set_scale_on_ranks(on_output)
     finally:
         eager_node.set_lora_grouped(previous)
+
+
+def test_the_adapter_is_found_from_the_linear_without_joining_its_state():
+    """The group finds each Linear's adapter by the attribute that `apply_to` sets (no bound-method introspection in
+    traced code), which is neither a submodule nor state; a second adapter applied over the first is the one found,
+    and its base (the first adapter's forward) is not the Linear's own."""
+    blk, modules = _block_with_lora()
+    q = blk.proj.q
+    assert eager_node.adapter_of(q) is modules[0]
+    assert eager_node.ADAPTER_ATTR not in dict(q.named_modules()) and all("lora" not in k for k in q.state_dict())
+    assert modules[0].plain_part(torch.randn(1, 4, CFG.hidden_size)).own_base is q
+    second = LoRAModule("lora_q2", "q", q, lora_dim=2, alpha=2.0)
+    second.apply_to()
+    assert eager_node.adapter_of(q) is second and not second.org_forward_is_own
+    assert second.plain_part(torch.randn(1, 4, CFG.hidden_size)).own_base is None

@@ -26,13 +26,14 @@ __all__ = ["PlainPart", "plain_group", "plain_group_parts", "up_projection"]
 
 @dataclass(frozen=True)
 class PlainPart:
-    """One LoRA-wrapped Linear of a group (an adapter's `plain_part`): its LoRA weights, multiplier x scale, and the
-    base's own forward."""
+    """One LoRA-wrapped Linear of a group (an adapter's `plain_part`): its LoRA weights, multiplier x scale, the
+    base's forward, and the wrapped module where that forward is the module's own (None: another wrapper's)."""
 
     down: torch.Tensor
     up: torch.Tensor
     alpha: float
     base: Callable[[torch.Tensor], torch.Tensor]
+    own_base: nn.Module | None = None
 
 
 def up_projection(lx: torch.Tensor, up: Callable[[torch.Tensor], torch.Tensor], alpha: float) -> torch.Tensor:

@@ -49,9 +49,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DenseProduct", "LoRAAddmm", "LoRAGroup", "LoRALinear", "NodePart", "adapter_parts", "fp32_grads",
-           "grouped", "in_place", "lora_group", "lora_group_parts", "one_node", "scale_on_ranks", "set_lora_fp32_grads",
-           "set_lora_grouped", "set_lora_in_place", "set_lora_one_node", "set_scale_on_ranks"]
+# the attribute (in a module's __dict__, not a submodule) that names the network module applied to it
+ADAPTER_ATTR = "_lora_adapter"
+
+__all__ = ["ADAPTER_ATTR", "DenseProduct", "LoRAAddmm", "LoRAGroup", "LoRALinear", "NodePart", "adapter_of",
+           "adapter_parts", "fp32_grads", "grouped", "in_place", "lora_group", "lora_group_parts", "one_node",
+           "scale_on_ranks", "set_lora_fp32_grads", "set_lora_grouped", "set_lora_in_place", "set_lora_one_node",
+           "set_scale_on_ranks"]
 
 _ONE_NODE = {"enabled": True, "in_place": True, "grouped": True, "scale_on_ranks": True, "fp32_grads": True}
 
@@ -295,12 +299,19 @@ def lora_group_parts(linears: Sequence[nn.Module], x: torch.Tensor) -> list[Node
     return adapter_parts(linears, x, "node_part")
 
 
+def adapter_of(module: nn.Module) -> Any:
+    """The network module whose forward replaced `module`'s last (`networks.network_base` sets `ADAPTER_ATTR` when
+    it applies one), or None. Read from the module's attributes, not from its bound forward's `__self__`, which
+    torch.compile does not trace in every torch version."""
+    return getattr(module, ADAPTER_ATTR, None)
+
+
 def adapter_parts(linears: Sequence[nn.Module], x: torch.Tensor, method: str) -> list[Any] | None:
     """Each Linear's part of a group as its adapter's `method` gives it for x (`node_part`, `plain_part`), or None
     where one Linear has no such adapter or its adapter declines, or the LoRA weights are of several dtypes."""
     parts = []
     for m in linears:
-        adapter = getattr(m.forward, "__self__", None)
+        adapter = adapter_of(m)
         part_of = getattr(adapter, method, None)
         part = part_of(x) if part_of is not None else None
         if part is None:

@@ -426,10 +426,8 @@ class MossImageBlock(nn.Module):
         if stack is None or not stacked_qkv_training_on():
             return None
         linears = (self.proj.q, self.proj.k, self.proj.v)
-        for part, linear in zip(parts, linears):
-            if getattr(part.base, "__self__", None) is not linear or getattr(part.base, "__func__", None) is not type(
-                    linear).forward:
-                return None
+        if any(part.own_base is not linear for part, linear in zip(parts, linears)):
+            return None
         return stacked_forward(h, *stack, linears[0], self.proj.stack_plans).chunk(3, dim=-1)
 
     def _attention(self, h: torch.Tensor | QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
