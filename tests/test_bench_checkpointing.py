@@ -90,21 +90,24 @@ def test_host_columns_say_where_the_gpu_waited_for_the_host():
     assert "gpu_lag_ms" not in bench.host_columns(host, [100.0, 100.0], cuda=False)
 
 
-def test_the_stacked_qkv_variant_runs_the_trainer_with_one_base_product(tiny_snapshot, tmp_path,
-                                                                        stacked_forward_calls):
-    """`_stacked_qkv`: the trainer stacks ConvRot INT8 q, k and v before compiling (`prepare_unet`) and the LoRA group
-    takes their base products as one, to the first loss within float rounding; the setting is off again after its
-    run."""
+def test_the_trainer_stacks_q_k_and_v_without_checkpointing_and_the_three_qkv_variant_does_not(
+        tiny_snapshot, tmp_path, stacked_forward_calls):
+    """By default the trainer stacks ConvRot INT8 q, k and v before compiling (`prepare_unet`, --compile without
+    --gradient_checkpointing) and the LoRA group takes their base products as one; `_three_qkv` runs three, to the
+    first loss within float rounding; with checkpointing nothing is stacked; the setting is on again after the
+    runs."""
     from library.runtime import fused_compiled
 
     calls = stacked_forward_calls
     out = tmp_path / "tiny.json"
-    names = ["no_gc_compile_int8", "no_gc_compile_int8_stacked_qkv"]
-    argv = ["--tiny", "--snapshot", str(tiny_snapshot), "--configs", ",".join(names), "--steps", "2", "--warmup", "1"]
-    assert bench.main([*argv, "--out", str(out)]) == 0
+    argv = ["--tiny", "--snapshot", str(tiny_snapshot), "--steps", "2", "--warmup", "1"]
+    assert bench.main([*argv, "--configs", "gc_full_compile_int8", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["results"][0]["ok"] and calls["n"] == 0
+    names = ["no_gc_compile_int8_three_qkv", "no_gc_compile_int8"]
+    assert bench.main([*argv, "--configs", ",".join(names), "--out", str(out)]) == 0
     results = {r["config"]: r for r in json.loads(out.read_text())["results"]}
     assert all(results[n]["ok"] for n in names), results
-    assert calls["n"] > 0 and not fused_compiled.stacked_qkv_training_on()
+    assert calls["n"] > 0 and fused_compiled.stacked_qkv_training_on()
     base, stacked = results[names[0]]["losses"], results[names[1]]["losses"]
     assert len(base) == len(stacked) == 3
     # the first step's loss agrees to float rounding; later ones follow updates from input gradients summed in

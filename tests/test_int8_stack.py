@@ -124,9 +124,9 @@ def _lora_step(dit, net, compiled: bool):
 @pytest.mark.parametrize("compiled", [False, True], ids=["plain_forms", "compiled"])
 def test_training_with_stacked_q_k_and_v_gives_the_lora_gradients_of_three_products(tiny_snapshot, compiled,
                                                                                      stacked_forward_calls):
-    """`training_stacked_qkv` on: the LoRA group's base products of stacked q, k and v as one, with the same output,
-    input gradient and LoRA gradients as three products (to float tolerance: the input gradient's three sums are one
-    product's now); off (the default), or without a stack, three products."""
+    """`training_stacked_qkv` on (the default): the LoRA group's base products of stacked q, k and v as one, with the
+    same output, input gradient and LoRA gradients as three products (to float tolerance: the input gradient's three
+    sums are one product's now); off, or without a stack, three products."""
     from library.runtime.fused_compiled import compiled_kernels
 
     calls = stacked_forward_calls
@@ -134,7 +134,8 @@ def test_training_with_stacked_q_k_and_v_gives_the_lora_gradients_of_three_produ
     with compiled_kernels(training_stacked_qkv=True):
         three = _lora_step(dit, net, compiled)  # no stack yet
     assert dit.stack_qkv_weights() == len(dit.layers)
-    assert torch.equal(_lora_step(dit, net, compiled)[0], three[0]) and calls["n"] == 0  # the setting off
+    with compiled_kernels(training_stacked_qkv=False):
+        assert torch.equal(_lora_step(dit, net, compiled)[0], three[0]) and calls["n"] == 0  # the setting off
     with compiled_kernels(training_stacked_qkv=True):
         one = _lora_step(dit, net, compiled)
     assert calls["n"] == 1

@@ -82,7 +82,7 @@ __all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "c
 
 _SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": True,
                                "inference_codes": True, "inference_epilogues": False, "inference_stacked_qkv": True,
-                               "inference_residual_codes": True, "training_stacked_qkv": False, "cpu": False}
+                               "inference_residual_codes": True, "training_stacked_qkv": True, "cpu": False}
 
 
 def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
@@ -91,8 +91,9 @@ def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
     gradients, and `inference_epilogues` there the int8 products with the step after them; `inference_stacked_qkv`:
     there one product for q, k and v where the model stacked them, `MossImage.stack_qkv_weights`;
     `inference_residual_codes`: there the gated residual and the second norm's codes as one op;
-    `training_stacked_qkv`: blocks with a LoRA on q, k and v, stacked, run the three base products as one, off by
-    default, not measured yet; see the module docstring), and whether CPU tensors take the ops too (`cpu`, for tests); returns the previous settings."""
+    `training_stacked_qkv`: blocks with a LoRA on q, k and v, stacked, run the three base products as one, on by
+    default, where the trainer stacks them: compiled steps without checkpointing; see `stacked_qkv_training_on`),
+    and whether CPU tensors take the ops too (`cpu`, for tests); returns the previous settings."""
     unknown = set(settings) - set(_SETTINGS)
     if unknown:
         raise ValueError(f"unknown compiled-kernel settings {sorted(unknown)}; known: {sorted(_SETTINGS)}")
@@ -139,8 +140,10 @@ def stacked_qkv_inference_applies() -> bool:
 def stacked_qkv_training_on() -> bool:
     """Whether the LoRA group of stacked ConvRot INT8 q, k and v takes their base products as one
     (`MossImageBlock._stacked_bases`, in compiled blocks and the eager plain forms): the `training_stacked_qkv`
-    setting, off by default until an H200 measures it (`bench/checkpointing.py`'s `_stacked_qkv` configurations).
-    It applies inside a compiled checkpoint too (tests/test_int8_stack.py)."""
+    setting, on by default. The trainer stacks them for `--compile` without `--gradient_checkpointing`, where an H200
+    measured 1.08x and 1.13x faster steps in two runs (`bench/checkpointing.py`, `no_gc_compile_int8` against
+    `_three_qkv`); with checkpointing one run measured 0.96x, so it does not stack there. A block stacked by hand
+    takes the product inside a compiled checkpoint too (tests/test_int8_stack.py)."""
     return _SETTINGS["training_stacked_qkv"]
 
 
