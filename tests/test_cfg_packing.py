@@ -186,29 +186,3 @@ def test_the_packed_forward_checks_its_inputs(tiny_snapshot):
         assert torch.equal(v_cond, dit(noise, t, cond))
         assert torch.equal(v_uncond, dit(noise, t, uncond))
     assert cfg_packing.cfg_packing_on()
-
-
-def test_compiled_packed_attention_is_one_op_called_with_concrete_parts():
-    """In a graph compiled without gradients the parts' attention is one op (`moss_image::segment_attention`) that
-    slices and calls SDPA when it runs, so a graph made dynamic by new lengths holds no SDPA chosen for symbolic
-    offsets; the outputs equal the eager ones for each pair of lengths."""
-    attention = Attention()
-    seen: list[str] = []
-
-    def compiler(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return make_boxed_func(gm.forward)
-
-    fn = torch.compile(lambda q, k, v, segments: attention(q, k, v, segments),
-                       backend=aot_autograd(fw_compiler=compiler), dynamic=True)
-    g = torch.Generator().manual_seed(1)
-    torch._dynamo.reset()
-    try:
-        for segments in ((9, 5), (7, 6), (12, 3)):
-            q, k, v = (torch.randn(1, sum(segments), 2, 16, generator=g) for _ in range(3))
-            with torch.no_grad():
-                assert torch.equal(fn(q, k, v, segments), attention(q, k, v, segments))
-    finally:
-        torch._dynamo.reset()
-    assert "moss_image.segment_attention.default" in seen
-    assert not any("scaled_dot_product" in t for t in seen), seen

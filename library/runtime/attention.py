@@ -35,34 +35,6 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
     return out.transpose(1, 2)
 
 
-# Packed sequences' attention in a compiled graph without gradients, as one op that slices and calls SDPA when it
-# runs. Traced as operators, each part's SDPA would be chosen while tracing; in a graph made dynamic (a new prompt
-# pair's lengths) the later parts start at symbolic offsets, and the H200 then ran the math backend: a 1024x1024 CFG
-# step took about 100 ms more. Called at run time, SDPA sees concrete views and picks its fused kernel as in a pass
-# of its own. Outputs are contiguous [B, length, H, D].
-_LIB = torch.library.Library("moss_image", "FRAGMENT")  # kept for the life of the process (it owns the registration)
-_LIB.define("segment_attention(Tensor q, Tensor k, Tensor v, SymInt[] segments) -> Tensor[]")
-
-
-def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> list[torch.Tensor]:
-    outs, start = [], 0
-    for n in segments:
-        part = slice(start, start + n)
-        outs.append(_sdpa(q[:, part], k[:, part], v[:, part], None).contiguous())
-        start += n
-    return outs
-
-
-def _segment_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]
-                            ) -> list[torch.Tensor]:
-    return [q.new_empty((q.shape[0], n, q.shape[2], v.shape[3])) for n in segments]
-
-
-_LIB.impl("segment_attention", _segment_attention, "CompositeExplicitAutograd")
-torch.library.register_fake("moss_image::segment_attention", lib=_LIB)(_segment_attention_fake)
-SEGMENT_ATTENTION = torch.ops.moss_image.segment_attention.default
-
-
 def _import_backend(mode: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     try:
         if mode == "xformers":
@@ -116,9 +88,6 @@ class Attention:
         and v, that the sequence alone would make."""
         if sum(segments) != q.shape[1]:
             raise ValueError(f"segments {segments} do not add up to the sequence length {q.shape[1]}")
-        if (self.mode == "torch" and not self.split_attn and torch.compiler.is_compiling()
-                and not torch.is_grad_enabled()):
-            return list(SEGMENT_ATTENTION(q, k, v, list(segments)))
         outs, start = [], 0
         for n in segments:
             part = slice(start, start + n)
