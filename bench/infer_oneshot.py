@@ -6,9 +6,11 @@ repository root:
     python -m bench.infer_oneshot --snapshot /tmp/full --out $OUT [--runs eager,eager,compile] [--steps 50]
         [--image_size 1024 1024] [--device cuda] [--extra "--attn_mode flash --split_attn"]
 
-Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes two (a two-line prompt file),
-so that the second image's denoising is the steady state per image (`per_image_s` = its denoising plus the encode
-and the decode per image); `compile_plain_kernels` is `compile` with the compiled blocks' element-wise code left
+Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes three (a three-line prompt
+file of three text lengths), so that the last image's denoising is the steady state per image (`per_image_s` = its
+denoising plus the encode and the decode per image): with a CFG step's two passes packed into one, the first image's
+graphs are specialised to its text lengths and the second prompt's lengths compile them again with dynamic shapes;
+from the third image on nothing compiles; `compile_plain_kernels` is `compile` with the compiled blocks' element-wise code left
 to inductor (`library.runtime.fused_compiled` off), and `compile_no_codes` is `compile` with ConvRot INT8 blocks whose
 norms and SwiGLU write their outputs for the int8 Linears to quantise (`set_compiled_kernels(inference_codes=False)`;
 the same as `compile` in bf16), and `compile_epilogues` is `compile` with those blocks' int8 products taking the
@@ -43,7 +45,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "moss_image_minimal_inference.py"
-PROMPTS = ("a red fox in the snow, morning light", "a lighthouse on a cliff at dusk, long exposure")
+PROMPTS = ("a red fox in the snow, morning light", "a lighthouse on a cliff at dusk, long exposure",
+           "an old map of a harbour city with ships, a compass rose and sea monsters in its corners")
 RUNS = ("eager", "compile", "compile_plain_kernels", "compile_no_codes", "compile_epilogues", "compile_no_stack",
         "compile_unpacked")
 # bench-only: `compile` with settings of library.runtime.fused_compiled changed in the script's process, the forms
