@@ -6,21 +6,21 @@ repository root:
     python -m bench.infer_oneshot --snapshot /tmp/full --out $OUT [--runs eager,eager,compile] [--steps 50]
         [--image_size 1024 1024] [--device cuda] [--extra "--attn_mode flash --split_attn"]
 
-Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes three (a three-line prompt
-file of three text lengths), so that the last image's denoising is the steady state per image (`per_image_s` = its
+Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes three (a three-line prompt file
+of three text lengths), so that the last image's denoising is the steady state per image (`per_image_s` = its
 denoising plus the encode and the decode per image): with a CFG step's two passes packed into one, the first image's
 graphs are specialised to its text lengths and the second prompt's lengths compile them again with dynamic shapes;
-from the third image on nothing compiles; `compile_plain_kernels` is `compile` with the compiled blocks' element-wise code left
-to inductor (`library.runtime.fused_compiled` off), and `compile_no_codes` is `compile` with ConvRot INT8 blocks whose
-norms and SwiGLU write their outputs for the int8 Linears to quantise (`set_compiled_kernels(inference_codes=False)`;
-the same as `compile` in bf16), and `compile_epilogues` is `compile` with those blocks' int8 products taking the
-gated residual and the q/k head norm + RoPE into the GEMM's epilogue (`set_compiled_kernels(inference_epilogues=True)`,
-off by default), and `compile_no_stack` is `compile` with ConvRot INT8 q, k and v as three products, not one over
-their stacked weight (`set_compiled_kernels(inference_stacked_qkv=False)`), and `compile_unpacked` is `compile` with
-each CFG step's two passes run one after the other rather than packed into one (`library.moss_image.cfg_packing`),
-each for the ratio of the two in one run. Before the first run the
-repository's Python files are compiled to bytecode (`compileall`, as pip does when it installs a package), so the
-runs measure the imports a user's installed copy pays.
+from the third image on nothing compiles; `compile_plain_kernels` is `compile` with the compiled blocks' element-wise
+code left to inductor (`library.runtime.fused_compiled` off), and `compile_no_codes` is `compile` with ConvRot INT8
+blocks whose norms and SwiGLU write their outputs for the int8 Linears to quantise
+(`set_compiled_kernels(inference_codes=False)`; the same as `compile` in bf16), and `compile_epilogues` is `compile`
+with those blocks' int8 products taking the gated residual and the q/k head norm + RoPE into the GEMM's epilogue
+(`set_compiled_kernels(inference_epilogues=True)`, off by default), and `compile_no_stack` is `compile` with ConvRot
+INT8 q, k and v as three products, not one over their stacked weight
+(`set_compiled_kernels(inference_stacked_qkv=False)`), and `compile_unpacked` is `compile` with each CFG step's two
+passes run one after the other rather than packed into one (`library.moss_image.cfg_packing`), each for the ratio of
+the two in one run. Before the first run the repository's Python files are compiled to bytecode (`compileall`, as pip
+does when it installs a package), so the runs measure the imports a user's installed copy pays.
 
 Per run, from the script's own log (`moss_image_minimal_inference`: the "timings (s)" and "start-up (s)" lines and
 the per-prompt denoise lines): `to_png_s` (process start to the saved PNG, measured by the script from the

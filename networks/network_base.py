@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from library.errors import UserError
-from library.lora.eager_node import ADAPTER_ATTR
 from library.files.model_spec import add_hashes, stringify
 from library.files.safetensors_io import load_safetensors, save_file_atomic
 from library.lora.conventions import (
@@ -47,6 +46,7 @@ from library.lora.conventions import (
     prefix_for,
 )
 from library.lora.convert import to_sd_scripts
+from library.lora.eager_node import ADAPTER_ATTR
 from library.lora.merge import merged_modules, reject_quantized_weight
 from library.moss_image.lora_targets import (
     DIT_BLOCK_CLASSES,

@@ -38,8 +38,8 @@ from library.quant.linear_plan import LinearPlans
 
 __all__ = [
     "DEQUANTIZE", "LINEAR", "LINEAR_CODES", "LINEAR_GRAD_INPUT", "QUANTIZE", "QUANTIZE_SEGMENTS", "QuantizedRows",
-    "VIEW_OPS", "dedupe_quantize", "dequantize", "eager_forward", "enable_inductor_quantize_dedupe", "input_key", "linear",
-    "linear_eager", "linear_from_codes",
+    "VIEW_OPS", "dedupe_quantize", "dequantize", "eager_forward", "enable_inductor_quantize_dedupe", "input_key",
+    "linear", "linear_eager", "linear_from_codes",
 ]
 
 
