@@ -253,8 +253,8 @@ def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
 
 
 def load_dit_for_sampling(args: argparse.Namespace, device: Any, dtype: Any, num_shapes: int = 1) -> Any:
-    """The DiT in eval mode, its main blocks wrapped by torch.compile with --compile (`num_shapes`: how many image
-    sizes the run has, for the dynamic-shape choice)."""
+    """The DiT in eval mode, its main blocks wrapped by torch.compile with --compile (`num_shapes`: how many input
+    shapes the run has, `pass_shapes`, for the dynamic-shape choice)."""
     dit = load_dit(args, device, dtype).eval()
     compile_for_sampling(args, dit, num_shapes)
     return dit
@@ -420,6 +420,18 @@ def _import_for_loading(args: argparse.Namespace) -> None:
     Attention(args.attn_mode, args.split_attn)  # imports the backend package (or says it is missing)
 
 
+def pass_shapes(all_settings: list[Any], outputs: dict[str, Any]) -> int:
+    """How many shapes of input the DiT's blocks get over these images: an image's size and the text lengths of its
+    pass (the prompt's, and with CFG the negative prompt's, both in one pass: `library.moss_image.cfg_packing`).
+    More than one compiles the blocks with dynamic shapes from the first image on (`compile_blocks`), rather than
+    for the first image's shapes and then again for the next ones."""
+    def tokens(text: str) -> int:
+        return int(outputs[text][0].shape[-2])
+
+    return len({(s.height, s.width, tokens(s.prompt), tokens(s.negative_prompt) if s.scale != 1.0 else None)
+                for s in all_settings})
+
+
 def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dtype: Any) -> list[Path]:
     """Encode every prompt, denoise them all, decode. When the memory holds all three models (`loads_overlap`) the
     DiT and the VAE are read by a second thread while the text encoder's code is imported and the prompts encoded
@@ -430,7 +442,6 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
     started = startup.seconds_since_process_start()
     timer = phase_timer.PhaseTimer(device)
     texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
-    num_shapes = len({(s.height, s.width) for s in all_settings})
     images = args.output_type in ("images", "both")
     overlap = loads_overlap(args, device, dtype)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load") as pool:
@@ -460,7 +471,8 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
         else:
             dit, vae, loaded = load_sampling_models(args, device, dtype, with_vae=False)
     with timer.phase("compile_setup"):
-        compile_for_sampling(args, dit, num_shapes)  # in this thread: it imports torch._dynamo / _inductor
+        # in this thread: it imports torch._dynamo / _inductor
+        compile_for_sampling(args, dit, pass_shapes(all_settings, outputs))
     loaded["dit_load"] += timer.seconds.pop("compile_setup")
     with timer.phase("denoise"):
         results = denoise_all(dit, all_settings, outputs, device)

@@ -8,11 +8,10 @@ repository root:
 
 Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes three (a three-line prompt file
 of three text lengths), so that the last image's denoising is the steady state per image (`per_image_s` = its
-denoising plus the encode and the decode per image): with a CFG step's two passes packed into one, the first image's
-graphs are specialised to its text lengths and the second prompt's lengths compile them again with dynamic shapes;
-from the third image on nothing compiles; `compile_plain_kernels` is `compile` with the compiled blocks' element-wise
-code left to inductor (`library.runtime.fused_compiled` off), and `compile_no_codes` is `compile` with ConvRot INT8
-blocks whose norms and SwiGLU write their outputs for the int8 Linears to quantise
+denoising plus the encode and the decode per image; prompts of several text lengths compile the blocks with dynamic
+shapes during the first image, `moss_image_minimal_inference.pass_shapes`); `compile_plain_kernels` is `compile` with
+the compiled blocks' element-wise code left to inductor (`library.runtime.fused_compiled` off), and `compile_no_codes`
+is `compile` with ConvRot INT8 blocks whose norms and SwiGLU write their outputs for the int8 Linears to quantise
 (`set_compiled_kernels(inference_codes=False)`; the same as `compile` in bf16), and `compile_epilogues` is `compile`
 with those blocks' int8 products taking the gated residual and the q/k head norm + RoPE into the GEMM's epilogue
 (`set_compiled_kernels(inference_epilogues=True)`, off by default), and `compile_no_stack` is `compile` with ConvRot

@@ -119,6 +119,21 @@ def test_compile_several_sizes_from_a_prompt_file(tiny_snapshot, tmp_path, caplo
     assert STATS["graphs"] <= 2 * 5 + 2
 
 
+@pytest.mark.parametrize("different_lengths", [False, True])
+def test_prompts_of_several_text_lengths_compile_dynamic_shapes_from_the_first_image(tiny_snapshot, tmp_path, caplog,
+                                                                                   different_lengths):
+    """A CFG step's two passes are one packed pass, so each pair of text lengths is a shape of its own: prompts of
+    different lengths compile with dynamic shapes from the start (no second compile at the second prompt), while
+    one prompt with several seeds keeps graphs specialised to its shapes."""
+    caplog.set_level(logging.INFO, logger="library.runtime.compile")
+    second = "a lighthouse on a cliff at dusk, long exposure, seen from the sea" if different_lengths else "a cat"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"a cat --w 32 --h 32 --d 1\n{second} --w 32 --h 32 --d 2\n")
+    _run(tiny_snapshot, tmp_path, "--from_file", str(prompts), "--infer_steps", "2", "--output_type", "latent",
+         *COUNTING)
+    assert ("dynamic=True" in caplog.text) == different_lengths, caplog.text
+
+
 def test_compile_aot_eager_matches(tiny_snapshot, tmp_path):
     args = ("--prompt", "a cat", "--image_size", "64", "64", "--infer_steps", "2")
     with plain_forms():
