@@ -25,7 +25,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from bench.report import write_report
-from library.runtime.attention import Attention
+from library.runtime.attention import Attention, segment_starts
 
 
 def _time(fn: Callable[[], Any], device: str, warmup: int, iters: int) -> float:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             parts = tuple(lengths)
             q, k, v = (torch.randn(1, sum(parts), args.heads, args.head_dim, device=args.device, dtype=dtype)
                        for _ in range(3))
-            alone = [tuple(t[:, a:a + n].clone() for t in (q, k, v)) for a, n in zip(_starts(parts), parts)]
+            alone = [tuple(t[:, a:a + n].clone() for t in (q, k, v)) for a, n in zip(segment_starts(parts), parts)]
             graphs_before = len(traced)
             packed_ms = _time(lambda: packed(q, k, v, parts), args.device, args.warmup, args.iters)
             alone_ms = _time(lambda: [attention(*t, None) for t in alone], args.device, args.warmup, args.iters)
@@ -72,14 +72,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
             "torch": torch.__version__, "heads": args.heads, "head_dim": args.head_dim, "dtype": str(dtype),
             "iters": args.iters, "rows": rows}
-
-
-def _starts(parts: tuple[int, ...]) -> list[int]:
-    starts, at = [], 0
-    for n in parts:
-        starts.append(at)
-        at += n
-    return starts
 
 
 def _lengths(text: str) -> list[int]:

@@ -18,16 +18,13 @@ would run it. `set_cfg_packing(False)` turns packing off (the benchmark's compar
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from library.runtime.attention import Segments
-
-logger = logging.getLogger(__name__)
+from library.runtime.attention import Segments, segment_starts
 
 __all__ = ["PackedText", "cfg_packing_on", "pack_texts", "packed_forward", "set_cfg_packing"]
 
@@ -58,11 +55,7 @@ class PackedText:
 
     def offsets(self) -> list[int]:
         """Where each part starts in the packed sequence."""
-        starts, at = [], 0
-        for n in self.segments:
-            starts.append(at)
-            at += n
-        return starts
+        return segment_starts(self.segments)
 
 
 def pack_texts(texts: Sequence[Any]) -> PackedText | None:

@@ -26,6 +26,11 @@ ATTN_MODES = ("torch", "xformers", "flash", "sageattn")
 # lengths of the sequences packed side by side along S (they add up to S)
 Segments = tuple[int, ...]
 
+
+def segment_starts(segments: Segments) -> list[int]:
+    """Where each packed sequence starts along S."""
+    return [sum(segments[:i]) for i in range(len(segments))]
+
 _PACKAGES = {"xformers": "xformers", "flash": "flash-attn", "sageattn": "sageattention"}
 
 
@@ -88,12 +93,8 @@ class Attention:
         and v, that the sequence alone would make."""
         if sum(segments) != q.shape[1]:
             raise ValueError(f"segments {segments} do not add up to the sequence length {q.shape[1]}")
-        outs, start = [], 0
-        for n in segments:
-            part = slice(start, start + n)
-            outs.append(self._attend(q[:, part], k[:, part], v[:, part], None))
-            start += n
-        return outs
+        return [self._attend(q[:, a:a + n], k[:, a:a + n], v[:, a:a + n], None)
+                for a, n in zip(segment_starts(segments), segments)]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
                 ) -> torch.Tensor:
