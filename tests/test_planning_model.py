@@ -330,6 +330,16 @@ def test_inference_prediction_matches_the_h200_figure(full_models):
     assert est.reserved / GIB == pytest.approx(14.86, rel=0.10)
 
 
+def test_a_guided_pass_counts_both_packed_passes(full_models):
+    """With CFG the two passes of a step run packed into one: the denoising transient is that of twice the tokens;
+    at --guidance_scale 1.0, one pass."""
+    work = M.InferenceWorkload(image_tokens=4096, text_tokens=90)
+    guided = M.inference_estimate(*full_models, work, M.Setup()).phase("denoising").activations
+    single = M.inference_estimate(*full_models, M.InferenceWorkload(image_tokens=4096, text_tokens=90, guided=False),
+                                  M.Setup()).phase("denoising").activations
+    assert guided == 2 * single == M.inference_transient_bytes(full_models[0], 2 * work.tokens, 2)
+
+
 def test_phases_follow_the_options(full_models):
     dit, te, vae = full_models
     base = M.training_estimate(dit, te, vae, _w(), M.Setup())

@@ -340,8 +340,9 @@ def test_the_inference_script_applies_the_plan(monkeypatch, no_bitsandbytes):
     args = inference_script.setup_parser().parse_args(argv)
     plan = run_options.apply_inference_vram_budget(args, inference_script.setup_parser,
                                                    inference_script.planned_image_sizes(args), argv)
-    assert (plan.chosen.setup.dit, plan.chosen.setup.blocks_to_swap) == ("bf16", 16)
-    assert (args.blocks_to_swap, args.text_encoder_cpu, args.convrot_int8) == (16, True, False)
+    # 17 blocks swapped: a CFG step's two passes run packed into one, so a block's transient holds both
+    assert (plan.chosen.setup.dit, plan.chosen.setup.blocks_to_swap) == ("bf16", 17)
+    assert (args.blocks_to_swap, args.text_encoder_cpu, args.convrot_int8) == (17, True, False)
     assert args.cuda_expandable_segments is True
     argv = ["--vram_budget", "8", "--prompt", "a cat", "--image_size", "1024", "1024", "--convrot_int8", "false"]
     args = inference_script.setup_parser().parse_args(argv)

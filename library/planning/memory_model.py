@@ -264,9 +264,17 @@ def step_activation_bytes(dit: DitSizes, w: Workload, setup: Setup) -> int:
 
 def inference_transient_bytes(dit: DitSizes, tokens: int, e: int) -> int:
     """The live tensors of one block's forward without gradients (the widest point is the FFN: the residual and
-    its normalised copy, the up/gate output, SiLU(gate) and the product). Not measured on its own."""
+    its normalised copy, the up/gate output, SiLU(gate) and the product) over `tokens` rows: a CFG step's two passes
+    run packed into one (`library.moss_image.cfg_packing`), so a guided pass has both texts' and twice the image's
+    (`cfg_pass_tokens`). Not measured on its own."""
     c = dit.config
     return tokens * (2 * e * c.hidden_size + 4 * e * c.ffn_hidden)
+
+
+def cfg_pass_tokens(tokens: int, guided: bool = True) -> int:
+    """Rows of one sampling pass for a sequence of `tokens` (image + text): with CFG the prompt's and the negative
+    prompt's passes packed into one, the negative prompt counted at the prompt's length (at most)."""
+    return 2 * tokens if guided else tokens
 
 
 def te_encode_bytes(te: EncoderSizes, variant: str, tokens: int) -> int:
@@ -333,7 +341,8 @@ def training_estimate(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Workloa
         extra = 0 if (w.highvram or not w.cache_latents) else vae_w
         if not w.text_encoder_in_step and not w.cache_text_encoder_outputs and setup.te_on_gpu:
             extra += te_w
-        act = max(inference_transient_bytes(dit, w.tokens, w.float_bytes), vae_decode_bytes(vae, w.pixels))
+        act = max(inference_transient_bytes(dit, cfg_pass_tokens(w.tokens), w.float_bytes),
+                  vae_decode_bytes(vae, w.pixels))
         phases.append(Phase("sample images", static + extra + act, act))
     return Estimate(tuple(phases), w.expandable_segments)
 
@@ -347,6 +356,7 @@ class InferenceWorkload:
     expandable_segments: bool = False
     decode: bool = True  # --output_type images/both
     interactive: bool = False  # the three models stay loaded together
+    guided: bool = True  # CFG (--guidance_scale other than 1.0): two passes a step, packed into one
 
     @property
     def tokens(self) -> int:
@@ -360,7 +370,7 @@ def inference_estimate(dit: DitSizes, te: EncoderSizes, vae: VaeSizes, w: Infere
     te_w = _te_weights_on_gpu(te, setup)
     dit_w = dit_resident_bytes(dit, setup, w.float_bytes)
     encode = te_encode_bytes(te, setup.te_variant, w.text_tokens) if setup.te_on_gpu else 0
-    denoise = inference_transient_bytes(dit, w.tokens, w.float_bytes)
+    denoise = inference_transient_bytes(dit, cfg_pass_tokens(w.tokens, w.guided), w.float_bytes)
     decode = vae_decode_bytes(vae, w.image_tokens * 256) if w.decode else 0
     if w.interactive:
         weights = te_w + dit_w + (vae.weight_bytes if w.decode else 0)

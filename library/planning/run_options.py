@@ -350,6 +350,7 @@ def make_inference_plan(args: argparse.Namespace, explicit: frozenset[str], imag
         compile=bool(getattr(args, "compile", False)),
         expandable_segments=plans_expandable_segments(args),
         decode=getattr(args, "output_type", "images") != "latent", interactive=bool(getattr(args, "interactive", False)),
+        guided=float(getattr(args, "guidance_scale", 3.0)) != 1.0,
     )
     over = overheads or Overheads()
     header = (f"VRAM plan for --vram_budget {args.vram_budget:g} GiB: inference at {w}x{h} ({work.image_tokens} image"
