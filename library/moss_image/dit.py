@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.lora.compiled_group import plain_group, plain_group_parts
-from library.lora.eager_node import lora_group, lora_group_parts
+from library.lora.eager_node import adapter_of, lora_group, lora_group_parts
 from library.moss_image.cfg_packing import PackedText, pack_texts, packed_forward
 from library.moss_image.rope import RopeTables, apply_rope
 from library.quant.convrot_ops import QuantizedRows, linear_from_codes
@@ -32,11 +32,13 @@ from library.quant.int8_stack import stack_int8_linears, stack_intact, stacked_f
 from library.quant.linear_plan import LinearPlans
 from library.runtime.attention import Attention, Segments
 from library.runtime.checkpointing import CHECKPOINTING_POLICIES, DEFAULT_CHECKPOINTING_POLICY, checkpointed
+from library.runtime.dense_stack import dense_stack_intact, stack_dense_linears
 from library.runtime.eager_fusion import eager_fused
 from library.runtime.fused_compiled import (
     codes_inference_applies,
     compiled_codes_on,
     compiled_kernel,
+    dense_stacking_on,
     epilogues_inference_apply,
     norm_modulate_applies,
     norm_rope_applies,
@@ -328,8 +330,9 @@ class BlockProjections(nn.Module):
     """The six Linears of a block, named as in the official checkpoints (`proj.q`, ..., `proj.ffn_down`).
 
     With ConvRot INT8, `stack_qkv` makes q, k and v views of one stacked weight (`library.quant.int8_stack`), which a
-    block compiled for inference multiplies by its input's codes in one product (`qkv_stack`). The stacked buffers
-    are not state (not in the state dict); moving the module drops them."""
+    block compiled for inference multiplies by its input's codes in one product (`qkv_stack`); plain Linears are
+    stacked the same way on request (`library.runtime.dense_stack`, `dense_qkv_stack`). The stacked buffers are not
+    state (not in the state dict); moving the module drops them."""
 
     def __init__(self, cfg: MossImageConfig):
         super().__init__()
@@ -344,14 +347,19 @@ class BlockProjections(nn.Module):
         self.register_buffer("qkv_weight_scale", None, persistent=False)
         self.stack_plans: LinearPlans | None = None
 
-    def stack_qkv(self) -> bool:
-        """Stack q, k and v (ConvRot int8, no bias, one device; `int8_stack.stack_int8_linears`); False where they
-        cannot be stacked."""
-        stacked = stack_int8_linears((self.q, self.k, self.v))
-        if stacked is None:
+    def stack_qkv(self, dense: bool = False) -> bool:
+        """Stack q, k and v (ConvRot int8, no bias, one device; `int8_stack.stack_int8_linears`; with `dense`, plain
+        frozen Linears too, `dense_stack.stack_dense_linears`); False where they cannot be stacked."""
+        linears = (self.q, self.k, self.v)
+        stacked = stack_int8_linears(linears)
+        if stacked is not None:
+            self.qkv_weight, self.qkv_weight_scale = stacked
+            self.stack_plans = LinearPlans()  # the eager stacked product's launch plans (`_stacked_bases`)
+            return True
+        weight = stack_dense_linears(linears) if dense else None
+        if weight is None:
             return False
-        self.qkv_weight, self.qkv_weight_scale = stacked
-        self.stack_plans = LinearPlans()  # the eager stacked product's launch plans (`_stacked_bases`)
+        self.qkv_weight, self.qkv_weight_scale = weight, None
         return True
 
     def unstack_qkv(self) -> None:
@@ -364,15 +372,24 @@ class BlockProjections(nn.Module):
         image (`MossImage.prepare_text`; about 7 us a block on a slow host, too much for every pass)."""
         if self.qkv_weight is None:
             return False
-        if stack_intact(self.qkv_weight, self.qkv_weight_scale, (self.q, self.k, self.v)):
+        linears = (self.q, self.k, self.v)
+        if (dense_stack_intact(self.qkv_weight, linears) if self.qkv_weight_scale is None
+                else stack_intact(self.qkv_weight, self.qkv_weight_scale, linears)):
             return True
         logger.warning("q, k and v no longer read their stacked weight (moved or replaced): dropping the stack")
         self.unstack_qkv()
         return False
 
     def qkv_stack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The stacked codes [3W, W] and scales [3W, 1] of q, k and v, or None where they are not stacked."""
-        return None if self.qkv_weight is None else (self.qkv_weight, self.qkv_weight_scale)
+        """The stacked codes [3W, W] and scales [3W, 1] of ConvRot INT8 q, k and v, or None where they are not
+        stacked so."""
+        if self.qkv_weight is None or self.qkv_weight_scale is None:
+            return None
+        return self.qkv_weight, self.qkv_weight_scale
+
+    def dense_qkv_stack(self) -> torch.Tensor | None:
+        """The stacked weight [3W, W] of plain q, k and v, or None where they are not stacked so."""
+        return self.qkv_weight if self.qkv_weight is not None and self.qkv_weight_scale is None else None
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         self.unstack_qkv()  # q, k and v move as three tensors; the stack would be a stale fourth copy
@@ -416,19 +433,37 @@ class MossImageBlock(nn.Module):
             if plain is not None:
                 q, k, v = plain_group(h, plain, self._stacked_bases(plain, h))
                 return q, k, v
+            dense = self._dense_inference_qkv(h)
+            if dense is not None:
+                return dense
         return self.proj.q(h), self.proj.k(h), self.proj.v(h)
+
+    def _dense_inference_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """q, k and v as one product over their stacked weight (`BlockProjections.dense_qkv_stack`) in a block being
+        compiled without gradients, where the three are called as they are (no adapter, no hook); else None."""
+        weight = self.proj.dense_qkv_stack()
+        if (weight is None or not torch.compiler.is_compiling() or torch.is_grad_enabled()
+                or not stacked_qkv_inference_applies()):
+            return None
+        for linear in (self.proj.q, self.proj.k, self.proj.v):
+            if adapter_of(linear) is not None or linear._forward_hooks or linear._forward_pre_hooks:
+                return None
+        return F.linear(h, weight).chunk(3, dim=-1)
 
     def _stacked_bases(self, parts: Sequence[Any], h: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The base products of q, k and v's LoRA group as one int8 product over their stacked weight
         (`int8_stack.stacked_forward`), where `training_stacked_qkv` is on, they are stacked and each part's base is
         its Linear's own forward; None: each part runs its base."""
-        stack = self.proj.qkv_stack()
-        if stack is None or not stacked_qkv_training_on():
+        if not stacked_qkv_training_on():
             return None
         linears = (self.proj.q, self.proj.k, self.proj.v)
         if any(part.own_base is not linear for part, linear in zip(parts, linears)):
             return None
-        return stacked_forward(h, *stack, linears[0], self.proj.stack_plans).chunk(3, dim=-1)
+        stack = self.proj.qkv_stack()
+        if stack is not None:
+            return stacked_forward(h, *stack, linears[0], self.proj.stack_plans).chunk(3, dim=-1)
+        dense = self.proj.dense_qkv_stack()
+        return None if dense is None else F.linear(h, dense).chunk(3, dim=-1)
 
     def _attention(self, h: torch.Tensor | QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
                    key_mask: torch.Tensor | Segments | None) -> torch.Tensor | QuantizedRows:
@@ -743,15 +778,18 @@ class MossImage(nn.Module):
     # ------------------------------------------------------------------------------------------- stacked q/k/v
     def stack_qkv_weights(self) -> int:
         """Make each main block's q, k and v views of one stacked weight (`BlockProjections.stack_qkv`: ConvRot int8
-        Linears only; no more memory once done), so that blocks compiled for inference run one product for the three.
-        For a model in its final place: moving it, or block swap, drops the stacks. Returns how many blocks were
-        stacked (0 with block swap on, or where the Linears are not int8)."""
+        Linears, and plain frozen ones where `set_compiled_kernels(dense_stacked_qkv=True)`, off by default; no more
+        memory once done), so that compiled blocks run one product for the three. For a model in its final place:
+        moving it, or block swap, drops the stacks. Returns how many blocks were stacked (0 with block swap on, or
+        where the Linears are neither)."""
         if self._block_offloader is not None:
             return 0
-        stacked = sum(block.proj.stack_qkv() for block in self.layers)
+        dense = dense_stacking_on()
+        stacked = sum(block.proj.stack_qkv(dense) for block in self.layers)
         self._qkv_stacked = stacked > 0
         if stacked:
-            logger.info("q, k and v stacked into one int8 weight in %d of %d blocks", stacked, len(self.layers))
+            kind = "int8" if self.layers[0].proj.qkv_stack() is not None else str(self.dtype).removeprefix("torch.")
+            logger.info("q, k and v stacked into one %s weight in %d of %d blocks", kind, stacked, len(self.layers))
         return stacked
 
     def unstack_qkv_weights(self) -> None:
