@@ -451,9 +451,9 @@ class MossImageBlock(nn.Module):
         return F.linear(h, weight).chunk(3, dim=-1)
 
     def _stacked_bases(self, parts: Sequence[Any], h: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """The base products of q, k and v's LoRA group as one int8 product over their stacked weight
-        (`int8_stack.stacked_forward`), where `training_stacked_qkv` is on, they are stacked and each part's base is
-        its Linear's own forward; None: each part runs its base."""
+        """The base products of q, k and v's LoRA group as one product over their stacked weight (ConvRot INT8:
+        `int8_stack.stacked_forward`; plain: `dense_qkv_stack`), where `training_stacked_qkv` is on, they are stacked
+        and each part's base is its Linear's own forward; None: each part runs its base."""
         if not stacked_qkv_training_on():
             return None
         linears = (self.proj.q, self.proj.k, self.proj.v)
