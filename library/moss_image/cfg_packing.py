@@ -84,19 +84,14 @@ def packed_forward(model: Any, x: torch.Tensor, timesteps: torch.Tensor, packed:
     seq, t_emb, mod = model._region("_embed_image_and_time")(
         x, timesteps.to(x.device, non_blocking=True), tuple(t.tokens for t in packed.texts))
     skips = [set(s or ()) for s in skip_layers]
-    swap = model.block_offloader
-    if swap is not None:
-        swap.begin_forward(torch.is_grad_enabled(), model.gradient_checkpointing)
-    for i, block in enumerate(model.layers):
-        if swap is not None:
-            swap.wait_for_block(i)
+
+    def one_block(i: int, block: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
         running = [j for j in range(len(skips)) if i not in skips[j]]
         if len(running) == len(skips):
-            seq = model._run_block(block, seq, packed.cos, packed.sin, packed.segments, mod)
-        elif running:
-            seq = _run_parts(model, block, seq, packed, running, mod)
-        if swap is not None:
-            seq = swap.block_done(i, seq)
+            return model._run_block(block, seq, packed.cos, packed.sin, packed.segments, mod)
+        return _run_parts(model, block, seq, packed, running, mod) if running else seq
+
+    seq = model.run_main_blocks(seq, one_block)
     final = model._region("_final")
     return tuple(final(seq[:, start:start + n], t_emb, text.tokens.shape[1], h, w)
                  for start, n, text in zip(packed.offsets(), packed.segments, packed.texts))

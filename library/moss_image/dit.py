@@ -853,6 +853,21 @@ class MossImage(nn.Module):
             key_mask = torch.cat([text_mask, torch.ones(b, h * w, dtype=torch.bool, device=device)], dim=1)
         return TextConditioning(txt, cos, sin, key_mask, (h, w))
 
+    def run_main_blocks(self, seq: torch.Tensor,
+                        one_block: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`seq = one_block(i, block, seq)` for each main block in order, with block swap's waits and hand-overs
+        around each (`library.memory.block_swap`)."""
+        swap = self._block_offloader
+        if swap is not None:
+            swap.begin_forward(torch.is_grad_enabled(), self.gradient_checkpointing)
+        for i, block in enumerate(self.layers):
+            if swap is not None:
+                swap.wait_for_block(i)
+            seq = one_block(i, block, seq)
+            if swap is not None:
+                seq = swap.block_done(i, seq)
+        return seq
+
     def forward_with_text(self, x: torch.Tensor, timesteps: torch.Tensor, text: TextConditioning,
                           skip_layers: Iterable[int] | None = None) -> torch.Tensor:
         """The velocity for latents `x` at `timesteps` given the prepared text (`prepare_text` for x's size)."""
@@ -863,16 +878,11 @@ class MossImage(nn.Module):
         seq, t_emb, mod = self._region("_embed_image_and_time")(
             x, timesteps.to(x.device, non_blocking=True), text.tokens)
         skip = set(skip_layers or ())
-        swap = self._block_offloader
-        if swap is not None:
-            swap.begin_forward(torch.is_grad_enabled(), self.gradient_checkpointing)
-        for i, block in enumerate(self.layers):
-            if swap is not None:
-                swap.wait_for_block(i)
-            if i not in skip:
-                seq = self._run_block(block, seq, text.cos, text.sin, text.key_mask, mod)
-            if swap is not None:
-                seq = swap.block_done(i, seq)
+
+        def one_block(i: int, block: nn.Module, seq: torch.Tensor) -> torch.Tensor:
+            return seq if i in skip else self._run_block(block, seq, text.cos, text.sin, text.key_mask, mod)
+
+        seq = self.run_main_blocks(seq, one_block)
         return self._region("_final")(seq, t_emb, t_pad, h, w)
 
     def pack_texts(self, texts: Sequence[TextConditioning]) -> PackedText | None:
