@@ -101,18 +101,29 @@ def e2e_background(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     run.stop()
 
 
-@pytest.fixture
-def stacked_forward_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the DiT's stacked q/k/v products (`library.moss_image.dit.stacked_forward`, which compiled blocks
-    inline, so the count is of traces there and of calls in eager code)."""
+def count_dit_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> dict[str, int]:
+    """Counts the calls of `library.moss_image.dit.<name>` (a function the module imported) from here on."""
     from library.moss_image import dit
 
     calls = {"n": 0}
-    original = dit.stacked_forward
+    original = getattr(dit, name)
 
     def counting(*args: object, **kwargs: object) -> object:
         calls["n"] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(dit, "stacked_forward", counting)
+    monkeypatch.setattr(dit, name, counting)
     return calls
+
+
+@pytest.fixture
+def stacked_forward_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the DiT's stacked q/k/v products (`library.moss_image.dit.stacked_forward`, which compiled blocks
+    inline, so the count is of traces there and of calls in eager code)."""
+    return count_dit_calls(monkeypatch, "stacked_forward")
+
+
+@pytest.fixture
+def packed_passes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the DiT's packed passes (`cfg_packing.packed_forward`, as `MossImage.forward_packed` calls it)."""
+    return count_dit_calls(monkeypatch, "packed_forward")

@@ -24,22 +24,6 @@ CFG = MossImageConfig(hidden_size=256, num_heads=2, head_dim=128, ffn_hidden=512
 
 
 @pytest.fixture
-def packed_passes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the DiT's packed passes (`cfg_packing.packed_forward`, as `MossImage.forward_packed` calls it)."""
-    from library.moss_image import dit
-
-    calls = {"n": 0}
-    original = dit.packed_forward
-
-    def counting(*args: object, **kwargs: object) -> object:
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(dit, "packed_forward", counting)
-    return calls
-
-
-@pytest.fixture
 def packing():
     """Restores the packing setting after a test that changes it."""
     previous = set_cfg_packing(True)

@@ -14,7 +14,7 @@ from library.moss_image.loaders import load_moss_image_model
 from library.moss_image.rope import RopeTables
 from library.runtime.dense_stack import dense_stack_intact, dense_stackable, stack_dense_linears
 from library.runtime.fused_compiled import compiled_kernels
-from networks import lora_generic
+from tests.int8_lora import dit_with_lora
 
 
 def _linears(n: int = 3, width: int = 16) -> list[nn.Linear]:
@@ -57,18 +57,11 @@ def test_only_frozen_plain_linears_of_one_width_and_dtype_stack(case):
 
 
 def _dit(snapshot, lora: bool):
+    if lora:
+        return dit_with_lora(snapshot, convrot_int8=False)
     dit = load_moss_image_model("cpu", snapshot, dtype=torch.float32)
     dit.requires_grad_(False)
-    net = None
-    if lora:
-        net = lora_generic.create_network(1.0, 4, 4.0, None, [], dit)
-        net.apply_to(None, dit, apply_text_encoder=False, apply_unet=True)
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for p in net.parameters():
-                p.normal_(0, 0.1)
-        net.requires_grad_(True)
-    return dit, net
+    return dit, None
 
 
 def _block_step(dit, grad: bool):
