@@ -261,13 +261,14 @@ def load_dit_for_sampling(args: argparse.Namespace, device: Any, dtype: Any, num
 
 
 def compile_for_sampling(args: argparse.Namespace, dit: Any, num_shapes: int) -> None:
-    """--compile: wrap the DiT's regions (`library.runtime.compile.compile_blocks`), with ConvRot INT8 q, k and v
-    stacked first (one product for the three in the compiled blocks; `MossImage.stack_qkv_weights`); nothing
+    """--compile: wrap the DiT's regions (`library.runtime.compile.compile_blocks`), with q, k and v stacked first
+    where they can be (one product for the three in the compiled blocks; `MossImage.stack_qkv_weights`); nothing
     without it."""
     from library.runtime.compile import compile_blocks
 
     if args.compile:
-        dit.stack_qkv_weights()  # ConvRot INT8 blocks only (quantised at load or read from an int8 file)
+        # ConvRot INT8 blocks (quantised at load or read from an int8 file); plain ones where dense_stacked_qkv is on
+        dit.stack_qkv_weights()
         compile_blocks(args, dit, num_shapes=num_shapes)
 
 

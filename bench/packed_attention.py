@@ -8,15 +8,14 @@ the packed call against the two parts run alone on tensors of their own (the two
     python -m bench.packed_attention --out OUT/packed_attention.json
     python -m bench.packed_attention --device cpu --heads 2 --head_dim 16 --lengths 40,24 36,20 --out smoke.json
 
-Times are CUDA-synchronised wall times over `--iters` calls after `--warmup`, in ms a call.
+Times are medians of `--iters` calls after `--warmup`, in ms a call (`bench.convrot_int8.time_ms`: CUDA events, L2
+flushed between calls).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +23,9 @@ import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
+from bench.convrot_int8 import time_ms
 from bench.report import write_report
 from library.runtime.attention import Attention, segment_starts
-
-
-def _time(fn: Callable[[], Any], device: str, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    began = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - began) * 1e3 / iters
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,8 +49,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        for _ in range(3))
             alone = [tuple(t[:, a:a + n].clone() for t in (q, k, v)) for a, n in zip(segment_starts(parts), parts)]
             graphs_before = len(traced)
-            packed_ms = _time(lambda: packed(q, k, v, parts), args.device, args.warmup, args.iters)
-            alone_ms = _time(lambda: [attention(*t, None) for t in alone], args.device, args.warmup, args.iters)
+            packed_ms = time_ms(lambda: packed(q, k, v, parts), args.device, args.iters, args.warmup)["median_ms"]
+            alone_ms = time_ms(lambda: [attention(*t, None) for t in alone], args.device, args.iters,
+                               args.warmup)["median_ms"]
             same = torch.equal(packed(q, k, v, parts), torch.cat([attention(*t, None) for t in alone], dim=1))
             rows.append({"lengths": list(parts), "packed_ms": round(packed_ms, 4), "alone_ms": round(alone_ms, 4),
                          "packed_over_alone": round(packed_ms / alone_ms, 4), "same_values": same,

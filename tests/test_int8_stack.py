@@ -82,7 +82,7 @@ def test_the_dit_stacks_q_k_and_v_and_drops_stacks_it_no_longer_reads(tiny_snaps
         assert all(torch.equal(v, state[k]) for k, v in dit.state_dict().items())
         assert torch.equal(dit(latent, t, text), ref)  # eager: the three Linears read their views
         dit.layers[3].proj.k.weight = dit.layers[3].proj.k.weight.clone()
-        caplog.set_level(logging.WARNING, logger="library.moss_image.dit")
+        caplog.set_level(logging.WARNING, logger="library.moss_image.projections")
         assert torch.equal(dit(latent, t, text), ref)
         assert "dropping the stack" in caplog.text
         assert dit.layers[3].proj.qkv_stack() is None and dit.layers[2].proj.qkv_stack() is not None
