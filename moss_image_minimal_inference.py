@@ -29,6 +29,7 @@ and wall (process start to the last file written). CUDA is synchronised before e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -310,14 +311,19 @@ def load_vae_for(args: argparse.Namespace, device: Any) -> Any:
 
 
 def decode_and_save(args: argparse.Namespace, items: list[tuple[Any, Any, str]], vae: Any) -> list[Path]:
+    """Decode each image and write its PNG; a second thread encodes and writes each PNG while the next image decodes
+    (the PNG encoder and the file writes release the GIL)."""
     from library.sampling.generation import decode_to_pil, save_png
 
-    paths = []
-    for latents, settings, stem in items:
-        image = decode_to_pil(vae, latents)[0]
-        paths.append(save_png(image, Path(args.save_path) / f"{stem}.png", settings))
-        logger.info("saved %s", paths[-1])
-    return paths
+    def save(image: Any, settings: Any, stem: str) -> Path:
+        path = save_png(image, Path(args.save_path) / f"{stem}.png", settings)
+        logger.info("saved %s", path)
+        return path
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="png-writer") as writer:
+        pending = [writer.submit(save, decode_to_pil(vae, latents)[0], settings, stem)
+                   for latents, settings, stem in items]
+        return [f.result() for f in pending]  # the first error (a full disk, say) is raised here
 
 
 def save_latent_files(args: argparse.Namespace, items: list[tuple[Any, Any, str]]) -> list[Path]:
@@ -328,19 +334,31 @@ def save_latent_files(args: argparse.Namespace, items: list[tuple[Any, Any, str]
     return paths
 
 
+# Python's collector kept out of the sampling steps (`library.runtime.collector`); False: its automatic passes, as
+# before (a bench's ratio)
+COLLECT_BETWEEN_STEPS = True
+
+
 def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], device: Any,
                 first_index: int = 0) -> list[tuple[Any, Any, str]]:
+    """Each prompt's latents (on the CPU), with its settings and file stem; the collector's passes are made between
+    the steps, while the queued GPU work runs (`COLLECT_BETWEEN_STEPS`)."""
+    from library.runtime.collector import StepGarbageCollector
     from library.sampling.generation import denoise
 
     results = []
-    for i, s in enumerate(all_settings, start=first_index):
-        t0 = time.perf_counter()
-        # the steps after the first repeat its calls: a compiled DiT checks only the guards between its graphs
-        latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None, device,
-                          unguarded_repeats=True)
-        latents = latents.cpu()  # waits for the device: the time below is the real one
-        logger.info("prompt %d denoised in %.2f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
-        results.append((latents, s, _stem(s, i)))
+    with StepGarbageCollector() if COLLECT_BETWEEN_STEPS else contextlib.nullcontext() as collector:
+        def between_steps(step: int, steps: int, x: Any) -> None:
+            collector.step(step + 1)
+
+        for i, s in enumerate(all_settings, start=first_index):
+            t0 = time.perf_counter()
+            # the steps after the first repeat its calls: a compiled DiT checks only the guards between its graphs
+            latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None,
+                              device, unguarded_repeats=True, callback=between_steps if collector else None)
+            latents = latents.cpu()  # waits for the device: the time below is the real one
+            logger.info("prompt %d denoised in %.2f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
+            results.append((latents, s, _stem(s, i)))
     return results
 
 

@@ -52,11 +52,11 @@ from bench.host_profile import host_profile
 from library.lora import eager_node
 from library.quant import int8_gemm_kernels
 from library.runtime import fused_compiled, fused_ops, transfer
+from library.runtime.collector import StepGarbageCollector
 from library.runtime.eager_fusion import plain_forms
 from library.training import lr_schedulers, nonfinite
 from library.training.network_trainer import RunState
 from library.training.run_options import RunOptions
-from library.training.step_loop import StepGarbageCollector
 
 try:  # the main thread's CPU time and preemptions (Unix)
     import resource

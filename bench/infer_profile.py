@@ -14,11 +14,17 @@ switches as `bench.infer_oneshot`'s runs), so two invocations give a ratio; `--n
 The steps after the first run as the sampler runs them, inside `MossImage.repeated_calls()` (dynamo checks only the
 guards between its graphs); `--guarded` checks every guard on every step. A step is one pass over both texts packed
 side by side, as the sampler runs it (`library.moss_image.cfg_packing`); `--unpacked` runs the two passes.
+Every timed step records its host time (until the last launch returns) and Python's collector passes in it.
+`--sampler_images N` then denoises N images of `--sampler_steps` steps through the inference script's own loop
+(`moss_image_minimal_inference.denoise_all`: the sampler between the passes, the collector's passes between the
+steps, `--auto_gc` leaving them to Python as before) at the same text lengths, so that the loop's cost per step
+beside the passes is measured in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import shlex
 import statistics
 import sys
@@ -62,6 +68,76 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.device]:
     script.resolve_args(sargs)
     device, dtype = script._device_and_dtype(sargs)
     return script.load_dit_for_sampling(sargs, device, dtype), sargs, device
+
+
+class _GcPasses:
+    """Python's collector passes while the block runs, through `gc.callbacks`: per mark, the passes and their
+    milliseconds by generation (`since_mark`)."""
+
+    def __enter__(self) -> _GcPasses:
+        self._began = 0.0
+        self._passes: list[tuple[int, float]] = []
+        gc.callbacks.append(self._callback)
+        return self
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self._passes.append((int(info["generation"]), (time.perf_counter() - self._began) * 1e3))
+
+    def mark(self) -> None:
+        self._passes = []
+
+    def since_mark(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for generation, ms in self._passes:
+            out.setdefault(f"gen{generation}", []).append(round(ms, 2))
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def _sampler_images(args: argparse.Namespace, dit: Any, cond: torch.Tensor, uncond: torch.Tensor,
+                    device: torch.device) -> dict[str, Any]:
+    """`--sampler_images` images of `--sampler_steps` steps through the inference script's own loop
+    (`moss_image_minimal_inference.denoise_all`: the sampler, the prompt's preparation, the latents read back),
+    the collector's passes between the steps or, with `--auto_gc`, automatic as before."""
+    from library.sampling.generation import GenerationSettings
+
+    height, width = args.image_size
+    settings = [GenerationSettings(prompt="cond", negative_prompt="uncond", height=height, width=width,
+                                   sample_steps=args.sampler_steps, seed=i) for i in range(args.sampler_images)]
+    outputs = {"cond": (cond[0], torch.ones(cond.shape[1], dtype=torch.bool)),
+               "uncond": (uncond[0], torch.ones(uncond.shape[1], dtype=torch.bool))}
+    from library.sampling import generation
+
+    seconds: list[float] = []
+    passes_per_image: list[dict[str, list[float]]] = []
+    plain = generation.denoise
+
+    def timed(*a: Any, **k: Any) -> torch.Tensor:  # one image, read back as the script does
+        passes.mark()
+        t0 = time.perf_counter()
+        latents = plain(*a, **k).cpu()
+        seconds.append(round(time.perf_counter() - t0, 3))
+        passes_per_image.append({g: [len(v), round(sum(v), 2)] for g, v in passes.since_mark().items()})
+        return latents
+
+    previous = script.COLLECT_BETWEEN_STEPS
+    script.COLLECT_BETWEEN_STEPS = not args.auto_gc
+    generation.denoise = timed  # the script imports it from the module at each call
+    try:
+        with _GcPasses() as passes:
+            script.denoise_all(dit, settings, outputs, device)  # once for all images, as the script runs them
+    finally:
+        script.COLLECT_BETWEEN_STEPS = previous
+        generation.denoise = plain
+    return {"images": args.sampler_images, "steps": args.sampler_steps, "collector": "automatic" if args.auto_gc
+            else "between steps", "image_s": seconds, "ms_per_step": [round(v * 1e3 / args.sampler_steps, 2)
+                                                                      for v in seconds],
+            "gc_passes_per_image": passes_per_image}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,22 +188,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             warmup_s = time.perf_counter() - warm
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) * 1e3)
+            times, host, collections = [], [], []
+            with _GcPasses() as passes:
+                for _ in range(args.steps):
+                    passes.mark()
+                    t0 = time.perf_counter()
+                    step()
+                    host.append((time.perf_counter() - t0) * 1e3)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                    collections.append(passes.since_mark())
             out: dict[str, Any] = {
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
                 "torch": torch.__version__, "args": vars(args),
                 "compiled_settings": _settings(args.settings), "tuning": _tuning(args.tuning),
                 "guarded": args.guarded, "packed": packed is not None, "load_s": round(load_s, 2),
                 "warmup_s": round(warmup_s, 2), "step_ms_median": round(statistics.median(times), 2),
-                "step_ms": [round(v, 2) for v in times],
+                "step_ms": [round(v, 2) for v in times], "step_mean_ms": round(statistics.fmean(times), 2),
+                "host_ms": [round(v, 2) for v in host], "gc_passes": collections,
                 "tokens": {"image": grid[0] * grid[1], "cond_text": args.text_tokens,
                            "uncond_text": args.uncond_tokens}}
+            if args.sampler_images:
+                out["sampler"] = _sampler_images(args, dit, cond, uncond, device)
             if args.profile and device.type == "cuda":
                 from bench.gpu_profile import kernel_profile
 
@@ -158,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
                         "cfg_packing)")
     p.add_argument("--guarded", action="store_true",
                    help="every guard checked on every step (not only those between the graphs, as the sampler has it)")
+    p.add_argument("--sampler_images", type=int, default=0,
+                   help="after the timed steps, this many images through the inference script's denoising loop")
+    p.add_argument("--sampler_steps", type=int, default=50, help="steps of each --sampler_images image")
+    p.add_argument("--auto_gc", action="store_true",
+                   help="--sampler_images with Python's collector passing on its own, not between the steps")
     args = p.parse_args(argv)
     write_report(run(args), args.out)
     return 0

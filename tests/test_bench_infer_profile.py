@@ -38,3 +38,21 @@ def test_settings_are_name_equals_true_or_false():
     assert infer_profile._settings("a=True, b=False") == {"a": True, "b": False}
     with pytest.raises(SystemExit, match="name=True or name=False"):
         infer_profile._settings("a=1")
+
+
+@pytest.mark.parametrize("auto_gc", [False, True])
+def test_sampler_images_run_the_scripts_denoising_loop(tiny_snapshot, tmp_path, auto_gc):
+    import moss_image_minimal_inference as script
+
+    out = tmp_path / "p.json"
+    argv = ["--snapshot", str(tiny_snapshot), "--out", str(out), "--image_size", "64", "64", "--steps", "2",
+            "--warmup", "1", "--no_compile", "--sampler_images", "2", "--sampler_steps", "3", "--extra=--device cpu"]
+    assert infer_profile.main(argv + (["--auto_gc"] if auto_gc else [])) == 0
+    res = json.loads(out.read_text())
+    assert len(res["host_ms"]) == len(res["gc_passes"]) == 2 and res["step_mean_ms"] > 0
+    sampler = res["sampler"]
+    assert sampler["images"] == 2 and len(sampler["image_s"]) == len(sampler["ms_per_step"]) == 2
+    assert sampler["collector"] == ("automatic" if auto_gc else "between steps")
+    if not auto_gc:  # one young-generation pass after each step, none left to Python
+        assert all(p.get("gen1", [0])[0] == 3 for p in sampler["gc_passes_per_image"])
+    assert script.COLLECT_BETWEEN_STEPS  # restored

@@ -106,3 +106,21 @@ def test_interactive_reads_prompts_until_an_empty_line(tiny_snapshot, tmp_path, 
     assert sorted(p.suffix for p in paths) == [".png", ".png", ".safetensors", ".safetensors"]
     assert _latents(paths)[0].shape == (1, 128, 2, 3)
     assert len(loads) == 1  # the models stay loaded between prompts
+
+
+def test_several_prompts_are_written_in_order_by_the_png_writer(tiny_snapshot, tmp_path):
+    import gc
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\nsecond --s 2\nthird\n")
+    paths = _run(tiny_snapshot, tmp_path / "out", "--from_file", str(prompts))
+    assert [Image.open(p).text["prompt"] for p in paths] == ["first", "second", "third"]
+    assert [p.stem.split("_")[-2] for p in paths] == ["00", "01", "02"]
+    assert gc.isenabled()  # the collector is Python's again after the denoising loop
+
+
+def test_a_png_that_cannot_be_written_is_a_user_error(tiny_snapshot, tmp_path):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    with pytest.raises(UserError):
+        _run(tiny_snapshot, blocker / "out", "--prompt", "x")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,10 @@ def _batch(out: TextOutputs, device: torch.device, dtype: torch.dtype) -> tuple[
 def denoise(
     dit: Any, settings: GenerationSettings, cond: TextOutputs, uncond: TextOutputs | None, device: torch.device,
     autocast_dtype: torch.dtype | None = None, unguarded_repeats: bool = False,
+    callback: Callable[[int, int, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """DiT latents [1, 128, H/16, W/16] (float32) for one prompt (`unguarded_repeats`: see `sampler.sample`)."""
+    """DiT latents [1, 128, H/16, W/16] (float32) for one prompt (`unguarded_repeats`, `callback`: see
+    `sampler.sample`)."""
     if settings.seed is None:
         settings.seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
     noise = initial_noise(settings.height, settings.width, settings.seed, device=device)
@@ -67,7 +70,7 @@ def denoise(
     with ctx:
         return sample(dit, noise, ce, cm, ue, um, steps=settings.sample_steps, guidance_scale=settings.scale,
                       shift=settings.flow_shift, uncond_skip_layers=settings.uncond_skip_layers,
-                      unguarded_repeats=unguarded_repeats)
+                      callback=callback, unguarded_repeats=unguarded_repeats)
 
 
 class _null:

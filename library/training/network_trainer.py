@@ -32,6 +32,7 @@ from library.files import base_model_hash, model_spec
 from library.options.implications import TRAINING_IMPLICATIONS, apply_implications
 from library.runtime.compile import apply_cuda_backend_options, apply_cuda_optimizations
 from library.runtime.checkpointing import check_checkpointing_args, skip_blocks
+from library.runtime.collector import StepGarbageCollector
 from library.runtime.transfer import to_device
 from library.training import checkpoints as train_checkpoints
 from library.training import flow_matching
@@ -39,7 +40,7 @@ from library.training import host_random, nonfinite, run_checks, sensitive_optio
 from library.training.args import check_sd_scripts_options
 from library.training.grad_reduce import all_reduce_mean_bucketed
 from library.training.run_options import RunOptions
-from library.training.step_loop import HostScalar, StepGarbageCollector, StepLog
+from library.training.step_loop import HostScalar, StepLog
 
 logger = logging.getLogger(__name__)
 

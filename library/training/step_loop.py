@@ -1,9 +1,8 @@
 """What the training loop keeps around each step: the loss on its way to the host without a sync (`HostScalar`,
-`StepLog`) and Python's garbage collector kept out of the steps (`StepGarbageCollector`)."""
+`StepLog`); Python's garbage collector is kept out of the steps by `library.runtime.collector`."""
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 
 import torch
@@ -32,27 +31,3 @@ class StepLog:
     step: int
     loss: HostScalar
     learning_rates: dict[str, float]
-
-
-class StepGarbageCollector:
-    """Python's cyclic garbage collector kept out of the steps: on entry everything alive (models, datasets, caches)
-    is frozen, so no collection scans it again, and automatic collection is off; the young generations are collected
-    at every step boundary, while the queued GPU work runs, and everything every FULL_EVERY steps. On exit the
-    collector is as before."""
-
-    FULL_EVERY = 100
-
-    def __enter__(self) -> StepGarbageCollector:
-        self._was_enabled = gc.isenabled()
-        gc.collect()
-        gc.freeze()
-        gc.disable()
-        return self
-
-    def step(self, step: int) -> None:
-        gc.collect(2 if step % self.FULL_EVERY == 0 else 1)
-
-    def __exit__(self, *exc: object) -> None:
-        gc.unfreeze()
-        if self._was_enabled:
-            gc.enable()
