@@ -686,6 +686,11 @@ def _to_target(sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.de
     return out
 
 
+# The VAE's convolution weights in channels-last memory on a CUDA device (cuDNN's native layout for tensor cores; the
+# same arithmetic up to the convolution algorithms cuDNN picks): `python -m bench.vae_decode` times both forms.
+CUDA_CHANNELS_LAST = False
+
+
 def load_flux2_vae(
     path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
@@ -722,6 +727,8 @@ def load_flux2_vae(
     if model.bn.num_batches_tracked.is_meta:
         model.bn.num_batches_tracked = torch.zeros((), dtype=torch.long, device=device)
     model.eval().requires_grad_(False)
+    if CUDA_CHANNELS_LAST and torch.device(device).type == "cuda":
+        model.to(memory_format=torch.channels_last)  # the convolutions' weights; their outputs follow
     _log_loaded(model, file, layout, prefix)
     return model
 
