@@ -47,7 +47,7 @@ SCRIPT = "moss_image_minimal_inference.py"
 PROMPTS = ("a red fox in the snow, morning light", "a lighthouse on a cliff at dusk, long exposure",
            "an old map of a harbour city with ships, a compass rose and sea monsters in its corners")
 RUNS = ("eager", "compile", "compile_plain_kernels", "compile_no_codes", "compile_epilogues", "compile_no_stack",
-        "compile_unpacked", "compile_vae_channels_last")
+        "compile_unpacked")
 # bench-only: `compile` with settings of library.runtime.fused_compiled changed in the script's process, the forms
 # before them, for a ratio measured in one run: the compiled blocks' element-wise code left to inductor (no fused
 # kernels as ops), or ConvRot INT8 blocks whose producers write their outputs and the int8 Linears quantise them
@@ -57,10 +57,8 @@ _COMPILED_SETTINGS = {"compile_plain_kernels": "norm_rope=False, swiglu=False",
                       "compile_no_stack": "inference_stacked_qkv=False"}
 # bench-only: `compile` with a CFG step's two passes run one after the other, not packed into one pass
 # (library.moss_image.cfg_packing.set_cfg_packing(False))
-# or with the VAE's convolutions in channels-last memory (library.moss_image.vae.CUDA_CHANNELS_LAST)
 _PROCESS_SETUP = {"compile_unpacked": "from library.moss_image.cfg_packing import set_cfg_packing; "
-                                      "set_cfg_packing(False)",
-                  "compile_vae_channels_last": "import library.moss_image.vae as vae; vae.CUDA_CHANNELS_LAST = True"}
+                                      "set_cfg_packing(False)"}
 
 
 def _launcher(settings: str | None, setup: str | None = None) -> str:

@@ -100,6 +100,32 @@ def test_parity_diffusers_folder_saved_by_diffusers(oracle_folder, images):
         assert_parity(model, oracle, images)
 
 
+def test_parity_with_the_parallel_group_norm_statistics(oracle_folder, images, monkeypatch):
+    """The CUDA form of the GroupNorms (`group_norm_parallel`), run here on the CPU, against the diffusers oracle."""
+    oracle, folder = oracle_folder
+    model = fv.load_flux2_vae(folder)
+    plain = model.decode(oracle_encode_decode(oracle, images)[0])
+    calls = []
+    monkeypatch.setattr(fv, "_parallel_statistics", lambda x: calls.append(1) or True)
+    assert_parity(model, oracle, images)
+    parallel = model.decode(oracle_encode_decode(oracle, images)[0])
+    assert calls and isinstance(model.decoder.norm_out, torch.nn.GroupNorm)
+    assert rel_diff(parallel, plain) < 1e-5
+    assert set(model.state_dict()) == set(fv.load_flux2_vae(folder).state_dict())
+
+
+def test_group_norm_parallel_matches_torch_in_float32_and_bfloat16():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 6, 10, generator=g) * 3 + 1
+    w, b = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    reference = torch.nn.functional.group_norm(x, 32, w, b, 1e-6)
+    torch.testing.assert_close(fv.group_norm_parallel(x, 32, w, b, 1e-6), reference)
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    out = fv.group_norm_parallel(xb, 32, wb, bb, 1e-6)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, torch.nn.functional.group_norm(xb, 32, wb, bb, 1e-6), atol=0.07, rtol=0.02)
+
+
 def test_parity_bfl_file(oracle_folder, images, tmp_path):
     oracle, _ = oracle_folder
     path = tmp_path / "ae.safetensors"

@@ -196,9 +196,3 @@ def test_infer_oneshot_runs_the_script_with_the_compiled_kernels_off_for_its_pla
     out = subprocess.run([sys.executable, "-c", cmd[2], str(probe)], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parent.parent).stdout
     assert out.strip() == "False True"
-    # `compile_vae_channels_last`: the VAE's convolutions in channels-last memory on a CUDA device
-    cmd = infer_oneshot.run_command(args, "compile_vae_channels_last", tmp_path / "out", tmp_path / "p.txt")
-    probe.write_text("from library.moss_image import vae\nprint(vae.CUDA_CHANNELS_LAST)\n")
-    out = subprocess.run([sys.executable, "-c", cmd[2], str(probe)], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parent.parent).stdout
-    assert out.strip() == "True"

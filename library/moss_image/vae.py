@@ -187,8 +187,37 @@ TINY_VAE_CONFIG = Flux2VAEConfig(ch=32, ch_mult=(1, 1, 2, 2), num_res_blocks=2, 
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def group_norm_parallel(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """`F.group_norm` as one reduction over each group (`torch.var_mean`, which spreads a long row over many thread
+    blocks) and one multiply-add: torch's CUDA kernel gives each (image, group) row one thread block, so a decode at
+    batch 1 keeps 32 blocks busy on a GPU of 132 SMs (45 of the 111 ms of a 1024x1024 float32 decode on an H200,
+    `python -m bench.vae_decode --profile`). Statistics in float32, as torch's kernel keeps them."""
+    b, c = x.shape[:2]
+    rows = x.reshape(b, groups, -1)
+    var, mean = torch.var_mean(rows if x.dtype == torch.float32 else rows.float(), dim=-1, correction=0)
+    scale = (torch.rsqrt(var + eps)[:, :, None] * weight.float().view(1, groups, -1)).reshape(b, c)
+    shift = bias.float().view(1, c) - (mean[:, :, None] * scale.view(b, groups, -1)).reshape(b, c)
+    spatial = (1,) * (x.ndim - 2)
+    return torch.addcmul(shift.to(x.dtype).view(b, c, *spatial), x, scale.to(x.dtype).view(b, c, *spatial))
+
+
+def _parallel_statistics(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+class GroupNorm(nn.GroupNorm):
+    """nn.GroupNorm (same parameters and state dict) whose statistics on a CUDA device come from
+    `group_norm_parallel`; elsewhere torch's own kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _parallel_statistics(x):
+            return super().forward(x)
+        return group_norm_parallel(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
 def _norm(channels: int, groups: int) -> nn.GroupNorm:
-    return nn.GroupNorm(groups, channels, eps=GROUP_NORM_EPS, affine=True)
+    return GroupNorm(groups, channels, eps=GROUP_NORM_EPS, affine=True)
 
 
 class ResnetBlock(nn.Module):
@@ -686,11 +715,6 @@ def _to_target(sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.de
     return out
 
 
-# The VAE's convolution weights in channels-last memory on a CUDA device (cuDNN's native layout for tensor cores; the
-# same arithmetic up to the convolution algorithms cuDNN picks): `python -m bench.vae_decode` times both forms.
-CUDA_CHANNELS_LAST = False
-
-
 def load_flux2_vae(
     path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
@@ -727,8 +751,6 @@ def load_flux2_vae(
     if model.bn.num_batches_tracked.is_meta:
         model.bn.num_batches_tracked = torch.zeros((), dtype=torch.long, device=device)
     model.eval().requires_grad_(False)
-    if CUDA_CHANNELS_LAST and torch.device(device).type == "cuda":
-        model.to(memory_format=torch.channels_last)  # the convolutions' weights; their outputs follow
     _log_loaded(model, file, layout, prefix)
     return model
 
