@@ -36,6 +36,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -310,20 +311,57 @@ def load_vae_for(args: argparse.Namespace, device: Any) -> Any:
     return load_flux2_vae(args.vae, device=device, disable_mmap=args.disable_mmap_load_safetensors)
 
 
-def decode_and_save(args: argparse.Namespace, items: list[tuple[Any, Any, str]], vae: Any) -> list[Path]:
-    """Decode each image and write its PNG; a second thread encodes and writes each PNG while the next image decodes
-    (the PNG encoder and the file writes release the GIL)."""
-    from library.sampling.generation import decode_to_pil, save_png
+PNG_WRITERS = 4  # threads encoding and writing PNGs (the encoder and the file writes release the GIL)
 
-    def save(image: Any, settings: Any, stem: str) -> Path:
-        path = save_png(image, Path(args.save_path) / f"{stem}.png", settings)
+
+class ImageWriter:
+    """Decodes images one at a time (`add`, on the calling thread: the VAE's GPU work is queued behind the
+    DiT's) and hands each PNG to writer threads, which encode and write it while the next image is decoded or
+    denoised; `finish` waits for them and returns the paths in the order added. `decode_s`: the seconds spent in
+    `add`."""
+
+    def __init__(self, args: argparse.Namespace, vae: Any):
+        self._folder = Path(args.save_path)
+        self._vae = vae
+        self._pool = ThreadPoolExecutor(max_workers=min(PNG_WRITERS, os.cpu_count() or 1),
+                                        thread_name_prefix="png-writer")
+        self._pending: list[Any] = []
+        self.decode_s = 0.0
+
+    def __enter__(self) -> ImageWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)  # an error while denoising still lets the images added so far be written
+        self._vae = None  # freed with the caller's reference
+
+    def add(self, item: tuple[Any, Any, str]) -> None:
+        from library.sampling.generation import decode_to_pil
+
+        t0 = time.perf_counter()
+        latents, settings, stem = item
+        image = decode_to_pil(self._vae, latents)[0]  # its copy to the host waits for the decode
+        self._pending.append(self._pool.submit(self._save, image, settings, stem))
+        self.decode_s += time.perf_counter() - t0
+
+    def _save(self, image: Any, settings: Any, stem: str) -> Path:
+        from library.sampling.generation import save_png
+
+        path = save_png(image, self._folder / f"{stem}.png", settings)
         logger.info("saved %s", path)
         return path
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="png-writer") as writer:
-        pending = [writer.submit(save, decode_to_pil(vae, latents)[0], settings, stem)
-                   for latents, settings, stem in items]
-        return [f.result() for f in pending]  # the first error (a full disk, say) is raised here
+    def finish(self) -> list[Path]:
+        """The PNGs' paths, once written; the first error (a full disk, say) is raised here."""
+        return [f.result() for f in self._pending]
+
+
+def decode_and_save(args: argparse.Namespace, items: list[tuple[Any, Any, str]], vae: Any) -> list[Path]:
+    """Decode each image and write its PNG (`ImageWriter`: the PNGs are written while the next image decodes)."""
+    with ImageWriter(args, vae) as writer:
+        for item in items:
+            writer.add(item)
+        return writer.finish()
 
 
 def save_latent_files(args: argparse.Namespace, items: list[tuple[Any, Any, str]]) -> list[Path]:
@@ -339,10 +377,11 @@ def save_latent_files(args: argparse.Namespace, items: list[tuple[Any, Any, str]
 COLLECT_BETWEEN_STEPS = True
 
 
-def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], device: Any,
-                first_index: int = 0) -> list[tuple[Any, Any, str]]:
-    """Each prompt's latents (on the CPU), with its settings and file stem; the collector's passes are made between
-    the steps, while the queued GPU work runs (`COLLECT_BETWEEN_STEPS`)."""
+def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], device: Any, first_index: int = 0,
+                after_each: Callable[[tuple[Any, Any, str]], None] | None = None) -> list[tuple[Any, Any, str]]:
+    """Each prompt's latents (on the CPU), with its settings and file stem, each handed to `after_each` once
+    denoised; the collector's passes are made between the steps, while the queued GPU work runs
+    (`COLLECT_BETWEEN_STEPS`)."""
     from library.runtime.collector import StepGarbageCollector
     from library.sampling.generation import denoise
 
@@ -359,6 +398,8 @@ def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], devi
             latents = latents.cpu()  # waits for the device: the time below is the real one
             logger.info("prompt %d denoised in %.2f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
             results.append((latents, s, _stem(s, i)))
+            if after_each is not None:
+                after_each(results[-1])
     return results
 
 
@@ -493,20 +534,28 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
         # in this thread: it imports torch._dynamo / _inductor
         compile_for_sampling(args, dit, pass_shapes(all_settings, outputs))
     loaded["dit_load"] += timer.seconds.pop("compile_setup")
-    with timer.phase("denoise"):
-        results = denoise_all(dit, all_settings, outputs, device)
-    with timer.phase("dit_free"):
-        if not overlap:
-            dit.to("cpu")  # the decode needs the room (seed 002: split decode)
-        del dit
-        _free(device)
-    paths = save_latent_files(args, results) if args.output_type in ("latent", "both") else []
+    # with the VAE beside the DiT (loading together: the text encoder's room is free now), each image is decoded as
+    # soon as it is denoised and its PNG written while the next one denoises; otherwise all after the DiT is freed
+    with contextlib.ExitStack() as writing:
+        early = writing.enter_context(ImageWriter(args, vae)) if images and vae is not None else None
+        with timer.phase("denoise"):
+            results = denoise_all(dit, all_settings, outputs, device, after_each=early.add if early else None)
+        with timer.phase("dit_free"):
+            if not overlap:
+                dit.to("cpu")  # the decode needs the room (seed 002: split decode)
+            del dit
+            _free(device)
+        paths = save_latent_files(args, results) if args.output_type in ("latent", "both") else []
+        if images:
+            if vae is None:
+                with timer.phase("vae_load"):
+                    vae = load_vae_for(args, device)
+            with timer.phase("decode"):
+                paths += early.finish() if early else decode_and_save(args, results, vae)
+            if early:  # the decodes ran inside the denoising phase: counted as decode
+                timer.seconds["denoise"] -= early.decode_s
+                timer.seconds["decode"] += early.decode_s
     if images:
-        if vae is None:
-            with timer.phase("vae_load"):
-                vae = load_vae_for(args, device)
-        with timer.phase("decode"):
-            paths += decode_and_save(args, results, vae)
         del vae
         _free(device)
     _record_timings({**timer.seconds, **loaded}, started, overlap)

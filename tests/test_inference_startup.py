@@ -63,13 +63,22 @@ def test_loading_together_gives_the_images_of_the_sequential_order(tiny_snapshot
     caplog.set_level(logging.INFO, logger=inf.logger.name)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square --n blurry\na blue circle --w 48 --h 32\n")
+    from library.sampling import generation
+
+    order: list[str] = []
+    real_denoise, real_add = generation.denoise, inf.ImageWriter.add
+    monkeypatch.setattr(generation, "denoise", lambda *a, **k: order.append("denoise") or real_denoise(*a, **k))
+    monkeypatch.setattr(inf.ImageWriter, "add", lambda self, item: order.append("decode") or real_add(self, item))
     together = _run(tiny_snapshot, tmp_path / "together", "--from_file", str(prompts))
     assert "reading the DiT and the VAE while the text encoder encodes" in caplog.text
     assert "DiT + VAE load" in caplog.text
+    assert order == ["denoise", "decode"] * 2  # the VAE beside the DiT: each image decoded once denoised
     caplog.clear()
+    order.clear()
     monkeypatch.setattr(inf, "loads_overlap", lambda *a: False)
     sequential = _run(tiny_snapshot, tmp_path / "sequential", "--from_file", str(prompts))
     assert "while the text encoder encodes" not in caplog.text and "DiT load" in caplog.text
+    assert order == ["denoise"] * 2 + ["decode"] * 2  # the DiT freed first
     assert len(together) == len(sequential) == 4
 
     def by_kind(paths, suffix):
