@@ -269,7 +269,7 @@ def compile_for_sampling(args: argparse.Namespace, dit: Any, num_shapes: int) ->
     from library.runtime.compile import compile_blocks
 
     if args.compile:
-        # ConvRot INT8 blocks (quantised at load or read from an int8 file); plain ones where dense_stacked_qkv is on
+        # ConvRot INT8 blocks (quantised at load or read from an int8 file)
         dit.stack_qkv_weights()
         compile_blocks(args, dit, num_shapes=num_shapes)
 

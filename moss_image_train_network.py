@@ -221,8 +221,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
             run.unet.prepare_block_swap_before_forward()
         else:
             run.unet.to(run.accelerator.device)
-            # q, k and v as one base product in compiled steps without checkpointing (ConvRot INT8; plain ones where
-            # dense_stacked_qkv is on): measured faster there, slower with checkpointing
+            # ConvRot INT8 q, k and v as one base product in compiled steps without checkpointing: measured faster
+            # there, slower with checkpointing
             # (library.runtime.fused_compiled.stacked_qkv_training_on)
             if stacked_qkv_training_on() and run.args.compile and not run.args.gradient_checkpointing:
                 run.unet.stack_qkv_weights()

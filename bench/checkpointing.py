@@ -212,10 +212,6 @@ for _name in ("gc_full_compile_int8", "no_gc_compile_int8"):
 # checkpointing only), for the ratio in one run
 THREE_QKV = "_three_qkv"
 CONFIGS["no_gc_compile_int8" + THREE_QKV] = CONFIGS["no_gc_compile_int8"]
-# bench-only: bf16 q, k and v stacked as well (set_compiled_kernels(dense_stacked_qkv=True), off by default), their
-# LoRA group's base products as one, for the ratio against no_gc_compile in one run
-DENSE_QKV = "_dense_qkv"
-CONFIGS["no_gc_compile" + DENSE_QKV] = CONFIGS["no_gc_compile"]
 REFERENCE = "gc_full_compile"
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -484,8 +480,7 @@ def bench_variant(name: str) -> Any:
         **({"norm_rope": False, "swiglu": False} if name.endswith(COMPILED_PLAIN) else {}),
         **({"norm_modulate": True} if name.endswith(COMPILED_ALL) else {}),
         **({"swiglu_codes": False} if name.endswith(NO_COMPILED_CODES) else {}),
-        **({"training_stacked_qkv": False} if name.endswith(THREE_QKV) else {}),
-        **({"dense_stacked_qkv": True} if name.endswith(DENSE_QKV) else {}))
+        **({"training_stacked_qkv": False} if name.endswith(THREE_QKV) else {}))
     if PLAIN_FULL_TAGS in name:
         checkpointing.COMPILED_FULL["per_operator_tags"] = False
     older_rng = OLDER_RNG in name and hasattr(functorch_config, "graphsafe_rng_functionalization")

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.lora.compiled_group import plain_group, plain_group_parts
-from library.lora.eager_node import adapter_of, lora_group, lora_group_parts
+from library.lora.eager_node import lora_group, lora_group_parts
 from library.moss_image.cfg_packing import PackedText, pack_texts, packed_forward
 from library.moss_image.projections import BlockProjections
 from library.moss_image.rope import RopeTables, apply_rope
@@ -37,7 +37,6 @@ from library.runtime.fused_compiled import (
     codes_inference_applies,
     compiled_codes_on,
     compiled_kernel,
-    dense_stacking_on,
     epilogues_inference_apply,
     norm_modulate_applies,
     norm_rope_applies,
@@ -362,37 +361,19 @@ class MossImageBlock(nn.Module):
             if plain is not None:
                 q, k, v = plain_group(h, plain, self._stacked_bases(plain, h))
                 return q, k, v
-            dense = self._dense_inference_qkv(h)
-            if dense is not None:
-                return dense
         return self.proj.q(h), self.proj.k(h), self.proj.v(h)
 
-    def _dense_inference_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """q, k and v as one product over their stacked weight (`BlockProjections.dense_qkv_stack`) in a block being
-        compiled without gradients, where the three are called as they are (no adapter, no hook); else None."""
-        weight = self.proj.dense_qkv_stack()
-        if (weight is None or not torch.compiler.is_compiling() or torch.is_grad_enabled()
-                or not stacked_qkv_inference_applies()):
-            return None
-        for linear in (self.proj.q, self.proj.k, self.proj.v):
-            if adapter_of(linear) is not None or linear._forward_hooks or linear._forward_pre_hooks:
-                return None
-        return F.linear(h, weight).chunk(3, dim=-1)
-
     def _stacked_bases(self, parts: Sequence[Any], h: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """The base products of q, k and v's LoRA group as one product over their stacked weight (ConvRot INT8:
-        `int8_stack.stacked_forward`; plain: `dense_qkv_stack`), where `training_stacked_qkv` is on, they are stacked
-        and each part's base is its Linear's own forward; None: each part runs its base."""
+        """The base products of q, k and v's LoRA group as one product over their stacked ConvRot INT8 weight
+        (`int8_stack.stacked_forward`), where `training_stacked_qkv` is on, they are stacked and each part's base is
+        its Linear's own forward; None: each part runs its base."""
         if not stacked_qkv_training_on():
             return None
         linears = (self.proj.q, self.proj.k, self.proj.v)
         if any(part.own_base is not linear for part, linear in zip(parts, linears)):
             return None
         stack = self.proj.qkv_stack()
-        if stack is not None:
-            return stacked_forward(h, *stack, linears[0], self.proj.stack_plans).chunk(3, dim=-1)
-        dense = self.proj.dense_qkv_stack()
-        return None if dense is None else F.linear(h, dense).chunk(3, dim=-1)
+        return None if stack is None else stacked_forward(h, *stack, linears[0], self.proj.stack_plans).chunk(3, dim=-1)
 
     def _attention(self, h: torch.Tensor | QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
                    key_mask: torch.Tensor | Segments | None) -> torch.Tensor | QuantizedRows:
@@ -706,19 +687,16 @@ class MossImage(nn.Module):
 
     # ------------------------------------------------------------------------------------------- stacked q/k/v
     def stack_qkv_weights(self) -> int:
-        """Make each main block's q, k and v views of one stacked weight (`BlockProjections.stack_qkv`: ConvRot int8
-        Linears, and plain frozen ones where `set_compiled_kernels(dense_stacked_qkv=True)`, off by default; no more
-        memory once done), so that compiled blocks run one product for the three. For a model in its final place:
+        """Make each main block's ConvRot int8 q, k and v views of one stacked weight (`BlockProjections.stack_qkv`;
+        no more memory once done), so that compiled blocks run one product for the three. For a model in its final place:
         moving it, or block swap, drops the stacks. Returns how many blocks were stacked (0 with block swap on, or
         where the Linears are neither)."""
         if self._block_offloader is not None:
             return 0
-        dense = dense_stacking_on()
-        stacked = sum(block.proj.stack_qkv(dense) for block in self.layers)
+        stacked = sum(block.proj.stack_qkv() for block in self.layers)
         self._qkv_stacked = stacked > 0
         if stacked:
-            kind = "int8" if self.layers[0].proj.qkv_stack() is not None else str(self.dtype).removeprefix("torch.")
-            logger.info("q, k and v stacked into one %s weight in %d of %d blocks", kind, stacked, len(self.layers))
+            logger.info("q, k and v stacked into one int8 weight in %d of %d blocks", stacked, len(self.layers))
         return stacked
 
     def unstack_qkv_weights(self) -> None:

@@ -1,6 +1,6 @@
 """The six Linears of a MOSS-Image block (`BlockProjections`, named as in the official checkpoints) and their q/k/v
-stack: ConvRot INT8 q, k and v, or plain ones on request, made views of one stacked weight so that compiled blocks run
-one product for the three (`library.quant.int8_stack`, `library.runtime.dense_stack`)."""
+stack: ConvRot INT8 q, k and v made views of one stacked weight so that compiled blocks run one product for the three
+(`library.quant.int8_stack`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch.nn as nn
 
 from library.quant.int8_stack import stack_int8_linears, stack_intact
 from library.quant.linear_plan import LinearPlans
-from library.runtime.dense_stack import dense_stack_intact, stack_dense_linears
 
 if TYPE_CHECKING:
     from library.moss_image.dit import MossImageConfig
@@ -26,9 +25,8 @@ class BlockProjections(nn.Module):
     """The six Linears of a block, named as in the official checkpoints (`proj.q`, ..., `proj.ffn_down`).
 
     With ConvRot INT8, `stack_qkv` makes q, k and v views of one stacked weight (`library.quant.int8_stack`), which a
-    block compiled for inference multiplies by its input's codes in one product (`qkv_stack`); plain Linears are
-    stacked the same way on request (`library.runtime.dense_stack`, `dense_qkv_stack`). The stacked buffers are not
-    state (not in the state dict); moving the module drops them."""
+    block compiled for inference multiplies by its input's codes in one product (`qkv_stack`). The stacked buffers
+    are not state (not in the state dict); moving the module drops them."""
 
     def __init__(self, cfg: MossImageConfig):
         super().__init__()
@@ -43,19 +41,14 @@ class BlockProjections(nn.Module):
         self.register_buffer("qkv_weight_scale", None, persistent=False)
         self.stack_plans: LinearPlans | None = None
 
-    def stack_qkv(self, dense: bool = False) -> bool:
-        """Stack q, k and v (ConvRot int8, no bias, one device; `int8_stack.stack_int8_linears`; with `dense`, plain
-        frozen Linears too, `dense_stack.stack_dense_linears`); False where they cannot be stacked."""
-        linears = (self.q, self.k, self.v)
-        stacked = stack_int8_linears(linears)
-        if stacked is not None:
-            self.qkv_weight, self.qkv_weight_scale = stacked
-            self.stack_plans = LinearPlans()  # the eager stacked product's launch plans (`_stacked_bases`)
-            return True
-        weight = stack_dense_linears(linears) if dense else None
-        if weight is None:
+    def stack_qkv(self) -> bool:
+        """Stack q, k and v (ConvRot int8, no bias, one device; `int8_stack.stack_int8_linears`); False where they
+        cannot be stacked."""
+        stacked = stack_int8_linears((self.q, self.k, self.v))
+        if stacked is None:
             return False
-        self.qkv_weight, self.qkv_weight_scale = weight, None
+        self.qkv_weight, self.qkv_weight_scale = stacked
+        self.stack_plans = LinearPlans()  # the eager stacked product's launch plans (`_stacked_bases`)
         return True
 
     def unstack_qkv(self) -> None:
@@ -69,8 +62,7 @@ class BlockProjections(nn.Module):
         if self.qkv_weight is None:
             return False
         linears = (self.q, self.k, self.v)
-        if (dense_stack_intact(self.qkv_weight, linears) if self.qkv_weight_scale is None
-                else stack_intact(self.qkv_weight, self.qkv_weight_scale, linears)):
+        if stack_intact(self.qkv_weight, self.qkv_weight_scale, linears):
             return True
         logger.warning("q, k and v no longer read their stacked weight (moved or replaced): dropping the stack")
         self.unstack_qkv()
@@ -82,10 +74,6 @@ class BlockProjections(nn.Module):
         if self.qkv_weight is None or self.qkv_weight_scale is None:
             return None
         return self.qkv_weight, self.qkv_weight_scale
-
-    def dense_qkv_stack(self) -> torch.Tensor | None:
-        """The stacked weight [3W, W] of plain q, k and v, or None where they are not stacked so."""
-        return self.qkv_weight if self.qkv_weight is not None and self.qkv_weight_scale is None else None
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         self.unstack_qkv()  # q, k and v move as three tensors; the stack would be a stale fourth copy

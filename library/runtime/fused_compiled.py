@@ -71,7 +71,7 @@ from library.quant import convrot_kernels
 from library.quant.convrot_ops import QUANTIZE, QUANTIZE_SEGMENTS, VIEW_OPS, QuantizedRows, input_key
 from library.runtime import fused_ops
 
-__all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "compiled_kernels", "dense_stacking_on",
+__all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "compiled_kernels",
            "enable_inductor_producer_codes", "epilogues_inference_apply", "fuse_quantize_into_producers",
            "norm_modulate_applies", "norm_rope_applies", "norm_rope_shape_applies", "op_linear_gated_residual",
            "op_linear_norm_rope", "op_norm_modulate", "op_norm_modulate_codes", "op_norm_rope",
@@ -82,8 +82,7 @@ __all__ = ["codes_inference_applies", "compiled_codes_on", "compiled_kernel", "c
 
 _SETTINGS: dict[str, bool] = {"norm_rope": True, "swiglu": True, "norm_modulate": False, "swiglu_codes": True,
                                "inference_codes": True, "inference_epilogues": False, "inference_stacked_qkv": True,
-                               "inference_residual_codes": True, "training_stacked_qkv": True,
-                               "dense_stacked_qkv": False, "cpu": False}
+                               "inference_residual_codes": True, "training_stacked_qkv": True, "cpu": False}
 
 
 def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
@@ -93,9 +92,8 @@ def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
     there one product for q, k and v where the model stacked them, `MossImage.stack_qkv_weights`;
     `inference_residual_codes`: there the gated residual and the second norm's codes as one op;
     `training_stacked_qkv`: blocks with a LoRA on q, k and v, stacked, run the three base products as one, on by
-    default, where the trainer stacks them: compiled steps without checkpointing; see `stacked_qkv_training_on`;
-    `dense_stacked_qkv`: `MossImage.stack_qkv_weights` stacks plain (bf16) q, k and v as well, for the same single
-    products, off by default until an H200 measures it), and whether CPU tensors take the ops too (`cpu`, for
+    default, where the trainer stacks them: compiled steps without checkpointing; see `stacked_qkv_training_on`),
+    and whether CPU tensors take the ops too (`cpu`, for
     tests); returns the previous settings."""
     unknown = set(settings) - set(_SETTINGS)
     if unknown:
@@ -148,16 +146,6 @@ def stacked_qkv_training_on() -> bool:
     `_three_qkv`); with checkpointing one run measured 0.96x, so it does not stack there. A block stacked by hand
     takes the product inside a compiled checkpoint too (tests/test_int8_stack.py)."""
     return _SETTINGS["training_stacked_qkv"]
-
-
-def dense_stacking_on() -> bool:
-    """Whether `MossImage.stack_qkv_weights` stacks plain (bf16 / fp32) q, k and v too
-    (`library.runtime.dense_stack`): the `dense_stacked_qkv` setting, off by default until an H200 measures it
-    (`bench/checkpointing.py`'s `_dense_qkv` configuration, `bench/infer_profile.py` with
-    `--settings dense_stacked_qkv=True`).
-    Stacked, they run as one product where ConvRot INT8 ones do: in the LoRA group of compiled training steps
-    (`training_stacked_qkv`) and in blocks compiled for inference (`inference_stacked_qkv`)."""
-    return _SETTINGS["dense_stacked_qkv"]
 
 
 def residual_codes_inference_applies(x: torch.Tensor, gate: torch.Tensor) -> bool:
