@@ -1,4 +1,4 @@
-"""The tiny DiT (ConvRot INT8, or fp32) with the product's LoRA network on every block Linear (random non-zero LoRA
+"""The tiny ConvRot INT8 DiT with the product's LoRA network on every block Linear (random non-zero LoRA
 weights, trainable): what the compiled-INT8 and stacked q/k/v tests train."""
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from library.moss_image.loaders import load_moss_image_model
 from networks import lora_generic
 
 
-def dit_with_lora(snapshot: Path, convrot_int8: bool = True) -> tuple[Any, Any]:
-    """(DiT quantised at load, or in fp32 with `convrot_int8=False`, its base frozen; its LoRA network) on the CPU
-    in fp32."""
-    dit = load_moss_image_model("cpu", snapshot, dtype=torch.float32, convrot_int8=convrot_int8)
+def dit_with_lora(snapshot: Path) -> tuple[Any, Any]:
+    """(DiT quantised at load, its base frozen; its LoRA network) on the CPU in fp32."""
+    dit = load_moss_image_model("cpu", snapshot, dtype=torch.float32, convrot_int8=True)
     dit.requires_grad_(False)
     net = lora_generic.create_network(1.0, 4, 4.0, None, [], dit)
     net.apply_to(None, dit, apply_text_encoder=False, apply_unet=True)
