@@ -235,13 +235,17 @@ def encode_texts(args: argparse.Namespace, te: Any, tokenizer: Any, texts: list[
     return {t: (e.cpu(), m.cpu()) for t, (e, m) in zip(texts, outputs)}
 
 
-def load_dit(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
+def load_dit(args: argparse.Namespace, device: Any, dtype: Any, float_fits: bool = False) -> Any:
+    """The DiT on `device` (block swap: the blocks that stream stay on the CPU), LoRA merged while reading. With
+    --convrot_int8 its float weights are read to the CPU and quantised layer by layer on the device, so that the
+    device never holds them all; `float_fits` (the free memory was checked to hold them: `loads_overlap`) reads them
+    straight to the device and quantises them there, without the round trip through the host."""
     from library.moss_image.loaders import load_moss_image_model
 
     plan = _lora_plan(args, "lora_unet", device)
-    # LoRA merged while reading, then (with --convrot_int8) quantised layer by layer on the device
+    on_cpu = args.blocks_to_swap or (args.convrot_int8 and not float_fits)
     dit = load_moss_image_model(device, args.dit, args.attn_mode, args.split_attn,
-                                loading_device="cpu" if args.convrot_int8 or args.blocks_to_swap else device,
+                                loading_device="cpu" if on_cpu else device,
                                 dtype=dtype,
                                 disable_mmap=args.disable_mmap_load_safetensors,
                                 tensor_hook=plan.merge if plan else None, convrot_int8=args.convrot_int8,
@@ -456,14 +460,15 @@ def loads_overlap(args: argparse.Namespace, device: Any, dtype: Any) -> bool:
     return free >= need
 
 
-def load_sampling_models(args: argparse.Namespace, device: Any, dtype: Any,
-                         with_vae: bool) -> tuple[Any, Any, dict[str, float]]:
+def load_sampling_models(args: argparse.Namespace, device: Any, dtype: Any, with_vae: bool,
+                         overlap: bool = False) -> tuple[Any, Any, dict[str, float]]:
     """The DiT in eval mode (not yet wrapped by --compile) and (`with_vae`) the VAE, with their load seconds
     (`dit_load`, `vae_load`). It imports nothing that is not imported yet (`_import_for_loading`), so that it can
-    run beside the main thread's imports."""
+    run beside the main thread's imports. `overlap`: `loads_overlap` found room for the float DiT beside the text
+    encoder (`load_dit`'s `float_fits`)."""
     timer = phase_timer.PhaseTimer(device)
     with _MODEL_BUILD_LOCK, timer.phase("dit_load"):
-        dit = load_dit(args, device, dtype).eval()
+        dit = load_dit(args, device, dtype, float_fits=overlap).eval()
     vae = None
     if with_vae:
         with _MODEL_BUILD_LOCK, timer.phase("vae_load"):
@@ -509,7 +514,7 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
             logger.info("reading the DiT%s while the text encoder encodes (the memory holds them together)",
                         " and the VAE" if images else "")
             _import_for_loading(args)
-            background = pool.submit(load_sampling_models, args, device, dtype, images)
+            background = pool.submit(load_sampling_models, args, device, dtype, images, True)
         with timer.phase("text_encoder_import"):
             import_text_encoder_code()
         with timer.phase("dit_wait"):

@@ -205,3 +205,24 @@ def test_infer_oneshot_runs_the_script_with_the_compiled_kernels_off_for_its_pla
     out = subprocess.run([sys.executable, "-c", cmd[2], str(probe)], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parent.parent).stdout
     assert out.strip() == "False True"
+
+
+@pytest.mark.parametrize("int8, swap, float_fits, expected", [
+    (True, 0, False, "cpu"),  # the float weights never all on the device
+    (True, 0, True, "cuda:0"),  # room checked (loading together): read there, quantised there
+    (True, 4, True, "cpu"),  # block swap: the streamed blocks live on the host
+    (False, 0, False, "cuda:0"),
+])
+def test_where_the_dit_is_read(monkeypatch, int8, swap, float_fits, expected):
+    import argparse
+
+    from library.memory import block_swap
+    from library.moss_image import loaders
+
+    seen = {}
+    monkeypatch.setattr(loaders, "load_moss_image_model", lambda *a, **k: seen.update(k) or object())
+    monkeypatch.setattr(block_swap, "place_model", lambda *a, **k: None)
+    args = argparse.Namespace(lora_weight=None, dit="d", attn_mode="torch", split_attn=False, convrot_int8=int8,
+                              blocks_to_swap=swap, disable_mmap_load_safetensors=False)
+    inf.load_dit(args, "cuda:0", torch.bfloat16, float_fits=float_fits)
+    assert str(seen["loading_device"]) == expected and seen["calc_device"] == "cuda:0"
