@@ -315,56 +315,18 @@ def load_vae_for(args: argparse.Namespace, device: Any) -> Any:
     return load_flux2_vae(args.vae, device=device, disable_mmap=args.disable_mmap_load_safetensors)
 
 
-PNG_WRITERS = 4  # threads encoding and writing PNGs (the encoder and the file writes release the GIL)
-
-
-class ImageWriter:
-    """Decodes images one at a time (`add`, on the calling thread: the VAE's GPU work is queued behind the
-    DiT's) and hands each PNG to writer threads, which encode and write it while the next image is decoded or
-    denoised; `finish` waits for them and returns the paths in the order added. `decode_s`: the seconds spent in
-    `add`."""
-
-    def __init__(self, args: argparse.Namespace, vae: Any):
-        self._folder = Path(args.save_path)
-        self._vae = vae
-        self._pool = ThreadPoolExecutor(max_workers=min(PNG_WRITERS, os.cpu_count() or 1),
-                                        thread_name_prefix="png-writer")
-        self._pending: list[Any] = []
-        self.decode_s = 0.0
-
-    def __enter__(self) -> ImageWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True)  # an error while denoising still lets the images added so far be written
-        self._vae = None  # freed with the caller's reference
-
-    def add(self, item: tuple[Any, Any, str]) -> None:
-        from library.sampling.generation import decode_to_pil
-
-        t0 = time.perf_counter()
-        latents, settings, stem = item
-        image = decode_to_pil(self._vae, latents)[0]  # its copy to the host waits for the decode
-        self._pending.append(self._pool.submit(self._save, image, settings, stem))
-        self.decode_s += time.perf_counter() - t0
-
-    def _save(self, image: Any, settings: Any, stem: str) -> Path:
-        from library.sampling.generation import save_png
-
-        path = save_png(image, self._folder / f"{stem}.png", settings)
-        logger.info("saved %s", path)
-        return path
-
-    def finish(self) -> list[Path]:
-        """The PNGs' paths, once written; the first error (a full disk, say) is raised here."""
-        return [f.result() for f in self._pending]
+def _png_path(args: argparse.Namespace, stem: str) -> Path:
+    return Path(args.save_path) / f"{stem}.png"
 
 
 def decode_and_save(args: argparse.Namespace, items: list[tuple[Any, Any, str]], vae: Any) -> list[Path]:
-    """Decode each image and write its PNG (`ImageWriter`: the PNGs are written while the next image decodes)."""
-    with ImageWriter(args, vae) as writer:
-        for item in items:
-            writer.add(item)
+    """Decode each image and write its PNG (`generation.PngWriter`: the PNGs are written while the next image
+    decodes)."""
+    from library.sampling.generation import PngWriter
+
+    with PngWriter(vae) as writer:
+        for latents, settings, stem in items:
+            writer.add(latents, _png_path(args, stem), settings)
         return writer.finish()
 
 
@@ -504,6 +466,8 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
     it is; otherwise seed 002's memory order: encode everything, free the encoder, read the DiT, denoise everything,
     move the DiT off the GPU, then read the VAE and decode (untiled). The phase timings go to the log and to
     `phase_timer.last_run_timings()`."""
+    from library.sampling.generation import PngWriter
+
     started = startup.seconds_since_process_start()
     timer = phase_timer.PhaseTimer(device)
     texts = list(dict.fromkeys(t for s in all_settings for t in (s.prompt, s.negative_prompt)))
@@ -542,9 +506,13 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
     # with the VAE beside the DiT (loading together: the text encoder's room is free now), each image is decoded as
     # soon as it is denoised and its PNG written while the next one denoises; otherwise all after the DiT is freed
     with contextlib.ExitStack() as writing:
-        early = writing.enter_context(ImageWriter(args, vae)) if images and vae is not None else None
+        early = writing.enter_context(PngWriter(vae)) if images and vae is not None else None
+
+        def decode_early(item: tuple[Any, Any, str]) -> None:
+            early.add(item[0], _png_path(args, item[2]), item[1])
+
         with timer.phase("denoise"):
-            results = denoise_all(dit, all_settings, outputs, device, after_each=early.add if early else None)
+            results = denoise_all(dit, all_settings, outputs, device, after_each=decode_early if early else None)
         with timer.phase("dit_free"):
             if not overlap:
                 dit.to("cpu")  # the decode needs the room (seed 002: split decode)

@@ -66,9 +66,9 @@ def test_loading_together_gives_the_images_of_the_sequential_order(tiny_snapshot
     from library.sampling import generation
 
     order: list[str] = []
-    real_denoise, real_add = generation.denoise, inf.ImageWriter.add
+    real_denoise, real_add = generation.denoise, generation.PngWriter.add
     monkeypatch.setattr(generation, "denoise", lambda *a, **k: order.append("denoise") or real_denoise(*a, **k))
-    monkeypatch.setattr(inf.ImageWriter, "add", lambda self, item: order.append("decode") or real_add(self, item))
+    monkeypatch.setattr(generation.PngWriter, "add", lambda self, *a: order.append("decode") or real_add(self, *a))
     together = _run(tiny_snapshot, tmp_path / "together", "--from_file", str(prompts))
     assert "reading the DiT and the VAE while the text encoder encodes" in caplog.text
     assert "DiT + VAE load" in caplog.text

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from library.errors import UserError
-from library.sampling.generation import GenerationSettings, decode_to_pil, denoise, save_png
+from library.sampling.generation import GenerationSettings, PngWriter, denoise
 from library.sampling.sampler import load_prompts, parse_uncond_skip_layers
 from library.text_encoder.encoding import encode_captions, model_device, text_encoder_batch_size
 from library.text_encoder.loading import place_text_encoder
@@ -89,17 +89,17 @@ def _generate_all(trainer: Any, run: Any, epoch: int | None, step: int) -> list[
     was_training = dit.training
     dit.eval()
     run.vae.to(acc.device)
-    paths = []
     autocast = run.weight_dtype if run.weight_dtype != torch.float32 else None
-    with torch.no_grad():
+    # each PNG encoded and written by a writer thread while the next prompt denoises
+    with torch.no_grad(), PngWriter(run.vae) as writer:
         for i, p in enumerate(prompts):
             settings = GenerationSettings.from_prompt_dict(p, skip, default_seed=(args.seed or 0) + i)
             cond = outputs[settings.prompt]
             uncond = outputs[settings.negative_prompt] if settings.scale != 1.0 else None
             latents = denoise(dit, settings, cond, uncond, acc.device, autocast)
-            image = decode_to_pil(run.vae, latents)[0]
-            path = out_dir / f"{name}_{suffix}_{i:02d}_{stamp}_{settings.seed}.png"
-            paths.append(save_png(image, path, settings, {"step": step, "epoch": epoch}))
+            writer.add(latents, out_dir / f"{name}_{suffix}_{i:02d}_{stamp}_{settings.seed}.png", settings,
+                       {"step": step, "epoch": epoch})
+        paths = writer.finish()
     if args.cache_latents and not args.highvram:  # otherwise the VAE stays: batches are encoded on the fly
         run.vae.to("cpu")
     if was_training:
