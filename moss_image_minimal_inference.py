@@ -404,6 +404,24 @@ def _free_memory_bytes(device: Any) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _te_device_bytes(args: argparse.Namespace, device: Any) -> int:
+    """The text encoder's weights on `device` (none where it runs on the CPU beside a GPU)."""
+    if device.type == "cuda" and TextEncoderOptions.from_args(args).on_cpu:
+        return 0
+    return _checkpoint_bytes(args.text_encoder, "text_encoder")
+
+
+def decode_fits_beside_dit(args: argparse.Namespace, device: Any, all_settings: list[Any]) -> bool:
+    """Whether, loading together (`loads_overlap`), the largest image can be decoded while the DiT stays loaded: the
+    room counted there for the text encoder (freed before the denoising) and `OVERLAP_HEADROOM_BYTES` hold the
+    decode's working memory (`memory_model.vae_decode_bytes`)."""
+    from library.planning.memory_model import vae_decode_bytes
+    from library.planning.sizes import read_vae
+
+    pixels = max(s.height * s.width for s in all_settings)
+    return vae_decode_bytes(read_vae(args.vae), pixels) <= _te_device_bytes(args, device) + OVERLAP_HEADROOM_BYTES
+
+
 def loads_overlap(args: argparse.Namespace, device: Any, dtype: Any) -> bool:
     """True when the DiT and the VAE may be read while the text encoder loads and encodes (seed 002's order is kept
     otherwise): no --blocks_to_swap nor --vram_budget (both plan for one model at a time), and the free memory of
@@ -413,10 +431,8 @@ def loads_overlap(args: argparse.Namespace, device: Any, dtype: Any) -> bool:
 
     if args.blocks_to_swap or args.vram_budget is not None:
         return False
-    te_elsewhere = device.type == "cuda" and TextEncoderOptions.from_args(args).on_cpu
-    te = 0 if te_elsewhere else _checkpoint_bytes(args.text_encoder, "text_encoder")
     dit = _checkpoint_bytes(args.dit, "transformer") * (2 if dtype == torch.float32 else 1)  # bf16 files
-    need = te + dit + _checkpoint_bytes(args.vae, "vae") + OVERLAP_HEADROOM_BYTES
+    need = _te_device_bytes(args, device) + dit + _checkpoint_bytes(args.vae, "vae") + OVERLAP_HEADROOM_BYTES
     free = _free_memory_bytes(device)
     logger.debug("loading together needs %.1f GiB, %.1f GiB free", need / 2**30, free / 2**30)
     return free >= need
@@ -503,10 +519,11 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
         # in this thread: it imports torch._dynamo / _inductor
         compile_for_sampling(args, dit, pass_shapes(all_settings, outputs))
     loaded["dit_load"] += timer.seconds.pop("compile_setup")
-    # with the VAE beside the DiT (loading together: the text encoder's room is free now), each image is decoded as
-    # soon as it is denoised and its PNG written while the next one denoises; otherwise all after the DiT is freed
+    # with the VAE beside the DiT (loading together) and room for a decode there, each image is decoded as soon as it
+    # is denoised and its PNG written while the next one denoises; otherwise all after the DiT is freed
+    beside = images and vae is not None and decode_fits_beside_dit(args, device, all_settings)
     with contextlib.ExitStack() as writing:
-        early = writing.enter_context(PngWriter(vae)) if images and vae is not None else None
+        early = writing.enter_context(PngWriter(vae)) if beside else None
 
         def decode_early(item: tuple[Any, Any, str]) -> None:
             early.add(item[0], _png_path(args, item[2]), item[1])

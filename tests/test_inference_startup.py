@@ -226,3 +226,23 @@ def test_where_the_dit_is_read(monkeypatch, int8, swap, float_fits, expected):
                               blocks_to_swap=swap, disable_mmap_load_safetensors=False)
     inf.load_dit(args, "cuda:0", torch.bfloat16, float_fits=float_fits)
     assert str(seen["loading_device"]) == expected and seen["calc_device"] == "cuda:0"
+
+
+def test_an_image_is_decoded_beside_the_dit_only_where_its_decode_fits(tiny_snapshot, monkeypatch):
+    from library.planning.memory_model import vae_decode_bytes
+    from library.planning.sizes import read_vae
+    from library.sampling.generation import GenerationSettings
+
+    args = inf.setup_parser().parse_args(["--snapshot", str(tiny_snapshot), "--prompt", "x", "--device", "cpu"])
+    inf.resolve_args(args)
+    cpu = torch.device("cpu")
+    room = inf._checkpoint_bytes(args.text_encoder, "text_encoder") + inf.OVERLAP_HEADROOM_BYTES
+    per_pixel = vae_decode_bytes(read_vae(args.vae), 1)
+    side = int((room / per_pixel) ** 0.5) // 16 * 16  # the largest square image whose decode fits
+    assert inf.decode_fits_beside_dit(args, cpu, [GenerationSettings(prompt="x", width=64, height=64),
+                                                  GenerationSettings(prompt="y", width=side, height=side)])
+    assert not inf.decode_fits_beside_dit(args, cpu, [GenerationSettings(prompt="x", width=side + 64,
+                                                                         height=side + 64)])
+    # a text encoder on the CPU beside a GPU leaves only the headroom
+    monkeypatch.setattr(inf.TextEncoderOptions, "from_args", lambda a: type("O", (), {"on_cpu": True})())
+    assert inf._te_device_bytes(args, torch.device("cuda")) == 0 and inf._te_device_bytes(args, cpu) > 0
