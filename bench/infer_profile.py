@@ -104,6 +104,7 @@ def _sampler_images(args: argparse.Namespace, dit: Any, cond: torch.Tensor, unco
     """`--sampler_images` images of `--sampler_steps` steps through the inference script's own loop
     (`moss_image_minimal_inference.denoise_all`: the sampler, the prompt's preparation, the latents read back),
     the collector's passes between the steps or, with `--auto_gc`, automatic as before."""
+    from library.sampling import generation
     from library.sampling.generation import GenerationSettings
 
     height, width = args.image_size
@@ -111,8 +112,6 @@ def _sampler_images(args: argparse.Namespace, dit: Any, cond: torch.Tensor, unco
                                    sample_steps=args.sampler_steps, seed=i) for i in range(args.sampler_images)]
     outputs = {"cond": (cond[0], torch.ones(cond.shape[1], dtype=torch.bool)),
                "uncond": (uncond[0], torch.ones(uncond.shape[1], dtype=torch.bool))}
-    from library.sampling import generation
-
     seconds: list[float] = []
     passes_per_image: list[dict[str, list[float]]] = []
     plain = generation.denoise
