@@ -23,8 +23,9 @@ def test_an_outer_freeze_stays_and_a_disabled_collector_stays_off():
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
-        with StepGarbageCollector():
-            pass
+        with StepGarbageCollector() as collector:
+            collector.step(1)
+            assert gc.get_freeze_count() >= frozen
         assert gc.get_freeze_count() >= frozen and not gc.isenabled()
     finally:
         gc.unfreeze()

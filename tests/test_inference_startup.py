@@ -179,32 +179,34 @@ def test_oneshot_bench_runs_the_script_in_a_fresh_process(tiny_snapshot, tmp_pat
     assert sorted(p.name for p in out.iterdir()) == ["infer_oneshot.json", "infer_oneshot_0_eager.log"]
 
 
+def _launched(args, run: str, tmp_path, probe_code: str, *argv: str) -> str:
+    """What `probe_code` prints when run through the launcher of `infer_oneshot`'s `run` in place of the script."""
+    cmd = infer_oneshot.run_command(args, run, tmp_path / "out", tmp_path / "p.txt")
+    assert cmd[1] == "-c" and cmd[3] == infer_oneshot.SCRIPT and "--compile" in cmd
+    probe = tmp_path / "probe.py"
+    probe.write_text(probe_code)
+    return subprocess.run([sys.executable, "-c", cmd[2], str(probe), *argv], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+
+
 def test_infer_oneshot_runs_the_script_with_the_compiled_kernels_off_for_its_plain_run(tmp_path):
     """`compile_plain_kernels` runs the script through a launcher that turns the compiled blocks' kernel ops off and
     hands the script its own argv."""
     args = SimpleNamespace(snapshot=tmp_path, image_size=[64, 64], steps=2, device=None, extra="")
-    cmd = infer_oneshot.run_command(args, "compile_plain_kernels", tmp_path / "out", tmp_path / "p.txt")
-    assert cmd[1] == "-c" and cmd[3] == infer_oneshot.SCRIPT and "--compile" in cmd
-    probe = tmp_path / "probe.py"
-    probe.write_text("import sys\nfrom library.runtime import fused_compiled\n"
-                     "print(fused_compiled._SETTINGS['norm_rope'], fused_compiled._SETTINGS['swiglu'], sys.argv[1:])\n")
-    out = subprocess.run([sys.executable, "-c", cmd[2], str(probe), "--flag"], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parent.parent).stdout
-    assert out.strip() == "False False ['--flag']"
+    out = _launched(args, "compile_plain_kernels", tmp_path,
+                    "import sys\nfrom library.runtime import fused_compiled\n"
+                    "print(fused_compiled._SETTINGS['norm_rope'], fused_compiled._SETTINGS['swiglu'], sys.argv[1:])\n",
+                    "--flag")
+    assert out == "False False ['--flag']"
     # `compile_no_codes`: the ConvRot INT8 blocks' codes-only producers off, the kernel ops on
-    cmd = infer_oneshot.run_command(args, "compile_no_codes", tmp_path / "out", tmp_path / "p.txt")
-    probe.write_text("from library.runtime import fused_compiled as f\n"
-                     "print(f._SETTINGS['inference_codes'], f._SETTINGS['swiglu'])\n")
-    out = subprocess.run([sys.executable, "-c", cmd[2], str(probe)], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parent.parent).stdout
-    assert out.strip() == "False True"
+    out = _launched(args, "compile_no_codes", tmp_path, "from library.runtime import fused_compiled as f\n"
+                    "print(f._SETTINGS['inference_codes'], f._SETTINGS['swiglu'])\n")
+    assert out == "False True"
     # `compile_unpacked`: a CFG step's two passes one after the other (the compiled kernels as they are)
-    cmd = infer_oneshot.run_command(args, "compile_unpacked", tmp_path / "out", tmp_path / "p.txt")
-    probe.write_text("from library.moss_image import cfg_packing as c\nfrom library.runtime import fused_compiled as f\n"
-                     "print(c.cfg_packing_on(), f._SETTINGS['inference_codes'])\n")
-    out = subprocess.run([sys.executable, "-c", cmd[2], str(probe)], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parent.parent).stdout
-    assert out.strip() == "False True"
+    out = _launched(args, "compile_unpacked", tmp_path, "from library.moss_image import cfg_packing as c\n"
+                    "from library.runtime import fused_compiled as f\n"
+                    "print(c.cfg_packing_on(), f._SETTINGS['inference_codes'])\n")
+    assert out == "False True"
 
 
 @pytest.mark.parametrize("int8, swap, float_fits, expected", [
