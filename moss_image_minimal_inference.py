@@ -356,13 +356,18 @@ def denoise_all(dit: Any, all_settings: list[Any], outputs: dict[str, Any], devi
         def between_steps(step: int, steps: int, x: Any) -> None:
             collector.step(step + 1)
 
+        previous = None  # when the previous image was denoised
         for i, s in enumerate(all_settings, start=first_index):
             t0 = time.perf_counter()
             # the steps after the first repeat its calls: a compiled DiT checks only the guards between its graphs
             latents = denoise(dit, s, outputs[s.prompt], outputs[s.negative_prompt] if s.scale != 1.0 else None,
                               device, unguarded_repeats=True, callback=between_steps if collector else None)
             latents = latents.cpu()  # waits for the device: the time below is the real one
-            logger.info("prompt %d denoised in %.2f s (seed %s)", i + 1, time.perf_counter() - t0, s.seed)
+            done = time.perf_counter()
+            # the interval between two images: the denoising and what ran between them (the previous image's decode)
+            since = f"; {done - previous:.2f} s after the previous image" if previous is not None else ""
+            logger.info("prompt %d denoised in %.2f s (seed %s)%s", i + 1, done - t0, s.seed, since)
+            previous = done
             results.append((latents, s, _stem(s, i)))
             if after_each is not None:
                 after_each(results[-1])
@@ -449,8 +454,11 @@ def load_sampling_models(args: argparse.Namespace, device: Any, dtype: Any, with
         dit = load_dit(args, device, dtype, float_fits=overlap).eval()
     vae = None
     if with_vae:
-        with _MODEL_BUILD_LOCK, timer.phase("vae_load"):
-            vae = load_vae_for(args, device)
+        with timer.phase("vae_load"):
+            with _MODEL_BUILD_LOCK:
+                vae = load_vae_for(args, device)
+            if overlap and vae.device.type == "cuda":
+                vae.warm_up_decoder()  # off the first image's path, beside the text encoder's load and encode
     return dit, vae, timer.seconds
 
 

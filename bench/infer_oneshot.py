@@ -6,12 +6,14 @@ repository root:
     python -m bench.infer_oneshot --snapshot /tmp/full --out $OUT [--runs eager,eager,compile] [--steps 50]
         [--image_size 1024 1024] [--device cuda] [--extra "--attn_mode flash --split_attn"]
 
-Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes three (a three-line prompt file
-of three text lengths), so that the last image's denoising is the steady state per image (`per_image_s` = its
-denoising plus the encode and the decode per image; prompts of several text lengths compile the blocks with dynamic
-shapes during the first image, `moss_image_minimal_inference.pass_shapes`); `compile_plain_kernels` is `compile` with
-the compiled blocks' element-wise code left to inductor (`library.runtime.fused_compiled` off), and `compile_no_codes`
-is `compile` with ConvRot INT8 blocks whose norms and SwiGLU write their outputs for the int8 Linears to quantise
+Runs (`--runs`, in order): `eager` makes one image; `compile` adds --compile and makes three (a three-line prompt
+file of three text lengths), so that the last image's denoising is the steady state per image (`per_image_s` = its
+denoising plus the encode and the decode per image; `per_image_rate_s` = the encode per image plus the last interval
+between two denoised images, which holds the previous image's decode: the rate of a long list; prompts of several
+text lengths compile the blocks with dynamic shapes during the first image,
+`moss_image_minimal_inference.pass_shapes`); `compile_plain_kernels` is `compile` with the compiled blocks'
+element-wise code left to inductor (`library.runtime.fused_compiled` off), and `compile_no_codes` is `compile` with
+ConvRot INT8 blocks whose norms and SwiGLU write their outputs for the int8 Linears to quantise
 (`set_compiled_kernels(inference_codes=False)`; the same as `compile` in bf16), and `compile_epilogues` is `compile`
 with those blocks' int8 products taking the gated residual and the q/k head norm + RoPE into the GEMM's epilogue
 (`set_compiled_kernels(inference_epilogues=True)`, off by default), and `compile_no_stack` is `compile` with ConvRot
@@ -22,11 +24,11 @@ the two in one run. Before the first run the repository's Python files are compi
 does when it installs a package), so the runs measure the imports a user's installed copy pays.
 
 Per run, from the script's own log (`moss_image_minimal_inference`: the "timings (s)" and "start-up (s)" lines and
-the per-prompt denoise lines): `to_png_s` (process start to the saved PNG, measured by the script from the
-process's start time), `phases_s` (startup = process start to the run, text encoder import / load, encode, DiT
-load, VAE load, DiT wait, denoise, DiT freed, decode + save), `denoise_per_prompt_s`, and from here `exit_s` (the
-spawn to the process's exit, the interpreter's shutdown included). Writes OUT/infer_oneshot.json and the logs
-OUT/infer_oneshot_<i>_<run>.log (the images go to --work); prints the JSON.
+the per-prompt denoise lines): `to_png_s` (process start to the saved PNG, measured by the script from the process's
+start time), `phases_s` (startup = process start to the run, text encoder import / load, encode, DiT load, VAE load,
+DiT wait, denoise, DiT freed, decode + save), `denoise_per_prompt_s`, `interval_per_prompt_s` (from the second image
+on), and from here `exit_s` (the spawn to the process's exit, the interpreter's shutdown included). Writes
+OUT/infer_oneshot.json and the logs OUT/infer_oneshot_<i>_<run>.log (the images go to --work); prints the JSON.
 """
 
 from __future__ import annotations
@@ -79,12 +81,14 @@ _STARTUP_RE = re.compile(
 _BESIDE_RE = re.compile(rf"DiT \+ VAE load {_NUM} beside it, waited {_NUM}")
 _SEQUENTIAL_RE = re.compile(rf"DiT load {_NUM}, VAE load {_NUM}")
 _DENOISED_RE = re.compile(rf"prompt (\d+) denoised in {_NUM} s")
+_INTERVAL_RE = re.compile(rf"prompt \d+ denoised in .*; {_NUM} s after the previous image")
 
 
 def parse_log(text: str) -> dict[str, Any]:
     """The figures of one run's log (empty dicts where a line is missing: the run failed before it)."""
     out: dict[str, Any] = {"phases_s": {}, "denoise_per_prompt_s": [float(m.group(2)) for m in
-                                                                    _DENOISED_RE.finditer(text)]}
+                                                                    _DENOISED_RE.finditer(text)],
+                           "interval_per_prompt_s": [float(m.group(1)) for m in _INTERVAL_RE.finditer(text)]}
     m = _STARTUP_RE.search(text)
     if m is None:
         return out
@@ -143,6 +147,10 @@ def one_run(args: argparse.Namespace, index: int, run: str, prompts_file: Path) 
     if run != "eager" and len(per_prompt) >= 2 and phases:
         n = len(per_prompt)
         result["per_image_s"] = round(phases["encode"] / n + per_prompt[-1] + phases["decode_and_save"] / n, 3)
+        if result["interval_per_prompt_s"]:
+            # the rate of a long list of prompts: the last interval between two denoised images (its denoising and
+            # the previous image's decode, the PNGs written beside) plus the encode's share
+            result["per_image_rate_s"] = round(phases["encode"] / n + result["interval_per_prompt_s"][-1], 3)
     if proc.returncode != 0:
         result["error_tail"] = log[-2000:]
     return result

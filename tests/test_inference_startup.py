@@ -146,7 +146,17 @@ def test_startup_timings_are_logged_recorded_and_read_by_the_bench(tiny_snapshot
     assert parsed["loads_overlapped"] and parsed["to_png_s"] == pytest.approx(t["wall"], abs=0.01)
     assert parsed["phases_s"]["encode"] == pytest.approx(t["encode"], abs=0.01)
     assert parsed["phases_s"]["dit_and_vae_load_beside"] == pytest.approx(t["dit_load"] + t["vae_load"], abs=0.01)
-    assert len(parsed["denoise_per_prompt_s"]) == 1
+    assert len(parsed["denoise_per_prompt_s"]) == 1 and parsed["interval_per_prompt_s"] == []
+
+
+def test_the_interval_between_two_images_is_logged_and_read_by_the_bench(tiny_snapshot, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=inf.logger.name)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\na dog on a hill\n")
+    _run(tiny_snapshot, tmp_path / "out", "--from_file", str(prompts))
+    parsed = infer_oneshot.parse_log(caplog.text)
+    (interval,) = parsed["interval_per_prompt_s"]
+    assert len(parsed["denoise_per_prompt_s"]) == 2 and interval >= parsed["denoise_per_prompt_s"][1] - 0.01
 
 
 def test_process_start_and_the_collector():

@@ -3,6 +3,7 @@ added, the first error raised by finish() and every added image written even the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -39,3 +40,26 @@ def test_the_first_error_is_raised_and_the_other_images_are_written(tmp_path):
         with pytest.raises(UserError):
             writer.finish()
     assert (tmp_path / "b.png").exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_pixels_are_the_decoded_images_rounded_to_bytes():
+    vae = make_tiny_vae(0)
+    latents = torch.cat([_latents(3), _latents(4)])
+    images = generation.decode_to_pil(vae, latents)
+    raw = generation.unpatchify_latents(generation.denormalize_latents(
+        latents, vae.bn.running_mean.float(), vae.bn.running_var.float()))
+    decoded = vae.decode(raw).clamp(-1, 1)
+    for image, img in zip(images, decoded, strict=True):
+        expected = ((img + 1) * 127.5).round().byte().permute(1, 2, 0)
+        assert image.size == (img.shape[2], img.shape[1])
+        assert torch.equal(torch.from_numpy(np.array(image)), expected)
+
+
+def test_the_decoder_warm_up_runs_one_small_decode():
+    vae = make_tiny_vae(0)
+    shapes = []
+    handle = vae.decoder.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    vae.warm_up_decoder()
+    handle.remove()
+    side = vae.WARM_UP_LATENT * vae.config.downscale
+    assert shapes == [(1, 3, side, side)]

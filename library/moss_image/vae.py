@@ -401,6 +401,16 @@ class AutoEncoder(nn.Module):
             raise ValueError(f"expected raw latents [B, {self.config.z_channels}, h, w], got {tuple(latents.shape)}")
         return self.decoder(latents.to(device=self.device, dtype=self.dtype)).float()
 
+    WARM_UP_LATENT = 8  # the warm-up decode's latent side: a 64x64 image, a few MB on any card
+
+    @torch.no_grad()
+    def warm_up_decoder(self) -> None:
+        """One decode of a small zero latent, so that the first image's decode does not pay the device's one-time
+        set-up of the convolution library (its handles and kernels): the inference script runs it on the loading
+        thread, which waits on the text encoder anyway."""
+        side = self.WARM_UP_LATENT
+        self.decode(torch.zeros(1, self.config.z_channels, side, side, device=self.device, dtype=self.dtype))
+
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
         """Patchified latents [B, 4z, h, w] -> BN-normalised DiT latents (closed form, running stats)."""
         return normalize_latents(latents, self.bn.running_mean, self.bn.running_var, eps=self.bn.eps)

@@ -92,11 +92,9 @@ def decode_to_pil(vae: Any, dit_latents: torch.Tensor) -> list[Any]:
     lat = dit_latents.to(vae.device, torch.float32)
     raw = unpatchify_latents(denormalize_latents(lat, vae.bn.running_mean.float(), vae.bn.running_var.float()))
     images = vae.decode(raw).clamp(-1, 1)
-    out = []
-    for img in images:
-        arr = ((img.float().cpu() + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
-        out.append(Image.fromarray(np.ascontiguousarray(arr)))
-    return out
+    # bytes made where the decode ran: a quarter of the float image crosses to the host, and no host pass over it
+    pixels = ((images.float() + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    return [Image.fromarray(np.ascontiguousarray(arr.numpy())) for arr in pixels]
 
 
 def png_metadata(settings: GenerationSettings, extra: dict[str, Any] | None = None) -> Any:
