@@ -267,14 +267,13 @@ def load_dit_for_sampling(args: argparse.Namespace, device: Any, dtype: Any, num
 
 
 def compile_for_sampling(args: argparse.Namespace, dit: Any, num_shapes: int) -> None:
-    """--compile: wrap the DiT's regions (`library.runtime.compile.compile_blocks`), with q, k and v stacked first
-    where they can be (one product for the three in the compiled blocks; `MossImage.stack_qkv_weights`); nothing
+    """--compile: wrap the DiT's regions (`library.runtime.compile.compile_blocks`), with ConvRot INT8 q, k and v
+    stacked first (one product for the three in the compiled blocks; `MossImage.stack_qkv_weights`); nothing
     without it."""
     from library.runtime.compile import compile_blocks
 
     if args.compile:
-        # ConvRot INT8 blocks (quantised at load or read from an int8 file)
-        dit.stack_qkv_weights()
+        dit.stack_qkv_weights()  # ConvRot INT8 blocks only (quantised at load or read from an int8 file)
         compile_blocks(args, dit, num_shapes=num_shapes)
 
 
@@ -530,9 +529,7 @@ def generate(args: argparse.Namespace, all_settings: list[Any], device: Any, dty
     # with the VAE beside the DiT (loading together) and room for a decode there, each image is decoded as soon as it
     # is denoised and its PNG written while the next one denoises; otherwise all after the DiT is freed
     beside = images and vae is not None and decode_fits_beside_dit(args, device, all_settings)
-    with contextlib.ExitStack() as writing:
-        early = writing.enter_context(PngWriter(vae)) if beside else None
-
+    with PngWriter(vae) if beside else contextlib.nullcontext() as early:
         def decode_early(item: tuple[Any, Any, str]) -> None:
             early.add(item[0], _png_path(args, item[2]), item[1])
 

@@ -221,9 +221,8 @@ class MossImageNetworkTrainer(NetworkTrainer):
             run.unet.prepare_block_swap_before_forward()
         else:
             run.unet.to(run.accelerator.device)
-            # ConvRot INT8 q, k and v as one base product in compiled steps without checkpointing: measured faster
-            # there, slower with checkpointing
-            # (library.runtime.fused_compiled.stacked_qkv_training_on)
+            # ConvRot INT8 q, k and v as one base product in compiled steps without checkpointing (measured faster
+            # there, slower with checkpointing: library.runtime.fused_compiled.stacked_qkv_training_on)
             if stacked_qkv_training_on() and run.args.compile and not run.args.gradient_checkpointing:
                 run.unet.stack_qkv_weights()
         if run.args.compile:

@@ -23,6 +23,8 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("int8_quantise", ("_rot_quant",)),
     ("int8_dequantise_rotate", ("_scale_rotate",)),
     ("int8_upcast_grad_gemm", ("_grad_input_upcast",)),
+    # cuDNN's convolutions and their layout transforms (the VAE), before "attention", whose "cudnn" key they hold
+    ("convolution", ("implicit_gemm", "nchwtonhwc", "nhwctonchw", "convolution")),
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("bf16_gemm", ("gemm", "cutlass", "sm90", "nvjet", "xmma", "cublas", "matmul", "splitk")),

@@ -1,5 +1,5 @@
-"""The tiny ConvRot INT8 DiT with the product's LoRA network on every block Linear (random non-zero LoRA
-weights, trainable): what the compiled-INT8 and stacked q/k/v tests train."""
+"""The tiny ConvRot INT8 DiT with the product's LoRA network on every block Linear (random non-zero LoRA weights,
+trainable): what the compiled-INT8 and stacked q/k/v tests train."""
 
 from __future__ import annotations
 

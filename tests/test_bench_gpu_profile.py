@@ -34,6 +34,8 @@ def test_idle_time_by_gap_length():
 def test_categories():
     assert gpu_profile.category("_int8_gemm_tma_kernel") == "int8_gemm"
     assert gpu_profile.category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert gpu_profile.category("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc_cudnn") == "convolution"
+    assert gpu_profile.category("void cudnn::engines_precompiled::nchwToNhwcKernel<float, float>") == "convolution"
     assert gpu_profile.category("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "bf16_gemm"
     assert gpu_profile.category("something_else") == "other"
     assert gpu_profile.category("triton_poi_fused_add_cat_mul_silu_silu_backward_view_2") == "inductor_fused"

@@ -367,13 +367,13 @@ class MossImageBlock(nn.Module):
         """The base products of q, k and v's LoRA group as one product over their stacked ConvRot INT8 weight
         (`int8_stack.stacked_forward`), where `training_stacked_qkv` is on, they are stacked and each part's base is
         its Linear's own forward; None: each part runs its base."""
-        if not stacked_qkv_training_on():
+        stack = self.proj.qkv_stack()
+        if stack is None or not stacked_qkv_training_on():
             return None
         linears = (self.proj.q, self.proj.k, self.proj.v)
         if any(part.own_base is not linear for part, linear in zip(parts, linears)):
             return None
-        stack = self.proj.qkv_stack()
-        return None if stack is None else stacked_forward(h, *stack, linears[0], self.proj.stack_plans).chunk(3, dim=-1)
+        return stacked_forward(h, *stack, linears[0], self.proj.stack_plans).chunk(3, dim=-1)
 
     def _attention(self, h: torch.Tensor | QuantizedRows, cos: torch.Tensor, sin: torch.Tensor,
                    key_mask: torch.Tensor | Segments | None) -> torch.Tensor | QuantizedRows:
@@ -687,10 +687,10 @@ class MossImage(nn.Module):
 
     # ------------------------------------------------------------------------------------------- stacked q/k/v
     def stack_qkv_weights(self) -> int:
-        """Make each main block's ConvRot int8 q, k and v views of one stacked weight (`BlockProjections.stack_qkv`;
-        no more memory once done), so that compiled blocks run one product for the three. For a model in its final place:
-        moving it, or block swap, drops the stacks. Returns how many blocks were stacked (0 with block swap on, or
-        where the Linears are neither)."""
+        """Make each main block's q, k and v views of one stacked weight (`BlockProjections.stack_qkv`: ConvRot int8
+        Linears only; no more memory once done), so that blocks compiled for inference run one product for the three.
+        For a model in its final place: moving it, or block swap, drops the stacks. Returns how many blocks were
+        stacked (0 with block swap on, or where the Linears are not int8)."""
         if self._block_offloader is not None:
             return 0
         stacked = sum(block.proj.stack_qkv() for block in self.layers)

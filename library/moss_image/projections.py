@@ -61,19 +61,15 @@ class BlockProjections(nn.Module):
         image (`MossImage.prepare_text`; about 7 us a block on a slow host, too much for every pass)."""
         if self.qkv_weight is None:
             return False
-        linears = (self.q, self.k, self.v)
-        if stack_intact(self.qkv_weight, self.qkv_weight_scale, linears):
+        if stack_intact(self.qkv_weight, self.qkv_weight_scale, (self.q, self.k, self.v)):
             return True
         logger.warning("q, k and v no longer read their stacked weight (moved or replaced): dropping the stack")
         self.unstack_qkv()
         return False
 
     def qkv_stack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The stacked codes [3W, W] and scales [3W, 1] of ConvRot INT8 q, k and v, or None where they are not
-        stacked so."""
-        if self.qkv_weight is None or self.qkv_weight_scale is None:
-            return None
-        return self.qkv_weight, self.qkv_weight_scale
+        """The stacked codes [3W, W] and scales [3W, 1] of q, k and v, or None where they are not stacked."""
+        return None if self.qkv_weight is None else (self.qkv_weight, self.qkv_weight_scale)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         self.unstack_qkv()  # q, k and v move as three tensors; the stack would be a stale fourth copy

@@ -93,8 +93,7 @@ def set_compiled_kernels(**settings: bool) -> dict[str, bool]:
     `inference_residual_codes`: there the gated residual and the second norm's codes as one op;
     `training_stacked_qkv`: blocks with a LoRA on q, k and v, stacked, run the three base products as one, on by
     default, where the trainer stacks them: compiled steps without checkpointing; see `stacked_qkv_training_on`),
-    and whether CPU tensors take the ops too (`cpu`, for
-    tests); returns the previous settings."""
+    and whether CPU tensors take the ops too (`cpu`, for tests); returns the previous settings."""
     unknown = set(settings) - set(_SETTINGS)
     if unknown:
         raise ValueError(f"unknown compiled-kernel settings {sorted(unknown)}; known: {sorted(_SETTINGS)}")
